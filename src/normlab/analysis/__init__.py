@@ -1,0 +1,1 @@
+"""Analysis tools: theory predictions and measurements on recorded activations."""

@@ -1,0 +1,158 @@
+"""Multi-head attention in the TransformerLens weight layout, with optional q/k/v norms.
+
+Weights: `W_Q` [n_heads, d_model, d_head], `W_K`/`W_V` [n_kv_heads, d_model, d_head],
+`W_O` [n_heads, d_head, d_model]. Whether q, k, v are normalised after the projections is
+decided by the block (see `normlab.model.block`); this module only applies what it is given.
+
+Hook points (all [batch, pos, head, d_head] unless noted):
+  hook_q_pre_norm / hook_k_pre_norm / hook_v_pre_norm  projections before QK/QKV-Norm
+      (only present where that vector is normalised)
+  hook_q / hook_k / hook_v   the vectors actually used in scores and mixing (after the norm;
+      TransformerLens' hook_q fires *before* its QK-norm, ours after)
+  hook_rot_q / hook_rot_k    after RoPE (only with pos_encoding='rope')
+  hook_attn_scores [batch, head, qpos, kpos]  scaled, masked, pre-softmax
+  hook_pattern     [batch, head, qpos, kpos]  softmax
+  hook_z           [batch, qpos, head, d_head] pattern-weighted values
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normlab.model.config import ModelConfig
+from normlab.model.hooks import HookPoint
+from normlab.model.norms import Norm
+from normlab.model.positions import apply_rope
+
+
+class HeadNorm(Norm):
+    """QK/QKV-Norm on [batch, pos, head, d_head]: per head (`head`) or whole projection (`all`).
+
+    Per head, the gain [d_head] is shared by all heads (as Qwen3/Gemma 3); over the whole
+    projection (`all`, as OLMo 2) the gain is [n_heads * d_head].
+    """
+
+    def __init__(self, cfg: ModelConfig, n_heads: int) -> None:
+        dim = cfg.d_head if cfg.qkv_norm_scope == "head" else n_heads * cfg.d_head
+        super().__init__(dim, cfg.norm_type, cfg.norm_eps, cfg.norm_bias, cfg.norm_gain_offset)
+        self.scope = cfg.qkv_norm_scope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scope == "head":
+            return super().forward(x)
+        return super().forward(x.flatten(-2)).unflatten(-1, x.shape[-2:])
+
+
+def learned_scale_init(cfg: ModelConfig) -> float:
+    """Initial logit scale for normalised q, k (*our choice*, after Henry et al. 2020).
+
+    Normalised q and k have norm ~sqrt(d_head), so q.k lies in [-d_head, d_head]. We start
+    the scale at log2(L^2 - L) / d_head (L = max_len): the largest logit is then
+    log2(L^2 - L), large enough that a head can put nearly all its mass on one of L keys.
+    """
+    length = max(cfg.max_len, 2)
+    return math.log2(length * length - length) / cfg.d_head
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, *, causal: bool, qk_norm: bool = False, v_norm: bool = False
+    ) -> None:
+        super().__init__()
+        h, kvh, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head
+        self.n_heads, self.n_kv_heads, self.d_head, self.causal = h, kvh, e, causal
+        self.W_Q = nn.Parameter(torch.empty(h, d, e))
+        self.W_K = nn.Parameter(torch.empty(kvh, d, e))
+        self.W_V = nn.Parameter(torch.empty(kvh, d, e))
+        self.W_O = nn.Parameter(torch.empty(h, e, d))
+        if cfg.attn_bias:
+            self.b_Q = nn.Parameter(torch.zeros(h, e))
+            self.b_K = nn.Parameter(torch.zeros(kvh, e))
+            self.b_V = nn.Parameter(torch.zeros(kvh, e))
+            self.b_O = nn.Parameter(torch.zeros(d))
+        else:
+            self.b_Q = self.b_K = self.b_V = self.b_O = None
+        self.q_norm = HeadNorm(cfg, h) if qk_norm else None
+        self.k_norm = HeadNorm(cfg, kvh) if qk_norm else None
+        self.v_norm = HeadNorm(cfg, kvh) if v_norm else None
+        if qk_norm and cfg.attn_scale == "learned":
+            self.scale = nn.Parameter(torch.full((h,), learned_scale_init(cfg)))
+        else:
+            self.register_buffer("scale", torch.full((h,), 1.0 / math.sqrt(e)), persistent=False)
+        self.dropout = cfg.dropout
+        self.fused = True  # use SDPA when no hook needs the scores or the pattern
+        for name in ("q", "k", "v"):
+            if getattr(self, f"{name}_norm") is not None:
+                setattr(self, f"hook_{name}_pre_norm", HookPoint())
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        if cfg.pos_encoding == "rope":
+            self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+
+    def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        W, b = getattr(self, f"W_{name.upper()}"), getattr(self, f"b_{name.upper()}")
+        y = torch.einsum("bpd,hde->bphe", x, W)
+        if b is not None:
+            y = y + b
+        norm = getattr(self, f"{name}_norm")
+        if norm is not None:
+            y = norm(getattr(self, f"hook_{name}_pre_norm")(y))
+        return getattr(self, f"hook_{name}")(y)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        memory: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x [batch, qpos, d_model] -> [batch, qpos, d_model].
+
+        `memory` makes this cross-attention (keys/values from the encoder output).
+        `mask` is boolean, True where a query may attend, broadcastable to
+        [batch, head, qpos, kpos]. `cache` holds keys/values of earlier steps (decoding).
+        """
+        q = self._project(x, "q")
+        if memory is not None and cache is not None and "k" in cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            source = x if memory is None else memory
+            k, v = self._project(source, "k"), self._project(source, "v")
+            if rope is not None:
+                k = self.hook_rot_k(apply_rope(k, *rope))
+            if cache is not None:
+                if memory is None and "k" in cache:
+                    k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+                cache["k"], cache["v"] = k, v
+        if rope is not None:
+            q = self.hook_rot_q(apply_rope(q, *rope))
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        scale = self.scale.to(q.dtype)
+        p_drop = self.dropout if self.training else 0.0
+        if self.fused and not (self.hook_attn_scores.fns or self.hook_pattern.fns):
+            z = F.scaled_dot_product_attention(
+                (q * scale[:, None]).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, dropout_p=p_drop, scale=1.0,
+            ).transpose(1, 2)
+        else:
+            scores = torch.einsum("bqhe,bkhe->bhqk", q, k) * scale[:, None, None]
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            scores = self.hook_attn_scores(scores)
+            pattern = self.hook_pattern(scores.softmax(-1))
+            if p_drop:
+                pattern = F.dropout(pattern, p_drop)
+            z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
+        z = self.hook_z(z)
+        out = torch.einsum("bqhe,hed->bqd", z, self.W_O)
+        return out if self.b_O is None else out + self.b_O

@@ -1,0 +1,126 @@
+"""`ModelConfig`: every architectural choice of a normlab transformer in one small dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+ARCHS = ("decoder", "encoder_decoder")
+PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
+NORM_TYPES = ("layer", "rms")
+NORM_SCOPES = ("head", "all")
+ATTN_SCALES = ("learned", "fixed")
+POS_ENCODINGS = ("learned", "sinusoidal", "rope", "none")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+MLP_TYPES = ("standard", "gated")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and options of one model.
+
+    `norm_placement` is the whole story of where norms go; see `normlab.model.block`.
+    Defaults marked *our choice* are not from the paper and stay configurable.
+    """
+
+    arch: str = "decoder"
+    vocab_size: int = 16
+    d_model: int = 128
+    n_heads: int = 4
+    d_head: int | None = None  # default d_model // n_heads
+    n_layers: int = 4  # decoder-only depth
+    n_encoder_layers: int = 2
+    n_decoder_layers: int = 2
+    d_mlp: int | None = None  # default 4 * d_model
+    max_len: int = 64
+    dropout: float = 0.0
+    pos_encoding: str = "learned"
+    rope_theta: float = 10000.0
+    norm_placement: str = "pre"
+    norm_type: str = "layer"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm bias (ignored by RMSNorm)
+    qkv_norm_scope: str = "head"  # per head over d_head (our default) or whole projection
+    attn_scale: str = "learned"  # only used where q and k are normalised
+    attn_bias: bool = False
+    mlp_bias: bool = False
+    act: str = "gelu"
+    mlp_type: str = "standard"
+    n_kv_heads: int | None = None  # grouped-query attention; default n_heads
+    norm_gain_offset: bool = False  # gain stored as w and applied as (1 + w), Gemma style
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.d_head is None and self.n_heads > 0 and self.d_model % self.n_heads == 0:
+            self.d_head = self.d_model // self.n_heads
+        if self.d_mlp is None:
+            self.d_mlp = 4 * self.d_model
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a one-line ValueError naming the first bad field."""
+        choices = {
+            "arch": ARCHS,
+            "norm_placement": PLACEMENTS,
+            "norm_type": NORM_TYPES,
+            "qkv_norm_scope": NORM_SCOPES,
+            "attn_scale": ATTN_SCALES,
+            "pos_encoding": POS_ENCODINGS,
+            "act": ACTIVATIONS,
+            "mlp_type": MLP_TYPES,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(
+                    f"ModelConfig.{name}: expected one of {', '.join(allowed)}; got {value!r}"
+                )
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "n_encoder_layers",
+                     "n_decoder_layers", "d_mlp", "max_len", "n_kv_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}: expected a positive integer; got {value!r}")
+        if self.d_head is None:
+            raise ValueError(
+                f"ModelConfig.d_model: expected a multiple of n_heads={self.n_heads} when d_head "
+                f"is not given; got {self.d_model}"
+            )
+        if isinstance(self.d_head, bool) or not isinstance(self.d_head, int) or self.d_head <= 0:
+            raise ValueError(f"ModelConfig.d_head: expected a positive integer; got {self.d_head!r}")
+        if self.pos_encoding == "rope" and self.d_head % 2:
+            raise ValueError(
+                f"ModelConfig.d_head: expected an even number with pos_encoding='rope'; "
+                f"got {self.d_head}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_kv_heads: expected a divisor of n_heads={self.n_heads}; "
+                f"got {self.n_kv_heads}"
+            )
+        if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout: expected a number in [0, 1); got {self.dropout!r}")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}: expected a positive number; got {value!r}")
+
+    @property
+    def normalises_qk(self) -> bool:
+        return self.norm_placement in ("qk", "qkv")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from a plain dict, rejecting unknown keys with a one-line error."""
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(
+                    f"ModelConfig: unknown field {key!r}; expected one of {', '.join(sorted(known))}"
+                )
+        return cls(**data)

@@ -1,0 +1,120 @@
+"""TransformerLens-style hook points: name a tensor, read it, or replace it.
+
+A `HookPoint` is an identity module whose `__call__` skips all nn.Module machinery when
+no function is attached, so an unhooked forward pays one attribute check per point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
+NameFilter = str | Sequence[str] | Callable[[str], bool] | None
+
+
+class HookPoint(nn.Module):
+    """Identity on a named tensor; attached functions may read or replace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = ""
+        self.fns: list[HookFn] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not self.fns:
+            return x
+        for fn in self.fns:
+            out = fn(x, self)
+            if out is not None:
+                x = out
+        return x
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def _matcher(names_filter: NameFilter) -> Callable[[str], bool]:
+    if names_filter is None:
+        return lambda name: True
+    if isinstance(names_filter, str):
+        return lambda name: name == names_filter
+    if callable(names_filter):
+        return names_filter
+    wanted = set(names_filter)
+    return lambda name: name in wanted
+
+
+class HookedModule(nn.Module):
+    """Mixin for a root model: hook discovery, `run_with_hooks`, `run_with_cache`."""
+
+    def setup_hooks(self) -> None:
+        """Give every HookPoint its full dotted name; call at the end of `__init__`."""
+        self._hook_points = {}
+        for name, module in self.named_modules():
+            if isinstance(module, HookPoint):
+                module.name = name
+                self._hook_points[name] = module
+
+    def hook_points(self) -> dict[str, HookPoint]:
+        return self._hook_points
+
+    def hook_names(self) -> list[str]:
+        return list(self._hook_points)
+
+    def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:
+        if callable(name):
+            return [hp for n, hp in self._hook_points.items() if name(n)]
+        if name not in self._hook_points:
+            raise ValueError(f"unknown hook {name!r}; see model.hook_names() for the valid names")
+        return [self._hook_points[name]]
+
+    @contextlib.contextmanager
+    def hooks(
+        self, fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = ()
+    ) -> Iterator[HookedModule]:
+        """Attach `(name_or_filter, fn)` pairs for the duration of the block."""
+        attached: list[tuple[HookPoint, HookFn]] = []
+        try:
+            for name, fn in fwd_hooks:
+                for hp in self._resolve(name):
+                    hp.fns.append(fn)
+                    attached.append((hp, fn))
+            yield self
+        finally:
+            for hp, fn in attached:
+                hp.fns.remove(fn)
+
+    def reset_hooks(self) -> None:
+        for hp in self._hook_points.values():
+            hp.fns.clear()
+
+    def run_with_hooks(
+        self,
+        *args: Any,
+        fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = (),
+        **kwargs: Any,
+    ) -> Any:
+        """Forward with `fn(tensor, hook)` attached; a returned tensor replaces the original."""
+        with self.hooks(fwd_hooks):
+            return self(*args, **kwargs)
+
+    def run_with_cache(
+        self, *args: Any, names_filter: NameFilter = None, detach: bool = True, **kwargs: Any
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Forward and return `(output, cache)` with every (filtered) hooked tensor."""
+        match = _matcher(names_filter)
+        if isinstance(names_filter, str):
+            self._resolve(names_filter)
+        cache: dict[str, torch.Tensor] = {}
+
+        def save(x: torch.Tensor, hook: HookPoint) -> None:
+            cache[hook.name] = x.detach() if detach else x
+
+        with self.hooks([(name, save) for name in self._hook_points if match(name)]):
+            out = self(*args, **kwargs)
+        return out, cache

@@ -1,0 +1,44 @@
+"""LayerNorm and RMSNorm with TransformerLens hook points.
+
+`hook_scale` is the divisor (std or RMS, shape [..., 1]): the quantity whose spread across
+tokens is the paper's subspace interference. `hook_normalized` is the output after the gain.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normlab.model.config import ModelConfig
+from normlab.model.hooks import HookPoint
+
+
+class Norm(nn.Module):
+    """N(x) over the last dim: `layer` centres first, `rms` does not."""
+
+    def __init__(
+        self, dim: int, kind: str = "layer", eps: float = 1e-5, bias: bool = True,
+        gain_offset: bool = False,
+    ) -> None:
+        super().__init__()
+        self.kind, self.eps, self.gain_offset = kind, eps, gain_offset
+        self.w = nn.Parameter(torch.zeros(dim) if gain_offset else torch.ones(dim))
+        self.b = nn.Parameter(torch.zeros(dim)) if kind == "layer" and bias else None
+        self.hook_scale = HookPoint()
+        self.hook_normalized = HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            x = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        y = x / scale * ((1.0 + self.w) if self.gain_offset else self.w)
+        if self.b is not None:
+            y = y + self.b
+        return self.hook_normalized(y)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, dim={self.w.shape[0]}, eps={self.eps}"
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> Norm:
+    return Norm(dim, cfg.norm_type, cfg.norm_eps, cfg.norm_bias, cfg.norm_gain_offset)

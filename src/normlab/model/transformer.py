@@ -1,0 +1,196 @@
+"""The models: a decoder-only LM (GPT style) and an encoder-decoder (the paper's template).
+
+Both are built from one `Stack` (embedding, positions, blocks, final norm), so a decoder-only
+model's hooks read `blocks.0.attn.hook_pattern` and an encoder-decoder's read
+`encoder.blocks.0...`, `decoder.blocks.0.cross_attn...`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from normlab.model.block import PLACEMENTS, Block
+from normlab.model.config import ModelConfig
+from normlab.model.hooks import HookedModule, HookPoint
+from normlab.model.norms import make_norm
+from normlab.model.positions import PosEmbed, Rotary
+
+
+@dataclass
+class KVCache:
+    """Keys/values of earlier decoding steps, one dict per block (self and cross)."""
+
+    layers: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    length: int = 0
+
+    @classmethod
+    def empty(cls, n_layers: int) -> KVCache:
+        return cls([{} for _ in range(n_layers)], 0)
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.W_E = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.W_E[tokens]
+
+
+class Stack(nn.Module):
+    """Embedding -> positions -> blocks -> final norm (if the placement has one)."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, *, causal: bool, cross: bool) -> None:
+        super().__init__()
+        self.cfg, self.causal = cfg, causal
+        self.embed = Embed(cfg)
+        self.hook_embed = HookPoint()
+        self.pos_embed = PosEmbed(cfg) if cfg.pos_encoding in ("learned", "sinusoidal") else None
+        if self.pos_embed is not None:
+            self.hook_pos_embed = HookPoint()
+        self.rotary = Rotary(cfg.d_head, cfg.rope_theta) if cfg.pos_encoding == "rope" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(
+            Block(cfg, causal=causal, cross=cross) for _ in range(n_layers)
+        )
+        self.ln_final = make_norm(cfg, cfg.d_model) if PLACEMENTS[cfg.norm_placement].final else None
+
+    def run(
+        self,
+        tokens: torch.Tensor,
+        *,
+        key_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """tokens [batch, pos] -> residual [batch, pos, d_model] after the final norm.
+
+        key_mask [batch, past + pos] marks real (non-pad) tokens, cached ones included.
+        """
+        b, p = tokens.shape
+        past = cache.length if cache is not None else 0
+        if positions is None:
+            if key_mask is not None and self.causal:
+                positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                positions = torch.arange(past, past + p, device=tokens.device).expand(b, p)
+        x = self.hook_embed(self.embed(tokens))
+        if self.pos_embed is not None:
+            x = x + self.hook_pos_embed(self.pos_embed(positions))
+        rope = self.rotary(positions) if self.rotary is not None else None
+        x = self.drop(x)
+        mask = self._self_mask(b, p, past, key_mask, tokens.device)
+        mem_mask = None if memory_mask is None else memory_mask[:, None, None, :]
+        for i, block in enumerate(self.blocks):
+            x = block(
+                x, mask=mask, rope=rope, memory=memory, memory_mask=mem_mask,
+                cache=None if cache is None else cache.layers[i],
+            )
+        if cache is not None:
+            cache.length = past + p
+        return self.ln_final(x) if self.ln_final is not None else x
+
+    def _self_mask(
+        self, b: int, p: int, past: int, key_mask: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """Boolean [batch|1, 1, qpos, kpos]; a query always sees itself (no all-masked rows)."""
+        if not self.causal and key_mask is None:
+            return None
+        qi = torch.arange(past, past + p, device=device)[:, None]
+        kj = torch.arange(past + p, device=device)[None, :]
+        allowed = (kj <= qi) if self.causal else torch.ones(p, past + p, dtype=torch.bool,
+                                                             device=device)
+        allowed = allowed[None, None]
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :].bool()
+            allowed = allowed | (kj == qi)[None, None]
+        return allowed
+
+
+def _init_weights(model: nn.Module, cfg: ModelConfig, n_layers: int) -> None:
+    """GPT-2 style: N(0, 0.02) everywhere, output projections shrunk by sqrt(2 * depth)."""
+    out_std = cfg.init_std / math.sqrt(2 * max(n_layers, 1))
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("W_O", "W_out"):
+            nn.init.normal_(p, std=out_std)
+        elif leaf.startswith("W_"):
+            nn.init.normal_(p, std=cfg.init_std)
+
+
+class DecoderLM(Stack, HookedModule):
+    """GPT-style causal LM: `model(tokens) -> logits [batch, pos, vocab]`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, cfg.n_layers, causal=True, cross=False)
+        self.W_U = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model,
+                                                                             cfg.vocab_size))
+        _init_weights(self, cfg, cfg.n_layers)
+        self.setup_hooks()
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.embed.W_E.T if self.W_U is None else self.W_U)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = self.run(tokens, key_mask=attention_mask, positions=positions, cache=cache)
+        return self.unembed(x)
+
+    def new_cache(self) -> KVCache:
+        return KVCache.empty(len(self.blocks))
+
+
+class EncoderDecoderLM(HookedModule):
+    """Encoder (bidirectional) + decoder (causal, cross-attending): `model(src, tgt)`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Stack(cfg, cfg.n_encoder_layers, causal=False, cross=False)
+        self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True)
+        self.W_U = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model,
+                                                                             cfg.vocab_size))
+        _init_weights(self, cfg, cfg.n_encoder_layers + cfg.n_decoder_layers)
+        self.setup_hooks()
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder.run(src, key_mask=src_mask)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = self.decoder.run(tgt, memory=memory, memory_mask=src_mask, cache=cache)
+        return x @ (self.decoder.embed.W_E.T if self.W_U is None else self.W_U)
+
+    def forward(
+        self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.decode(tgt, self.encode(src, src_mask), src_mask)
+
+    def new_cache(self) -> KVCache:
+        return KVCache.empty(len(self.decoder.blocks))
+
+
+Model = DecoderLM | EncoderDecoderLM
+
+
+def build_model(cfg: ModelConfig) -> Model:
+    """The one constructor: `arch` picks the class, everything else is in `cfg`."""
+    cfg.validate()
+    return DecoderLM(cfg) if cfg.arch == "decoder" else EncoderDecoderLM(cfg)

@@ -1,0 +1,637 @@
+"""Integer addition: the one place problems are sampled, split and turned into tensors.
+
+PAPER.md section 4: a question is a sum of ``n`` signed integers of exactly ``d`` digits joined
+by ``+``/``-``, a negative number carries its own sign token ``N`` (distinct from the ``-``
+operator), and the target is the exact result, e.g. ``N6774-N71+5814-6016+45+N976`` -> ``N7836``.
+
+Everything string-shaped lives here so trainers and models only ever see id tensors. Choices the
+paper does not make (ours, each a parameter): a 1-digit number may be ``0``; zero is never
+signed; the grid presets; ``reverse_answer`` (off, as in the paper); ``train_weights`` (uniform).
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ARCHS",
+    "BOS",
+    "EOS",
+    "GRIDS",
+    "IGNORE_INDEX",
+    "NEG",
+    "PAD",
+    "TRAIN_WEIGHTS",
+    "VOCAB",
+    "VOCAB_SIZE",
+    "Cell",
+    "ResolvedTask",
+    "Rng",
+    "TaskConfig",
+    "TrainStream",
+    "cell_weights",
+    "decode",
+    "encode",
+    "eval_sets",
+    "grid_preset",
+    "make_batch",
+    "make_prompts",
+    "max_lengths",
+    "max_seq_len",
+    "parse_answer",
+    "reverse_digits",
+    "sample_problem",
+]
+
+# --------------------------------------------------------------------------- vocabulary
+
+VOCAB = "MBEN0123456789+-"
+"""Token ids are positions in this string (the first author's earlier vocabulary)."""
+VOCAB_SIZE = len(VOCAB)
+PAD, BOS, EOS, NEG = 0, 1, 2, 3
+IGNORE_INDEX = -100
+"""Target id that ``torch.nn.functional.cross_entropy`` skips by default."""
+ARCHS = ("decoder", "encoder_decoder")
+TRAIN_WEIGHTS = ("uniform", "length")
+
+_CHAR_TO_ID = {ch: i for i, ch in enumerate(VOCAB)}
+
+Rng = random.Random | np.random.Generator
+"""Either source of randomness; problems are reproducible from either."""
+
+
+def encode(s: str) -> list[int]:
+    """Map a string over ``VOCAB`` to ids; a stray character is a bug, so fail loudly."""
+    try:
+        return [_CHAR_TO_ID[ch] for ch in s]
+    except KeyError:
+        pos = next(i for i, ch in enumerate(s) if ch not in _CHAR_TO_ID)
+        raise ValueError(
+            f"character {s[pos]!r} at position {pos} is not in the addition vocabulary {VOCAB!r}"
+        ) from None
+
+
+def decode(ids: Sequence[int] | torch.Tensor | np.ndarray) -> str:
+    """Map ids (list or 1-D tensor/array) back to a string, e.g. for logging model outputs."""
+    if isinstance(ids, torch.Tensor | np.ndarray):
+        if ids.ndim != 1:
+            raise ValueError(f"decode expects a 1-D sequence of ids, got shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    out = []
+    for pos, i in enumerate(ids):
+        i = operator.index(i)
+        if not 0 <= i < VOCAB_SIZE:
+            raise ValueError(
+                f"id {i} at position {pos} is outside the vocabulary 0..{VOCAB_SIZE - 1}"
+            )
+        out.append(VOCAB[i])
+    return "".join(out)
+
+
+def _fmt_int(v: int) -> str:
+    """Write an integer with the ``N`` sign token; zero is ``0``, never ``N0``."""
+    return f"N{-v}" if v < 0 else str(v)
+
+
+def reverse_digits(answer: str) -> str:
+    """Reverse an answer's digits, keeping a leading ``N`` first (``N7836`` <-> ``N6387``).
+
+    Its own inverse. Least-significant-first answers let a left-to-right decoder emit each
+    digit after the carries it depends on; an option, off by default as in the paper.
+    """
+    if answer.startswith("N"):
+        return "N" + answer[:0:-1]
+    return answer[::-1]
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _digit_choices(d: int | Iterable[int], name: str = "d") -> tuple[int, ...]:
+    """Normalise ``d`` (an int or a collection of ints) to a sorted tuple of digit counts."""
+    if isinstance(d, Iterable):
+        try:
+            ds = tuple(sorted({operator.index(x) for x in d}))
+        except TypeError:
+            raise ValueError(f"{name} must be an int or a collection of ints, got {d!r}") from None
+    else:
+        try:
+            ds = (operator.index(d),)
+        except TypeError:
+            raise ValueError(f"{name} must be an int or a collection of ints, got {d!r}") from None
+    if not ds:
+        raise ValueError(f"{name} must not be empty")
+    if ds[0] < 1:
+        raise ValueError(f"{name} must be >= 1, got {ds[0]}")
+    return ds
+
+
+def _randint(rng: Rng, lo: int, hi: int) -> int:
+    """Uniform integer in ``[lo, hi]`` from either kind of rng (``hi - lo < 2**62``)."""
+    if isinstance(rng, random.Random):
+        return rng.randint(lo, hi)
+    return int(rng.integers(lo, hi + 1))
+
+
+def _draw_number(rng: Rng, d: int) -> int:
+    """Uniform over the non-negative integers written with exactly ``d`` digits, no leading 0."""
+    if d == 1:
+        return _randint(rng, 0, 9)
+    if isinstance(rng, random.Random) or d <= 18:
+        return _randint(rng, 10 ** (d - 1), 10**d - 1)
+    # numpy draws int64 only: build long numbers from a leading digit and 18-digit chunks.
+    value, left = _randint(rng, 1, 9), d - 1
+    while left:
+        k = min(18, left)
+        value = value * 10**k + _randint(rng, 0, 10**k - 1)
+        left -= k
+    return value
+
+
+def _coin(rng: Rng) -> bool:
+    return rng.random() < 0.5
+
+
+def sample_problem(n: int, d: int | Iterable[int], rng: Rng) -> tuple[str, str]:
+    """Sample one ``(question, answer)`` pair of ``n`` integers with ``d`` digits each.
+
+    Each integer is uniform over the numbers written with exactly ``d`` digits and no leading
+    zero, so for ``d == 1`` that is ``0..9`` (our choice: ``0`` is the one 1-digit way to write
+    zero). It is negative (prefix ``N``) with probability 1/2, except that zero is always ``0``.
+    Operators are ``+`` or ``-`` with probability 1/2. If ``d`` is a collection, each integer
+    draws its digit count uniformly from it ("mixed digits" cells). The answer is the exact
+    value with the same sign convention.
+    """
+    n = operator.index(n)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    ds = _digit_choices(d)
+    parts: list[str] = []
+    total = 0
+    for i in range(n):
+        di = ds[0] if len(ds) == 1 else ds[_randint(rng, 0, len(ds) - 1)]
+        value = _draw_number(rng, di)
+        if _coin(rng):
+            value = -value
+        if i == 0:
+            total = value
+        elif _coin(rng):
+            parts.append("+")
+            total += value
+        else:
+            parts.append("-")
+            total -= value
+        parts.append(_fmt_int(value))
+    return "".join(parts), _fmt_int(total)
+
+
+# --------------------------------------------------------------------------- cells
+
+_LABEL_RE = re.compile(r"n(\d+)d(\d+)(?:-(\d+)|((?:_\d+)+))?")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (n, d) cell of the evaluation grid; ``d`` a tuple means mixed digit counts.
+
+    ``d`` is normalised (sorted, deduplicated, a single count becomes an int) so equal cells
+    compare and hash equal however they were written.
+    """
+
+    n: int
+    d: int | tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = operator.index(self.n)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        ds = _digit_choices(self.d)
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "d", ds[0] if len(ds) == 1 else ds)
+
+    @property
+    def digits(self) -> tuple[int, ...]:
+        """The digit counts an integer of this cell can have."""
+        return self.d if isinstance(self.d, tuple) else (self.d,)
+
+    @property
+    def label(self) -> str:
+        """Stable short name (``n3d2``, ``n3d1-3``, ``n3d1_4``) for metrics keys and paths."""
+        ds = self.digits
+        if len(ds) == 1:
+            dl = str(ds[0])
+        elif ds == tuple(range(ds[0], ds[-1] + 1)):
+            dl = f"{ds[0]}-{ds[-1]}"
+        else:
+            dl = "_".join(map(str, ds))
+        return f"n{self.n}d{dl}"
+
+    def __str__(self) -> str:
+        return self.label
+
+    @classmethod
+    def parse(cls, label: str) -> Cell:
+        """Inverse of ``label``, for reading metrics back."""
+        m = _LABEL_RE.fullmatch(label)
+        if m is None:
+            raise ValueError(f"{label!r} is not a cell label like 'n3d2' or 'n3d1-2'")
+        n, d0, hi, rest = m.groups()
+        if hi is not None:
+            return cls(int(n), tuple(range(int(d0), int(hi) + 1)))
+        if rest is not None:
+            return cls(int(n), (int(d0), *map(int, rest[1:].split("_"))))
+        return cls(int(n), int(d0))
+
+    @classmethod
+    def from_pair(cls, pair: Any, where: str = "cell") -> Cell:
+        """Build from a config ``[n, d]`` (``d`` may be a list for mixed digits)."""
+        if isinstance(pair, Cell):
+            return pair
+        if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"{where}: expected [n, d], got {pair!r}")
+        try:
+            return cls(pair[0], pair[1])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def sample(self, rng: Rng) -> tuple[str, str]:
+        """One problem from this cell."""
+        return sample_problem(self.n, self.d, rng)
+
+
+def max_lengths(cells: Iterable[Cell]) -> tuple[int, int]:
+    """Exact worst-case ``(question, answer)`` lengths in characters (no ``B``/``E``).
+
+    Worst case: every integer negative with the largest digit count (``n * (d + 1)`` chars plus
+    ``n - 1`` operators); the largest magnitude is ``n * (10**d - 1)``, reached by all-9 numbers
+    of one sign, plus the ``N``. Both are attained, so the bound is tight.
+    """
+    q_max = a_max = 0
+    for cell in cells:
+        d = max(cell.digits)
+        q_max = max(q_max, cell.n * (d + 1) + cell.n - 1)
+        a_max = max(a_max, len(str(cell.n * (10**d - 1))) + 1)
+    if q_max == 0:
+        raise ValueError("max_lengths needs at least one cell")
+    return q_max, a_max
+
+
+def max_seq_len(cells: Iterable[Cell], arch: str) -> int:
+    """Longest token sequence a model of ``arch`` sees for these cells, to size positions."""
+    _check_arch(arch)
+    q, a = max_lengths(cells)
+    if arch == "decoder":
+        return q + a + 3  # B question E answer E
+    return max(q + 2, a + 1)  # src: B question E; tgt_in: B answer; tgt_out: answer E
+
+
+# --------------------------------------------------------------------------- grids
+
+_GRID_DATA: dict[str, dict[str, Any]] = {
+    "paper": {
+        "train": [[n, d] for n in (1, 2, 4, 5) for d in (1, 2, 3, 4)],
+        "splits": {
+            "interpolation": [[3, d] for d in (1, 2, 3, 4)],
+            "extrapolation": [[6, d] for d in (1, 2, 3, 4)] + [[n, 5] for n in (1, 2, 4, 5)],
+        },
+    },
+    "quick": {
+        "train": [[n, d] for n in (1, 2, 4) for d in (1, 2)],
+        "splits": {
+            "interpolation": [[3, d] for d in (1, 2)],
+            "extrapolation": [[5, d] for d in (1, 2)] + [[n, 3] for n in (1, 2)],
+        },
+    },
+    "smoke": {
+        "train": [[1, 1], [3, 1]],
+        "splits": {"interpolation": [[2, 1]], "extrapolation": [[4, 1], [1, 2]]},
+    },
+}
+GRIDS: Mapping[str, Mapping[str, Any]] = MappingProxyType(_GRID_DATA)
+"""Named presets as plain ``[n, d]`` data: ``paper`` (PAPER.md section 4: train n in
+{1,2,4,5}, d in 1..4; n = 3 interpolates, n = 6 or d = 5 extrapolates), ``quick`` (a CPU-sized
+copy of that shape) and ``smoke`` (tiny, for plumbing tests). The grids are our choice."""
+
+
+def grid_preset(name: str) -> tuple[list[Cell], dict[str, list[Cell]]]:
+    """The ``(train_cells, held_out_splits)`` of a named preset, as fresh lists."""
+    if name not in _GRID_DATA:
+        raise ValueError(f"unknown grid {name!r} (allowed: {', '.join(sorted(_GRID_DATA))})")
+    data = _GRID_DATA[name]
+    train = [Cell(n, d) for n, d in data["train"]]
+    splits = {k: [Cell(n, d) for n, d in v] for k, v in data["splits"].items()}
+    return train, splits
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class ResolvedTask:
+    """A validated task: the cells to train on and the cells each eval split reports.
+
+    ``eval_splits`` always starts with ``"train"`` (the train cells, on fixed eval samples, so
+    in-distribution accuracy is measured the same way as the held-out splits).
+    """
+
+    train_cells: list[Cell]
+    eval_splits: dict[str, list[Cell]]
+    eval_size: int = 256
+    eval_seed: int = 1234
+    reverse_answer: bool = False
+    train_weights: str = "uniform"
+
+    @property
+    def all_cells(self) -> list[Cell]:
+        """Every cell in the task, train first, without repeats."""
+        return list(dict.fromkeys(c for cells in self.eval_splits.values() for c in cells))
+
+    def max_lengths(self) -> tuple[int, int]:
+        """Worst-case lengths over every cell a model will see (train and eval)."""
+        return max_lengths(self.all_cells)
+
+    def max_seq_len(self, arch: str) -> int:
+        """Positions a model of ``arch`` needs for every cell of the task."""
+        return max_seq_len(self.all_cells, arch)
+
+
+@dataclass
+class TaskConfig:
+    """The ``[task]`` table of a run config; only plain types, so TOML maps onto it 1:1.
+
+    ``train`` / ``splits`` left empty are filled from the ``grid`` preset (each on its own).
+    Cells are ``[n, d]`` pairs; ``d`` may be a list of digit counts for a mixed-digits cell.
+    ``reverse_answer`` and ``train_weights`` (``uniform`` over cells, or ``length``: proportional
+    to the cell's longest question) are our options; the defaults follow the paper.
+    """
+
+    grid: str = "quick"
+    train: list[list[Any]] = field(default_factory=list)
+    splits: dict[str, list[list[Any]]] = field(default_factory=dict)
+    eval_size: int = 256
+    eval_seed: int = 1234
+    reverse_answer: bool = False
+    train_weights: str = "uniform"
+
+    @classmethod
+    def from_dict(cls, table: Mapping[str, Any]) -> TaskConfig:
+        """Build from a parsed ``[task]`` table, rejecting unknown keys (typos fail early)."""
+        allowed = [f.name for f in fields(cls)]
+        for key in table:
+            if key not in allowed:
+                raise ValueError(f"task: unknown key {key!r} (allowed: {', '.join(allowed)})")
+        return cls(**dict(table))
+
+    def resolve(self) -> ResolvedTask:
+        """Fill cells from the grid and validate; errors are one line naming the field."""
+        if self.grid not in _GRID_DATA:
+            allowed = ", ".join(sorted(_GRID_DATA))
+            raise ValueError(f"task.grid: unknown grid {self.grid!r} (allowed: {allowed})")
+        grid_train, grid_splits = grid_preset(self.grid)
+        for name, value in (("eval_size", self.eval_size), ("eval_seed", self.eval_seed)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"task.{name}: must be an int, got {value!r}")
+        if self.eval_size < 1:
+            raise ValueError(f"task.eval_size: must be >= 1, got {self.eval_size}")
+        if self.eval_seed < 0:
+            raise ValueError(f"task.eval_seed: must be >= 0, got {self.eval_seed}")
+        if not isinstance(self.reverse_answer, bool):
+            raise ValueError(
+                f"task.reverse_answer: must be true or false, got {self.reverse_answer!r}"
+            )
+        if self.train_weights not in TRAIN_WEIGHTS:
+            raise ValueError(
+                f"task.train_weights: unknown weighting {self.train_weights!r} "
+                f"(allowed: {', '.join(TRAIN_WEIGHTS)})"
+            )
+
+        train = _cells_from(self.train, "task.train") if self.train else grid_train
+        if not train:
+            raise ValueError("task.train: no train cells")
+        from_grid = "" if self.splits else f" (splits from grid {self.grid!r})"
+        if self.splits:
+            splits = {str(k): _cells_from(v, f"task.splits.{k}") for k, v in self.splits.items()}
+        else:
+            splits = grid_splits
+
+        train_set = set(train)
+        owner: dict[Cell, str] = {}
+        for name, cells in splits.items():
+            where = f"task.splits.{name}"
+            if name == "train":
+                raise ValueError(f"{where}: the split name 'train' is reserved for the train cells")
+            if not cells:
+                raise ValueError(f"{where}: no cells")
+            for cell in cells:
+                if cell in train_set:
+                    raise ValueError(f"{where}: cell {cell} is also a train cell{from_grid}")
+                if cell in owner:
+                    raise ValueError(
+                        f"{where}: cell {cell} is also in split {owner[cell]!r}{from_grid}"
+                    )
+                owner[cell] = name
+        return ResolvedTask(
+            train_cells=train,
+            eval_splits={"train": list(train), **splits},
+            eval_size=self.eval_size,
+            eval_seed=self.eval_seed,
+            reverse_answer=self.reverse_answer,
+            train_weights=self.train_weights,
+        )
+
+
+def _cells_from(pairs: Any, where: str) -> list[Cell]:
+    """Parse a list of ``[n, d]`` pairs, rejecting repeats (they would skew weights/metrics)."""
+    if isinstance(pairs, str) or not isinstance(pairs, Sequence):
+        raise ValueError(f"{where}: expected a list of [n, d] pairs, got {pairs!r}")
+    cells: list[Cell] = []
+    for i, pair in enumerate(pairs):
+        cell = Cell.from_pair(pair, f"{where}[{i}]")
+        if cell in cells:
+            raise ValueError(f"{where}[{i}]: cell {cell} is listed twice")
+        cells.append(cell)
+    return cells
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _check_arch(arch: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (allowed: {', '.join(ARCHS)})")
+
+
+def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out)
+
+
+def make_batch(
+    problems: Sequence[tuple[str, str]], arch: str, reverse_answer: bool = False
+) -> dict[str, torch.Tensor]:
+    """Turn ``(question, answer)`` pairs into right-padded id tensors for ``arch``.
+
+    ``decoder``: ``tokens`` = ``B question E answer E`` (the first ``E`` plays ``=``), and
+    ``targets`` holds the next token only where that token is an answer digit/sign or the final
+    ``E``, ``IGNORE_INDEX`` elsewhere, so the loss never rewards predicting the random question.
+    ``encoder_decoder``: ``src`` = ``B question E`` with ``src_mask`` (True on real tokens),
+    ``tgt_in`` = ``B answer`` (PAD-padded) and ``tgt_out`` = ``answer E`` (IGNORE_INDEX-padded).
+    """
+    _check_arch(arch)
+    if not problems:
+        raise ValueError("make_batch needs at least one problem")
+    qs = [encode(q) for q, _ in problems]
+    ans = [encode(reverse_digits(a) if reverse_answer else a) for _, a in problems]
+    if arch == "decoder":
+        seqs = [[BOS, *q, EOS, *a, EOS] for q, a in zip(qs, ans, strict=True)]
+        tgts = [
+            [IGNORE_INDEX] * (len(q) + 1) + [*a, EOS] + [IGNORE_INDEX]
+            for q, a in zip(qs, ans, strict=True)
+        ]
+        return {"tokens": _pad(seqs, PAD), "targets": _pad(tgts, IGNORE_INDEX)}
+    src = _pad([[BOS, *q, EOS] for q in qs], PAD)
+    return {
+        "src": src,
+        "src_mask": _pad([[1] * (len(q) + 2) for q in qs], 0).bool(),
+        "tgt_in": _pad([[BOS, *a] for a in ans], PAD),
+        "tgt_out": _pad([[*a, EOS] for a in ans], IGNORE_INDEX),
+    }
+
+
+def make_prompts(questions: Sequence[str], arch: str) -> list[list[int]]:
+    """Generation prompts: ``B question E`` for both archs.
+
+    For ``decoder`` it is the prefix the model continues; for ``encoder_decoder`` it is the
+    source, and decoding starts from ``[BOS]``.
+    """
+    _check_arch(arch)
+    return [[BOS, *encode(q), EOS] for q in questions]
+
+
+def parse_answer(ids: Sequence[int] | torch.Tensor, reverse_answer: bool = False) -> str:
+    """Generated answer ids -> answer string comparable with the true answer.
+
+    Reads up to the first ``E`` (excluded; all of ``ids`` if there is none), skipping one
+    leading ``B`` so an encoder-decoder's full output can be passed as is, then undoes
+    ``reverse_answer``. Malformed output decodes to a string that simply won't match.
+    """
+    if isinstance(ids, torch.Tensor | np.ndarray):
+        ids = ids.tolist()
+    ids = list(ids)
+    if ids and ids[0] == BOS:
+        ids = ids[1:]
+    if EOS in ids:
+        ids = ids[: ids.index(EOS)]
+    text = decode(ids)
+    return reverse_digits(text) if reverse_answer else text
+
+
+# --------------------------------------------------------------------------- data sources
+
+
+def cell_weights(cells: Sequence[Cell], weights: str = "uniform") -> np.ndarray:
+    """Probability of drawing each cell in training: ``uniform``, or ``length`` (proportional
+    to the cell's longest question, so long problems are not swamped by trivial ones)."""
+    if not cells:
+        raise ValueError("cell_weights needs at least one cell")
+    if weights == "uniform":
+        w = np.ones(len(cells))
+    elif weights == "length":
+        w = np.array([max_lengths([c])[0] for c in cells], dtype=float)
+    else:
+        raise ValueError(
+            f"unknown train weighting {weights!r} (allowed: {', '.join(TRAIN_WEIGHTS)})"
+        )
+    return w / w.sum()
+
+
+class TrainStream(Iterator[dict[str, torch.Tensor]]):
+    """Endless batches of fresh training problems, resumable bit for bit.
+
+    One numpy ``PCG64(seed)`` drives everything (cell choice, then the problem), so saving
+    ``state_dict()`` with a checkpoint and loading it continues the exact same stream.
+    """
+
+    def __init__(
+        self,
+        cells: Sequence[Cell],
+        seed: int,
+        batch_size: int,
+        arch: str,
+        reverse_answer: bool = False,
+        weights: str = "uniform",
+    ) -> None:
+        _check_arch(arch)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.cells = list(cells)
+        self.probabilities = cell_weights(self.cells, weights)
+        self.batch_size = batch_size
+        self.arch = arch
+        self.reverse_answer = reverse_answer
+        self.weights = weights
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+
+    def problems(self, count: int) -> list[tuple[str, str]]:
+        """The next ``count`` problems of the stream, as strings."""
+        idx = self._rng.choice(len(self.cells), size=count, p=self.probabilities)
+        return [self.cells[i].sample(self._rng) for i in idx.tolist()]
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return make_batch(self.problems(self.batch_size), self.arch, self.reverse_answer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position in the stream (plus what it was built from, to check)."""
+        return {
+            "bit_generator": self._rng.bit_generator.state,
+            "cells": [c.label for c in self.cells],
+            "weights": self.weights,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state_dict()``; refuses a state saved for different cells/weights."""
+        saved = (list(state["cells"]), state["weights"])
+        if saved != ([c.label for c in self.cells], self.weights):
+            raise ValueError(
+                f"TrainStream state was saved for cells {saved[0]} with {saved[1]!r} weights, "
+                f"not {[c.label for c in self.cells]} with {self.weights!r}"
+            )
+        self._rng.bit_generator.state = dict(state["bit_generator"])
+
+
+def _cell_rng(seed: int, cell: Cell) -> np.random.Generator:
+    """Independent stream per cell: ``[seed, n, d]``, or ``[seed, n, 0, *ds]`` when mixed.
+
+    The 0 marks a mixed cell (d >= 1 otherwise), so no two cells share an entropy list.
+    """
+    key = [seed, cell.n, cell.d] if isinstance(cell.d, int) else [seed, cell.n, 0, *cell.d]
+    return np.random.default_rng(key)
+
+
+def eval_sets(task: ResolvedTask | TaskConfig) -> dict[str, dict[Cell, list[tuple[str, str]]]]:
+    """Fixed eval problems: ``{split: {cell: [(question, answer), ...]}}``.
+
+    Each cell draws ``eval_size`` problems from its own rng keyed by ``(eval_seed, cell)``, so
+    every model sees identical questions and adding or removing a split changes nothing else.
+    Eval problems are not excluded from training (small cells have few distinct problems).
+    """
+    if isinstance(task, TaskConfig):
+        task = task.resolve()
+
+    def draw(cell: Cell) -> list[tuple[str, str]]:
+        rng = _cell_rng(task.eval_seed, cell)
+        return [cell.sample(rng) for _ in range(task.eval_size)]
+
+    return {name: {cell: draw(cell) for cell in cells} for name, cells in task.eval_splits.items()}

@@ -1,0 +1,426 @@
+"""Addition task: every check compares against an independent truth (Python's own arithmetic,
+regexes over the question text, hand-written grids), never against the module's own helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from normlab.tasks import addition as A
+from normlab.tasks.addition import Cell, TaskConfig
+
+QUESTION_RE = re.compile(r"N?\d+([+-]N?\d+)*")
+ANSWER_RE = re.compile(r"N?(0|[1-9]\d*)")
+
+
+def truth(question: str) -> int:
+    """Python's evaluation of a question: ``N71`` becomes ``(-71)``."""
+    assert QUESTION_RE.fullmatch(question), question
+    return eval(re.sub(r"N(\d+)", r"(-\1)", question))
+
+
+def answer_value(answer: str) -> int:
+    assert ANSWER_RE.fullmatch(answer) and answer != "N0", answer
+    return -int(answer[1:]) if answer.startswith("N") else int(answer)
+
+
+def operands(question: str) -> list[str]:
+    return re.findall(r"N?\d+", question)
+
+
+def rngs(seed: int) -> list[A.Rng]:
+    return [random.Random(seed), np.random.default_rng(seed)]
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+def test_vocab_ids() -> None:
+    assert A.VOCAB == "MBEN0123456789+-" and A.VOCAB_SIZE == 16
+    assert (A.PAD, A.BOS, A.EOS, A.NEG) == (0, 1, 2, 3)
+    assert A.encode("MBEN") == [0, 1, 2, 3]
+    assert A.encode("09+-") == [4, 13, 14, 15]
+
+
+def test_encode_decode_round_trip() -> None:
+    s = "BN6774-N71+5814-6016+45+N976EN7836E"
+    ids = A.encode(s)
+    assert A.decode(ids) == s
+    assert A.decode(torch.tensor(ids)) == s
+    assert A.decode(np.array(ids)) == s
+
+
+def test_encode_bad_char_message() -> None:
+    with pytest.raises(ValueError) as e:
+        A.encode("12+x4")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg == (
+        "character 'x' at position 3 is not in the addition vocabulary 'MBEN0123456789+-'"
+    )
+    with pytest.raises(ValueError, match="'='"):
+        A.encode("1+1=2")
+
+
+def test_decode_bad_id() -> None:
+    for bad in ([1, 16], [-1], torch.tensor([3, 99])):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            A.decode(bad)
+    with pytest.raises(ValueError, match="1-D"):
+        A.decode(torch.zeros(2, 2, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_paper_examples_are_consistent_with_truth() -> None:
+    assert truth("N6774-N71+5814-6016+45+N976") == answer_value("N7836")
+    assert truth("86+594-47") == answer_value("633")
+
+
+@pytest.mark.parametrize(
+    ("n", "d"),
+    [(1, 1), (2, 1), (3, 2), (5, 4), (6, 5), (2, 25), (4, (1, 2)), (3, [1, 3, 5]), (2, {2, 4})],
+)
+def test_answers_digits_and_format(n: int, d: int | tuple[int, ...]) -> None:
+    allowed = {d} if isinstance(d, int) else set(d)
+    for rng in rngs(n * 100 + len(allowed)):
+        for _ in range(150):
+            q, a = A.sample_problem(n, d, rng)
+            assert answer_value(a) == truth(q), (q, a)
+            ops = operands(q)
+            assert len(ops) == n
+            for op in ops:
+                digits = op.removeprefix("N")
+                assert len(digits) in allowed, (q, op)
+                assert len(digits) == 1 or digits[0] != "0", (q, op)
+                assert op != "N0", q
+
+
+def test_one_digit_numbers_include_zero_never_negative_zero() -> None:
+    rng = random.Random(3)
+    seen = {op for _ in range(400) for op in operands(A.sample_problem(3, 1, rng)[0])}
+    assert {str(k) for k in range(10)} | {f"N{k}" for k in range(1, 10)} == seen
+
+
+def test_zero_answers_are_written_0() -> None:
+    rng = random.Random(5)
+    answers = [A.sample_problem(2, 1, rng) for _ in range(2000)]
+    zeros = [(q, a) for q, a in answers if truth(q) == 0]
+    assert len(zeros) > 20
+    assert all(a == "0" for _, a in zeros)
+
+
+@pytest.mark.parametrize("kind", ["random", "numpy"])
+def test_signs_operators_and_mixed_digits_are_balanced(kind: str) -> None:
+    rng = rngs(11)[0 if kind == "random" else 1]
+    neg = ints = plus = n_ops = 0
+    by_digits = {1: 0, 2: 0, 3: 0}
+    for _ in range(1000):
+        q, _ = A.sample_problem(4, (2, 3), rng)
+        ops = operands(q)
+        ints += len(ops)
+        neg += sum(o.startswith("N") for o in ops)
+        between = re.findall(r"(?<=\d)[+-]", q)
+        n_ops += len(between)
+        plus += between.count("+")
+        q1, _ = A.sample_problem(1, (1, 2, 3), rng)
+        by_digits[len(q1.removeprefix("N"))] += 1
+    assert 0.45 < neg / ints < 0.55
+    assert n_ops == 3000 and 0.45 < plus / n_ops < 0.55
+    assert all(0.27 < c / 1000 < 0.40 for c in by_digits.values()), by_digits
+
+
+def test_sample_problem_validation() -> None:
+    rng = random.Random(0)
+    for bad, name in [((0, 1), "n"), ((2, 0), "d"), ((2, ()), "d"), ((2, [1, 0]), "d")]:
+        with pytest.raises(ValueError, match=rf"^{name} must") as e:
+            A.sample_problem(*bad, rng)
+        assert "\n" not in str(e.value)
+
+
+def test_seeds_reproduce() -> None:
+    for make in (random.Random, np.random.default_rng):
+        r1, r2, r3 = make(7), make(7), make(8)
+        s1 = [A.sample_problem(3, (1, 2), r1) for _ in range(50)]
+        s2 = [A.sample_problem(3, (1, 2), r2) for _ in range(50)]
+        s3 = [A.sample_problem(3, (1, 2), r3) for _ in range(50)]
+        assert s1 == s2 and s1 != s3
+
+
+# --------------------------------------------------------------------------- cells, lengths
+
+
+def test_cell_normalises_and_labels() -> None:
+    assert str(Cell(3, 2)) == "n3d2" and Cell(3, 2).label == "n3d2"
+    assert Cell(3, (2, 1)) == Cell(3, [1, 2, 2]) == Cell(3, (1, 2))
+    assert str(Cell(3, (2, 1))) == "n3d1-2"
+    assert Cell(2, (3,)) == Cell(2, 3) and hash(Cell(2, (3,))) == hash(Cell(2, 3))
+    assert str(Cell(3, (1, 4))) == "n3d1_4"
+    for c in [Cell(3, 2), Cell(3, (1, 2, 3)), Cell(3, (1, 4)), Cell(12, (2, 5, 7))]:
+        assert Cell.parse(c.label) == c
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Cell(1, 1).n = 2  # type: ignore[misc]
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        Cell(0, 1)
+
+
+def test_max_lengths_bound_and_tight() -> None:
+    rng = np.random.default_rng(0)
+    cells = [Cell(n, d) for n in (1, 2, 5) for d in (1, 3)] + [Cell(3, (1, 2))]
+    for cell in cells:
+        q_max, a_max = A.max_lengths([cell])
+        for _ in range(200):
+            q, a = cell.sample(rng)
+            assert len(q) <= q_max and len(a) <= a_max
+        d = max(cell.digits)
+        worst = "+".join(["N" + "9" * d] * cell.n)  # all negative, all nines: a valid problem
+        assert len(worst) == q_max
+        assert len(str(truth(worst))) == a_max  # "-" counts like "N"
+    assert A.max_lengths(cells) == (
+        max(A.max_lengths([c])[0] for c in cells),
+        max(A.max_lengths([c])[1] for c in cells),
+    )
+    assert A.max_lengths([Cell(1, 1)]) == (2, 2)  # "N9" -> "N9"
+    assert A.max_lengths([Cell(6, 4)]) == (6 * 5 + 5, 6)  # 6 * 9999 = 59994
+    assert A.max_seq_len([Cell(6, 4)], "decoder") == 35 + 6 + 3
+    assert A.max_seq_len([Cell(6, 4)], "encoder_decoder") == 37
+
+
+# --------------------------------------------------------------------------- config, grids
+
+
+def cellset(pairs: list[tuple[int, int]]) -> set[Cell]:
+    return {Cell(n, d) for n, d in pairs}
+
+
+def test_paper_grid_matches_spec() -> None:
+    task = TaskConfig(grid="paper").resolve()
+    assert set(task.train_cells) == cellset([(n, d) for n in (1, 2, 4, 5) for d in (1, 2, 3, 4)])
+    assert set(task.eval_splits["interpolation"]) == cellset([(3, d) for d in range(1, 5)])
+    assert set(task.eval_splits["extrapolation"]) == cellset(
+        [(6, d) for d in range(1, 5)] + [(n, 5) for n in (1, 2, 4, 5)]
+    )
+    assert list(task.eval_splits) == ["train", "interpolation", "extrapolation"]
+    assert task.eval_splits["train"] == task.train_cells
+
+
+@pytest.mark.parametrize("grid", ["paper", "quick", "smoke"])
+def test_grids_are_disjoint(grid: str) -> None:
+    task = TaskConfig(grid=grid).resolve()
+    seen: set[Cell] = set()
+    for cells in task.eval_splits.values():
+        assert len(set(cells)) == len(cells)
+        assert not seen & set(cells)
+        seen |= set(cells)
+    assert set(A.GRIDS) == {"paper", "quick", "smoke"}
+
+
+def test_default_config_is_quick_and_plain() -> None:
+    cfg = TaskConfig()
+    assert cfg.grid == "quick" and cfg.eval_size == 256 and cfg.reverse_answer is False
+    json.dumps(dataclasses.asdict(cfg))  # plain types only
+    task = cfg.resolve()
+    assert set(task.train_cells) == cellset([(n, d) for n in (1, 2, 4) for d in (1, 2)])
+    assert set(task.eval_splits["extrapolation"]) == cellset([(5, 1), (5, 2), (1, 3), (2, 3)])
+
+
+def test_custom_cells_and_mixed_digits() -> None:
+    cfg = TaskConfig.from_dict(
+        {"train": [[1, 1], [2, [1, 2]]], "splits": {"long": [[3, 3]]}, "eval_size": 4}
+    )
+    task = cfg.resolve()
+    assert task.train_cells == [Cell(1, 1), Cell(2, (1, 2))]
+    assert task.eval_splits == {"train": task.train_cells, "long": [Cell(3, 3)]}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"grid": "nope"}, r"^task\.grid: unknown grid 'nope' \(allowed: paper, quick, smoke\)$"),
+        (
+            {"train": [[2, 1]], "splits": {"interpolation": [[3, 1], [2, 1]]}},
+            r"^task\.splits\.interpolation: cell n2d1 is also a train cell$",
+        ),
+        ({"train": [[3, 1]]}, r"^task\.splits\.interpolation: cell n3d1 is also a train cell"),
+        ({"splits": {"train": [[9, 9]]}}, r"^task\.splits\.train: .*reserved"),
+        ({"splits": {"a": [[9, 1]], "b": [[9, 1]]}}, r"^task\.splits\.b: cell n9d1 is also in"),
+        ({"splits": {"a": []}}, r"^task\.splits\.a: no cells$"),
+        ({"train": [[0, 1]]}, r"^task\.train\[0\]: n must be >= 1, got 0$"),
+        ({"train": [[1, 1], [2, 0]]}, r"^task\.train\[1\]: d must be >= 1, got 0$"),
+        ({"splits": {"x": [[2, [1, 0]]]}}, r"^task\.splits\.x\[0\]: d must be >= 1"),
+        ({"train": [[1, 1], [1, 1]]}, r"^task\.train\[1\]: cell n1d1 is listed twice$"),
+        ({"train": [[1, 2, 3]]}, r"^task\.train\[0\]: expected \[n, d\]"),
+        ({"eval_size": 0}, r"^task\.eval_size: must be >= 1"),
+        ({"train_weights": "zipf"}, r"^task\.train_weights: unknown weighting 'zipf'"),
+    ],
+)
+def test_config_errors(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern) as e:
+        TaskConfig(**kwargs).resolve()
+    assert "\n" not in str(e.value)
+
+
+def test_from_dict_rejects_unknown_key() -> None:
+    with pytest.raises(ValueError, match=r"^task: unknown key 'grdi'"):
+        TaskConfig.from_dict({"grdi": "paper"})
+
+
+# --------------------------------------------------------------------------- eval sets
+
+
+def test_eval_sets_deterministic_and_independent_of_other_splits() -> None:
+    base = TaskConfig(grid="smoke", eval_size=32)
+    e1, e2 = A.eval_sets(base), A.eval_sets(base.resolve())
+    assert e1 == e2
+    assert list(e1) == ["train", "interpolation", "extrapolation"]
+    assert all(len(p) == 32 for split in e1.values() for p in split.values())
+    more = TaskConfig(
+        grid="smoke",
+        eval_size=32,
+        splits={"interpolation": [[2, 1]], "extra": [[5, 1], [2, (1, 2)]], "ex": [[4, 1]]},
+    )
+    e3 = A.eval_sets(more)
+    assert e3["interpolation"] == e1["interpolation"]
+    assert e3["ex"][Cell(4, 1)] == e1["extrapolation"][Cell(4, 1)]
+    assert e3["train"] == e1["train"]
+    other_seed = A.eval_sets(dataclasses.replace(base, eval_seed=99))
+    assert other_seed["train"] != e1["train"]
+    for split in e3.values():
+        for cell, probs in split.items():
+            for q, a in probs:
+                assert answer_value(a) == truth(q) and len(operands(q)) == cell.n
+
+
+def test_eval_sets_distinct_cells_get_distinct_problems() -> None:
+    task = TaskConfig(
+        train=[[2, 1]], splits={"x": [[2, [1, 2]], [2, 2], [2, [1, 2, 3]]]}, eval_size=16
+    )
+    probs = [p for split in A.eval_sets(task).values() for p in split.values()]
+    assert len({tuple(p) for p in probs}) == len(probs)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+PROBLEMS = [("N6774-N71+5814-6016+45+N976", "N7836"), ("86+594-47", "633"), ("0", "0")]
+
+
+def strip(row: torch.Tensor, fill: int) -> list[int]:
+    ids = row.tolist()
+    while ids and ids[-1] == fill:
+        ids.pop()
+    return ids
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_decoder_batch(reverse: bool) -> None:
+    b = A.make_batch(PROBLEMS, "decoder", reverse_answer=reverse)
+    assert set(b) == {"tokens", "targets"}
+    tok, tgt = b["tokens"], b["targets"]
+    longest = max(len(q) + len(a) + 3 for q, a in PROBLEMS)
+    assert tok.shape == tgt.shape == (3, longest) and tok.dtype == tgt.dtype == torch.long
+    for i, (q, a) in enumerate(PROBLEMS):
+        shown = a if not reverse else (a[0] + a[:0:-1] if a[0] == "N" else a[::-1])
+        seq = "B" + q + "E" + shown + "E"
+        assert A.decode(strip(tok[i], A.PAD)) == seq
+        positions = (tgt[i] != -100).nonzero().flatten().tolist()
+        # the loss sits on the positions whose NEXT token is an answer char or the final E
+        assert positions == list(range(len(q) + 1, len(seq) - 1))
+        assert tgt[i, positions].tolist() == A.encode(shown + "E")
+        assert tgt[i, positions].tolist() == tok[i, [p + 1 for p in positions]].tolist()
+    logits = torch.randn(*tok.shape, A.VOCAB_SIZE)
+    loss = F.cross_entropy(logits.view(-1, 16), tgt.view(-1), ignore_index=-100, reduction="sum")
+    mask = tgt != -100
+    by_hand = -logits.log_softmax(-1)[mask].gather(1, tgt[mask][:, None]).sum()
+    assert mask.sum() == sum(len(a) + 1 for _, a in PROBLEMS)
+    assert torch.allclose(loss, by_hand)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_encoder_decoder_batch(reverse: bool) -> None:
+    b = A.make_batch(PROBLEMS, "encoder_decoder", reverse_answer=reverse)
+    assert set(b) == {"src", "src_mask", "tgt_in", "tgt_out"}
+    s_len = max(len(q) for q, _ in PROBLEMS) + 2
+    t_len = max(len(a) for _, a in PROBLEMS) + 1
+    assert b["src"].shape == b["src_mask"].shape == (3, s_len) and b["src_mask"].dtype == torch.bool
+    assert b["tgt_in"].shape == b["tgt_out"].shape == (3, t_len)
+    for i, (q, a) in enumerate(PROBLEMS):
+        shown = a if not reverse else (a[0] + a[:0:-1] if a[0] == "N" else a[::-1])
+        assert A.decode(b["src"][i][b["src_mask"][i]]) == "B" + q + "E"
+        assert (b["src"][i][~b["src_mask"][i]] == A.PAD).all()
+        assert A.decode(strip(b["tgt_in"][i], A.PAD)) == "B" + shown
+        out = b["tgt_out"][i]
+        assert A.decode(out[out != -100]) == shown + "E"
+        assert (out[len(shown) + 1 :] == -100).all()
+        assert (b["tgt_in"][i, len(shown) + 1 :] == A.PAD).all()
+        # teacher forcing: the input is the output shifted right by one, starting at B
+        assert b["tgt_in"][i, 1 : len(shown) + 1].tolist() == out[: len(shown)].tolist()
+
+
+def test_unknown_arch() -> None:
+    for fn in (
+        lambda: A.make_batch(PROBLEMS, "gpt", False),
+        lambda: A.make_prompts(["1+1"], "gpt"),
+        lambda: A.TrainStream([Cell(1, 1)], 0, 2, "gpt"),
+    ):
+        with pytest.raises(ValueError, match=r"^unknown arch 'gpt' \(allowed: decoder, "):
+            fn()
+
+
+def test_prompts_and_parse_answer_round_trip() -> None:
+    assert A.make_prompts(["86+594-47"], "decoder") == [A.encode("B86+594-47E")]
+    assert A.make_prompts(["86+594-47"], "encoder_decoder") == [A.encode("B86+594-47E")]
+    rng = random.Random(1)
+    problems = [A.sample_problem(4, (1, 3), rng) for _ in range(100)] + PROBLEMS
+    for reverse in (False, True):
+        b = A.make_batch(problems, "encoder_decoder", reverse)
+        for i, (_, a) in enumerate(problems):
+            out = b["tgt_out"][i]
+            generated = [*out[out != -100].tolist(), A.PAD, 7]  # junk after E is ignored
+            assert A.parse_answer(generated, reverse) == a
+            assert A.parse_answer(torch.tensor([A.BOS, *generated]), reverse) == a
+    assert A.reverse_digits("N7836") == "N6387" and A.reverse_digits("120") == "021"
+    assert A.parse_answer(A.encode("N6387E"), reverse_answer=True) == "N7836"
+    assert A.parse_answer(A.encode("12"), reverse_answer=False) == "12"  # no E: take all
+
+
+# --------------------------------------------------------------------------- train stream
+
+
+def test_train_stream_resumes_exactly() -> None:
+    cells = [Cell(1, 1), Cell(3, 2), Cell(2, (1, 2))]
+    s = A.TrainStream(cells, seed=42, batch_size=8, arch="decoder")
+    head = [next(s) for _ in range(3)]
+    state = json.loads(json.dumps(s.state_dict()))
+    tail = [next(s) for _ in range(3)]
+    r = A.TrainStream(cells, seed=0, batch_size=8, arch="decoder")
+    r.load_state_dict(state)
+    for x, y in zip(tail, [next(r) for _ in range(3)], strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    fresh = A.TrainStream(cells, seed=42, batch_size=8, arch="decoder")
+    assert torch.equal(next(fresh)["tokens"], head[0]["tokens"])
+    other = A.TrainStream(cells, seed=43, batch_size=8, arch="decoder")
+    assert not torch.equal(next(other)["tokens"][:, :5], head[0]["tokens"][:, :5])
+    with pytest.raises(ValueError, match="saved for cells"):
+        A.TrainStream(cells[:2], seed=0, batch_size=8, arch="decoder").load_state_dict(state)
+
+
+def test_train_stream_problems_and_weights() -> None:
+    cells = [Cell(1, 1), Cell(3, 1)]  # longest questions: 2 and 8 characters
+    for weights, p_long in (("uniform", 0.5), ("length", 0.8)):
+        s = A.TrainStream(cells, 1, 4, "encoder_decoder", weights=weights)
+        probs = s.problems(2000)
+        for q, a in probs[:300]:
+            assert answer_value(a) == truth(q)
+        frac = sum(len(operands(q)) == 3 for q, _ in probs) / len(probs)
+        assert abs(frac - p_long) < 0.04, (weights, frac)
+    batch = next(A.TrainStream(cells, 1, 5, "encoder_decoder", reverse_answer=True))
+    assert batch["src"].shape[0] == 5

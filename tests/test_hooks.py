@@ -1,0 +1,147 @@
+"""Hook points, caches and the KV cache behave as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normlab import ModelConfig, build_model
+from normlab.model.generate import greedy_decode
+
+
+def cfg(**kw) -> ModelConfig:
+    base = dict(d_model=32, n_heads=4, n_layers=2, d_mlp=64, max_len=32, init_std=0.3)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+DOCUMENTED = [
+    "hook_embed", "hook_pos_embed", "blocks.{l}.hook_resid_pre", "blocks.{l}.ln1.hook_scale",
+    "blocks.{l}.ln1.hook_normalized", "blocks.{l}.attn.hook_q", "blocks.{l}.attn.hook_k",
+    "blocks.{l}.attn.hook_v", "blocks.{l}.attn.hook_attn_scores", "blocks.{l}.attn.hook_pattern",
+    "blocks.{l}.attn.hook_z", "blocks.{l}.hook_attn_out", "blocks.{l}.hook_resid_mid",
+    "blocks.{l}.hook_mlp_out", "blocks.{l}.hook_resid_post", "ln_final.hook_scale",
+    "blocks.{l}.mlp.hook_pre", "blocks.{l}.mlp.hook_post",
+]
+
+
+def test_documented_names_and_shapes_pre() -> None:
+    model = build_model(cfg(norm_placement="pre"))
+    names = set(model.hook_names())
+    for layer in range(2):
+        for n in DOCUMENTED:
+            assert n.format(l=layer) in names, n
+    tokens = torch.randint(0, 16, (3, 9))
+    _, cache = model.run_with_cache(tokens)
+    assert set(cache) == names
+    assert cache["blocks.0.attn.hook_q"].shape == (3, 9, 4, 8)
+    assert cache["blocks.0.attn.hook_attn_scores"].shape == (3, 4, 9, 9)
+    assert cache["blocks.1.ln1.hook_scale"].shape == (3, 9, 1)
+    assert cache["blocks.1.attn.hook_z"].shape == (3, 9, 4, 8)
+    assert cache["blocks.0.hook_resid_post"].shape == (3, 9, 32)
+    pattern = cache["blocks.1.attn.hook_pattern"]
+    torch.testing.assert_close(pattern.sum(-1), torch.ones(3, 4, 9))
+    assert (pattern.triu(1) == 0).all()  # causal
+    # hook_scale is the divisor: resid / scale (centred) is what the gain multiplies
+    x = cache["blocks.0.hook_resid_pre"]
+    xc = x - x.mean(-1, keepdim=True)
+    torch.testing.assert_close(cache["blocks.0.ln1.hook_scale"],
+                               (xc.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt())
+
+
+def test_qkv_hooks_fire_after_the_norm() -> None:
+    model = build_model(cfg(norm_placement="qkv", norm_type="rms"))
+    _, cache = model.run_with_cache(torch.randint(0, 16, (2, 5)))
+    pre = cache["blocks.0.attn.hook_k_pre_norm"]
+    post = cache["blocks.0.attn.hook_k"]
+    # gain is ones at init: the used key has RMS 1 per head, the projection does not
+    torch.testing.assert_close(post.pow(2).mean(-1), torch.ones(2, 5, 4), atol=1e-4, rtol=0)
+    torch.testing.assert_close(post, pre / cache["blocks.0.attn.k_norm.hook_scale"])
+    assert "blocks.0.attn.hook_v_pre_norm" in cache and "blocks.0.ln1.hook_scale" not in cache
+
+
+def test_encoder_decoder_names() -> None:
+    model = build_model(cfg(arch="encoder_decoder", norm_placement="pre"))
+    names = set(model.hook_names())
+    for n in ["encoder.hook_embed", "encoder.blocks.0.attn.hook_pattern", "decoder.hook_embed",
+              "decoder.blocks.1.cross_attn.hook_pattern", "decoder.blocks.0.ln_cross.hook_scale",
+              "decoder.blocks.0.hook_cross_attn_out", "encoder.ln_final.hook_scale",
+              "decoder.ln_final.hook_scale"]:
+        assert n in names, n
+    src, tgt = torch.randint(0, 16, (2, 7)), torch.randint(0, 16, (2, 4))
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    _, cache = model.run_with_cache(src, tgt, mask)
+    cross = cache["decoder.blocks.0.cross_attn.hook_pattern"]
+    assert cross.shape == (2, 4, 4, 7)
+    assert (cross[1, :, :, 5:] == 0).all()  # padded source tokens get no attention
+    torch.testing.assert_close(cross.sum(-1), torch.ones(2, 4, 4))
+
+
+def test_replacing_hook_changes_output_and_unknown_hook_errors() -> None:
+    model = build_model(cfg())
+    tokens = torch.randint(0, 16, (2, 6))
+    base = model(tokens)
+    out = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_mlp_out",
+                                                   lambda x, h: torch.zeros_like(x))])
+    assert (out - base).abs().max() > 1e-3
+    torch.testing.assert_close(model(tokens), base)  # hooks removed afterwards
+    with pytest.raises(ValueError, match="unknown hook 'blocks.9.attn.hook_q'"):
+        model.run_with_hooks(tokens, fwd_hooks=[("blocks.9.attn.hook_q", lambda x, h: x)])
+    # filter functions select several points
+    seen = []
+    model.run_with_hooks(tokens, fwd_hooks=[(lambda n: n.endswith("hook_pattern"),
+                                             lambda x, h: seen.append(h.name))])
+    assert seen == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_rescaling_hook_k_acts_as_a_rescaled_key(placement: str) -> None:
+    """Scaling key j by c multiplies column j of the raw scores by c, and nothing else."""
+    model = build_model(cfg(norm_placement=placement, n_layers=1))
+    tokens = torch.randint(0, 16, (1, 6))
+    c = torch.tensor([1.0, 1.3, 0.7, 1.0, 1.1, 0.9])
+    names = ["blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"]
+    _, base = model.run_with_cache(tokens, names_filter=names)
+
+    def scale_k(k, hook):
+        return k * c[None, :, None, None]
+
+    with model.hooks([("blocks.0.attn.hook_k", scale_k)]):
+        _, moved = model.run_with_cache(tokens, names_filter=names)
+    s0, s1 = base[names[0]], moved[names[0]]
+    expect = s0 * c[None, None, None, :]
+    torch.testing.assert_close(s1, expect)
+    torch.testing.assert_close(moved[names[1]], expect.softmax(-1))
+
+
+@pytest.mark.parametrize("placement", ["none", "post", "pre", "qk", "qkv"])
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_fused_path_gives_the_same_numbers(placement: str, arch: str) -> None:
+    model = build_model(cfg(norm_placement=placement, arch=arch, pos_encoding="rope"))
+    src = torch.randint(0, 16, (2, 8))
+    args = (src,) if arch == "decoder" else (src, src[:, :5])
+    fused = model(*args)
+    for m in model.modules():
+        if hasattr(m, "fused"):
+            m.fused = False
+    torch.testing.assert_close(model(*args), fused, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope", "sinusoidal"])
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_kv_cache_decoding_equals_uncached(pos: str, arch: str) -> None:
+    model = build_model(cfg(arch=arch, pos_encoding=pos, norm_placement="qkv"))
+    prompts = [[1, 5, 6, 2], [1, 7, 2], [1, 4, 4, 4, 9, 2]]
+    a = greedy_decode(model, prompts, max_new=8, eos=2, use_cache=True)
+    b = greedy_decode(model, prompts, max_new=8, eos=2, use_cache=False)
+    assert a == b
+    assert all(len(x) >= 1 for x in a)
+
+
+def test_left_padding_does_not_change_a_decoder_prompt() -> None:
+    """A prompt decodes the same alone or in a batch with longer (left-padded) prompts."""
+    model = build_model(cfg(pos_encoding="learned"))
+    alone = greedy_decode(model, [[1, 7, 2]], max_new=6, eos=2)
+    batched = greedy_decode(model, [[1, 7, 2], [1, 4, 4, 4, 9, 3, 2]], max_new=6, eos=2)
+    assert batched[0] == alone[0]

@@ -1,0 +1,250 @@
+"""The model computes what PAPER.md section 3 says, for every placement and norm type."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from normlab import ModelConfig, build_model
+from normlab.model.attention import learned_scale_init
+
+PLACEMENTS = ["none", "post", "pre", "qk", "qkv"]
+NORMS = ["layer", "rms"]
+
+
+def tiny(**kw) -> ModelConfig:
+    # init_std 0.3: large enough that attention patterns are far from uniform
+    base = dict(d_model=32, n_heads=4, n_layers=1, d_mlp=64, max_len=16, vocab_size=16,
+                init_std=0.3)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def randomise(model: torch.nn.Module) -> None:
+    """Non-trivial gains, biases and scales so a reference that forgets one of them fails."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".w", ".b")) or ".b_" in name or name.endswith("scale"):
+                p.copy_(p + 0.3 * torch.randn_like(p))
+
+
+# ---- an independent reference: per-head loops and torch's own functional norms ----------
+
+def ref_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str) -> torch.Tensor:
+    if kind == "layer":
+        return F.layer_norm(x, x.shape[-1:], w, b, eps=1e-5)
+    return F.rms_norm(x, x.shape[-1:], w, eps=1e-5)
+
+
+def ref_block(x: torch.Tensor, blk, placement: str, kind: str) -> torch.Tensor:
+    a = blk.attn
+    T = x.shape[1]
+    causal = torch.ones(T, T).tril().bool()
+
+    def norm_of(mod, v):
+        return ref_norm(v, mod.w, getattr(mod, "b", None), kind)
+
+    def attn(h):
+        outs = []
+        for i in range(a.n_heads):
+            q, k, v = h @ a.W_Q[i], h @ a.W_K[i], h @ a.W_V[i]
+            if placement in ("qk", "qkv"):
+                q, k = norm_of(a.q_norm, q), norm_of(a.k_norm, k)
+            if placement == "qkv":
+                v = norm_of(a.v_norm, v)
+            s = (q @ k.transpose(-1, -2)) * a.scale[i]
+            s = s.masked_fill(~causal, -math.inf)
+            outs.append(s.softmax(-1) @ v @ a.W_O[i])
+        return sum(outs)
+
+    def mlp(h):
+        return F.gelu(h @ blk.mlp.W_in) @ blk.mlp.W_out
+
+    if placement == "none":
+        x = x + attn(x)
+        return x + mlp(x)
+    if placement == "post":
+        x = norm_of(blk.ln1, x + attn(x))
+        return norm_of(blk.ln2, x + mlp(x))
+    if placement == "pre":
+        x = x + attn(norm_of(blk.ln1, x))
+        return x + mlp(norm_of(blk.ln2, x))
+    x = x + attn(x)  # qk / qkv: norms inside attention, Pre-Norm MLP
+    return x + mlp(norm_of(blk.ln2, x))
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_block_matches_reference(placement: str, kind: str) -> None:
+    model = build_model(tiny(norm_placement=placement, norm_type=kind))
+    randomise(model)
+    x = torch.randn(2, 7, 32)
+    blk = model.blocks[0]
+    T = 7
+    mask = torch.ones(T, T).tril().bool()[None, None]
+    with torch.no_grad():
+        ours = blk(x, mask=mask)
+        ref = ref_block(x, blk, placement, kind)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_norm_modules_present_exactly_where_placement_says(placement: str) -> None:
+    model = build_model(tiny(norm_placement=placement))
+    names = set(model.hook_names())
+    assert ("blocks.0.ln1.hook_scale" in names) == (placement in ("pre", "post"))
+    assert ("blocks.0.ln2.hook_scale" in names) == (placement != "none")
+    assert ("blocks.0.attn.k_norm.hook_scale" in names) == (placement in ("qk", "qkv"))
+    assert ("blocks.0.attn.v_norm.hook_scale" in names) == (placement == "qkv")
+    assert ("ln_final.hook_scale" in names) == (placement in ("pre", "qk", "qkv"))
+
+
+# ---- the paper's mechanism as executable facts --------------------------------------------
+
+def _blind_head_model(placement: str, kind: str = "rms"):
+    """Head 0's W_Q and W_K cannot read direction u (a zero-mean unit vector)."""
+    model = build_model(tiny(norm_placement=placement, norm_type=kind))
+    u = torch.randn(32)
+    u = u - u.mean()
+    u = u / u.norm()
+    proj = torch.eye(32) - torch.outer(u, u)
+    with torch.no_grad():
+        for W in (model.blocks[0].attn.W_Q, model.blocks[0].attn.W_K):
+            W[0] = proj @ W[0]
+    return model, u
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("placement", ["none", "pre", "qkv"])
+def test_content_in_an_unread_subspace_interferes_only_under_pre(placement: str, kind: str):
+    model, u = _blind_head_model(placement, kind)
+    tokens = torch.randint(0, 16, (1, 8))
+    names = ["blocks.0.attn.hook_k", "blocks.0.attn.hook_pattern"]
+    _, base = model.run_with_cache(tokens, names_filter=names)
+
+    def add_u(x, hook):  # 3 * u on the residual input of token 2 only
+        x = x.clone()
+        x[:, 2] += 3.0 * u
+        return x
+
+    with model.hooks([("blocks.0.hook_resid_pre", add_u)]):
+        _, moved = model.run_with_cache(tokens, names_filter=names)
+    k0, k1 = base["blocks.0.attn.hook_k"][0, :, 0], moved["blocks.0.attn.hook_k"][0, :, 0]
+    p0, p1 = base["blocks.0.attn.hook_pattern"][0, 0], moved["blocks.0.attn.hook_pattern"][0, 0]
+    if placement == "pre":  # the shared normalisation factor rescales token 2's key
+        assert (k0[2] - k1[2]).abs().max() > 1e-3
+        assert (p0 - p1).abs().max() > 1e-4
+    else:
+        torch.testing.assert_close(k0, k1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(p0, p1, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["none", "pre", "qkv"])
+def test_rescaling_a_tokens_residual(placement: str) -> None:
+    """Pre and QKV-Norm patterns ignore a token's overall scale; no norm does not.
+
+    (Exactly so only as norm_eps -> 0, hence the tiny eps here.)"""
+    model = build_model(tiny(norm_placement=placement, norm_type="rms", norm_eps=1e-12))
+    tokens = torch.randint(0, 16, (1, 8))
+    name = "blocks.0.attn.hook_pattern"
+    _, base = model.run_with_cache(tokens, names_filter=name)
+
+    def scale3(x, hook):
+        x = x.clone()
+        x[:, 3] *= 5.0
+        return x
+
+    with model.hooks([("blocks.0.hook_resid_pre", scale3)]):
+        _, moved = model.run_with_cache(tokens, names_filter=name)
+    diff = (base[name] - moved[name]).abs().max()
+    if placement == "none":
+        assert diff > 1e-4
+    else:
+        assert diff < 1e-5
+
+
+# ---- a second implementation written by others: HF GPT-2 -----------------------------------
+
+def test_matches_hf_gpt2() -> None:
+    transformers = pytest.importorskip("transformers")
+    from normlab.interop import from_hf
+
+    hf_cfg = transformers.GPT2Config(
+        n_embd=64, n_head=4, n_layer=2, vocab_size=100, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    with torch.no_grad():  # non-trivial norm gains and biases
+        for name, p in hf.named_parameters():
+            if "ln" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model = from_hf(hf)
+    assert model.cfg.norm_placement == "pre" and model.cfg.tie_embeddings
+    tokens = torch.randint(0, 100, (3, 20))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        ours = model(tokens)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- scales ---------------------------------------------------------------------------------
+
+def test_attention_scale_options() -> None:
+    fixed = build_model(tiny(norm_placement="qkv", attn_scale="fixed"))
+    learned = build_model(tiny(norm_placement="qkv", attn_scale="learned"))
+    pre = build_model(tiny(norm_placement="pre", attn_scale="learned"))
+    assert not isinstance(fixed.blocks[0].attn.scale, torch.nn.Parameter)
+    assert torch.allclose(fixed.blocks[0].attn.scale, torch.full((4,), 1 / math.sqrt(8)))
+    assert isinstance(learned.blocks[0].attn.scale, torch.nn.Parameter)
+    # log2(L^2 - L) / d_head with L = 16, d_head = 8
+    assert learned_scale_init(learned.cfg) == pytest.approx(math.log2(240) / 8)
+    assert not isinstance(pre.blocks[0].attn.scale, torch.nn.Parameter)  # q, k not normalised
+
+
+def test_qkv_norm_scope_all_normalises_whole_projection() -> None:
+    model = build_model(tiny(norm_placement="qkv", norm_type="rms", qkv_norm_scope="all"))
+    tokens = torch.randint(0, 16, (2, 6))
+    _, cache = model.run_with_cache(tokens)
+    assert cache["blocks.0.attn.q_norm.hook_scale"].shape == (2, 6, 1)
+    q = cache["blocks.0.attn.hook_q"].flatten(-2)
+    # gain is ones at init, so each whole q has RMS 1 while single heads need not
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(2, 6), atol=1e-4, rtol=1e-4)
+    head = build_model(tiny(norm_placement="qkv", norm_type="rms"))
+    _, hc = head.run_with_cache(tokens)
+    assert hc["blocks.0.attn.q_norm.hook_scale"].shape == (2, 6, 4, 1)
+
+
+# ---- bad configs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"norm_placement": "middle"}, "norm_placement"),
+        ({"norm_type": "batch"}, "norm_type"),
+        ({"arch": "encoder"}, "arch"),
+        ({"pos_encoding": "alibi"}, "pos_encoding"),
+        ({"qkv_norm_scope": "token"}, "qkv_norm_scope"),
+        ({"attn_scale": "henry"}, "attn_scale"),
+        ({"d_model": 30, "n_heads": 4}, "d_model"),
+        ({"d_model": 0}, "d_model"),
+        ({"n_layers": -1}, "n_layers"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"dropout": -0.1}, "dropout"),
+        ({"n_kv_heads": 3}, "n_kv_heads"),
+        ({"pos_encoding": "rope", "d_model": 36, "n_heads": 4}, "d_head"),
+    ],
+)
+def test_bad_config_is_a_one_line_error(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError) as err:
+        tiny(**kwargs)
+    msg = str(err.value)
+    assert f"ModelConfig.{field}" in msg and "\n" not in msg
+    assert "expected" in msg
+
+
+def test_unknown_field_from_dict() -> None:
+    with pytest.raises(ValueError, match="unknown field 'd_modle'"):
+        ModelConfig.from_dict({"d_modle": 3})
