@@ -424,3 +424,13 @@ def test_train_stream_problems_and_weights() -> None:
         assert abs(frac - p_long) < 0.04, (weights, frac)
     batch = next(A.TrainStream(cells, 1, 5, "encoder_decoder", reverse_answer=True))
     assert batch["src"].shape[0] == 5
+
+
+def test_eval_keying_is_the_documented_one() -> None:
+    """Pinned: changing the per-cell seeding would silently change every eval set."""
+    task = TaskConfig(train=[[3, 2]], splits={"m": [[2, [1, 3]]]}, eval_size=8, eval_seed=5)
+    sets = A.eval_sets(task)
+    rng = np.random.default_rng([5, 3, 2])
+    assert sets["train"][Cell(3, 2)] == [A.sample_problem(3, 2, rng) for _ in range(8)]
+    rng = np.random.default_rng([5, 2, 0, 1, 3])
+    assert sets["m"][Cell(2, (1, 3))] == [A.sample_problem(2, (1, 3), rng) for _ in range(8)]

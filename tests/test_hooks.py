@@ -16,12 +16,24 @@ def cfg(**kw) -> ModelConfig:
 
 
 DOCUMENTED = [
-    "hook_embed", "hook_pos_embed", "blocks.{l}.hook_resid_pre", "blocks.{l}.ln1.hook_scale",
-    "blocks.{l}.ln1.hook_normalized", "blocks.{l}.attn.hook_q", "blocks.{l}.attn.hook_k",
-    "blocks.{l}.attn.hook_v", "blocks.{l}.attn.hook_attn_scores", "blocks.{l}.attn.hook_pattern",
-    "blocks.{l}.attn.hook_z", "blocks.{l}.hook_attn_out", "blocks.{l}.hook_resid_mid",
-    "blocks.{l}.hook_mlp_out", "blocks.{l}.hook_resid_post", "ln_final.hook_scale",
-    "blocks.{l}.mlp.hook_pre", "blocks.{l}.mlp.hook_post",
+    "hook_embed",
+    "hook_pos_embed",
+    "blocks.{l}.hook_resid_pre",
+    "blocks.{l}.ln1.hook_scale",
+    "blocks.{l}.ln1.hook_normalized",
+    "blocks.{l}.attn.hook_q",
+    "blocks.{l}.attn.hook_k",
+    "blocks.{l}.attn.hook_v",
+    "blocks.{l}.attn.hook_attn_scores",
+    "blocks.{l}.attn.hook_pattern",
+    "blocks.{l}.attn.hook_z",
+    "blocks.{l}.hook_attn_out",
+    "blocks.{l}.hook_resid_mid",
+    "blocks.{l}.hook_mlp_out",
+    "blocks.{l}.hook_resid_post",
+    "ln_final.hook_scale",
+    "blocks.{l}.mlp.hook_pre",
+    "blocks.{l}.mlp.hook_post",
 ]
 
 
@@ -45,8 +57,9 @@ def test_documented_names_and_shapes_pre() -> None:
     # hook_scale is the divisor: resid / scale (centred) is what the gain multiplies
     x = cache["blocks.0.hook_resid_pre"]
     xc = x - x.mean(-1, keepdim=True)
-    torch.testing.assert_close(cache["blocks.0.ln1.hook_scale"],
-                               (xc.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt())
+    torch.testing.assert_close(
+        cache["blocks.0.ln1.hook_scale"], (xc.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    )
 
 
 def test_qkv_hooks_fire_after_the_norm() -> None:
@@ -63,10 +76,16 @@ def test_qkv_hooks_fire_after_the_norm() -> None:
 def test_encoder_decoder_names() -> None:
     model = build_model(cfg(arch="encoder_decoder", norm_placement="pre"))
     names = set(model.hook_names())
-    for n in ["encoder.hook_embed", "encoder.blocks.0.attn.hook_pattern", "decoder.hook_embed",
-              "decoder.blocks.1.cross_attn.hook_pattern", "decoder.blocks.0.ln_cross.hook_scale",
-              "decoder.blocks.0.hook_cross_attn_out", "encoder.ln_final.hook_scale",
-              "decoder.ln_final.hook_scale"]:
+    for n in [
+        "encoder.hook_embed",
+        "encoder.blocks.0.attn.hook_pattern",
+        "decoder.hook_embed",
+        "decoder.blocks.1.cross_attn.hook_pattern",
+        "decoder.blocks.0.ln_cross.hook_scale",
+        "decoder.blocks.0.hook_cross_attn_out",
+        "encoder.ln_final.hook_scale",
+        "decoder.ln_final.hook_scale",
+    ]:
         assert n in names, n
     src, tgt = torch.randint(0, 16, (2, 7)), torch.randint(0, 16, (2, 4))
     mask = torch.ones(2, 7, dtype=torch.bool)
@@ -82,16 +101,18 @@ def test_replacing_hook_changes_output_and_unknown_hook_errors() -> None:
     model = build_model(cfg())
     tokens = torch.randint(0, 16, (2, 6))
     base = model(tokens)
-    out = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_mlp_out",
-                                                   lambda x, h: torch.zeros_like(x))])
+    out = model.run_with_hooks(
+        tokens, fwd_hooks=[("blocks.0.hook_mlp_out", lambda x, h: torch.zeros_like(x))]
+    )
     assert (out - base).abs().max() > 1e-3
     torch.testing.assert_close(model(tokens), base)  # hooks removed afterwards
-    with pytest.raises(ValueError, match="unknown hook 'blocks.9.attn.hook_q'"):
+    with pytest.raises(ValueError, match=r"unknown hook 'blocks\.9\.attn\.hook_q'"):
         model.run_with_hooks(tokens, fwd_hooks=[("blocks.9.attn.hook_q", lambda x, h: x)])
     # filter functions select several points
     seen = []
-    model.run_with_hooks(tokens, fwd_hooks=[(lambda n: n.endswith("hook_pattern"),
-                                             lambda x, h: seen.append(h.name))])
+    model.run_with_hooks(
+        tokens, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), lambda x, h: seen.append(h.name))]
+    )
     assert seen == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
 
 

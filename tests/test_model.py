@@ -17,8 +17,9 @@ NORMS = ["layer", "rms"]
 
 def tiny(**kw) -> ModelConfig:
     # init_std 0.3: large enough that attention patterns are far from uniform
-    base = dict(d_model=32, n_heads=4, n_layers=1, d_mlp=64, max_len=16, vocab_size=16,
-                init_std=0.3)
+    base = dict(
+        d_model=32, n_heads=4, n_layers=1, d_mlp=64, max_len=16, vocab_size=16, init_std=0.3
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -32,6 +33,7 @@ def randomise(model: torch.nn.Module) -> None:
 
 
 # ---- an independent reference: per-head loops and torch's own functional norms ----------
+
 
 def ref_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str) -> torch.Tensor:
     if kind == "layer":
@@ -104,6 +106,7 @@ def test_norm_modules_present_exactly_where_placement_says(placement: str) -> No
 
 # ---- the paper's mechanism as executable facts --------------------------------------------
 
+
 def _blind_head_model(placement: str, kind: str = "rms"):
     """Head 0's W_Q and W_K cannot read direction u (a zero-mean unit vector)."""
     model = build_model(tiny(norm_placement=placement, norm_type=kind))
@@ -168,12 +171,18 @@ def test_rescaling_a_tokens_residual(placement: str) -> None:
 
 # ---- a second implementation written by others: HF GPT-2 -----------------------------------
 
+
 def test_matches_hf_gpt2() -> None:
     transformers = pytest.importorskip("transformers")
     from normlab.interop import from_hf
 
     hf_cfg = transformers.GPT2Config(
-        n_embd=64, n_head=4, n_layer=2, vocab_size=100, n_positions=32, bos_token_id=0,
+        n_embd=64,
+        n_head=4,
+        n_layer=2,
+        vocab_size=100,
+        n_positions=32,
+        bos_token_id=0,
         eos_token_id=0,
     )
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
@@ -191,6 +200,7 @@ def test_matches_hf_gpt2() -> None:
 
 
 # ---- scales ---------------------------------------------------------------------------------
+
 
 def test_attention_scale_options() -> None:
     fixed = build_model(tiny(norm_placement="qkv", attn_scale="fixed"))
@@ -218,6 +228,7 @@ def test_qkv_norm_scope_all_normalises_whole_projection() -> None:
 
 
 # ---- bad configs ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),

@@ -141,8 +141,12 @@ class Attention(nn.Module):
         p_drop = self.dropout if self.training else 0.0
         if self.fused and not (self.hook_attn_scores.fns or self.hook_pattern.fns):
             z = F.scaled_dot_product_attention(
-                (q * scale[:, None]).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=mask, dropout_p=p_drop, scale=1.0,
+                (q * scale[:, None]).transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                dropout_p=p_drop,
+                scale=1.0,
             ).transpose(1, 2)
         else:
             scores = torch.einsum("bqhe,bkhe->bhqk", q, k) * scale[:, None, None]

@@ -10,6 +10,10 @@ RMSNorm, f the attention or MLP sub-layer, and W_Q/W_K/W_V a head's projections:
 | pre       | x + f(N(x))                                 | x + f(N(x))        | yes        |
 | qk        | x + f(x), q = N(W_Q x), k = N(W_K x)        | x + f(N(x)) (pre)  | yes        |
 | qkv       | x + f(x), q, k, v = N(W_Q x), N(W_K x), N(W_V x) | x + f(N(x)) (pre) | yes   |
+| pre_qk    | x + f(N(x)), and q = N(W_Q .), k = N(W_K .) | x + f(N(x))        | yes        |
+
+`pre_qk` is not in the paper: it is Pre-Norm plus QK-Norm, as in Qwen3, Gemma 3 and OLMo 2,
+so that those models can be loaded (`normlab.interop`) and compared.
 
 Cross-attention (encoder-decoder) follows its sub-layer's row: under `pre` the decoder
 side is N(x) and the memory side is the encoder output (already through the encoder's
@@ -50,6 +54,7 @@ PLACEMENTS: dict[str, Placement] = {
     "pre": Placement(attn="pre", mlp="pre", qk_norm=False, v_norm=False, final=True),
     "qk": Placement(attn=None, mlp="pre", qk_norm=True, v_norm=False, final=True),
     "qkv": Placement(attn=None, mlp="pre", qk_norm=True, v_norm=True, final=True),
+    "pre_qk": Placement(attn="pre", mlp="pre", qk_norm=True, v_norm=False, final=True),
 }
 
 

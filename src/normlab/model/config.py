@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 ARCHS = ("decoder", "encoder_decoder")
-PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
+PLACEMENTS = ("none", "post", "pre", "qk", "qkv", "pre_qk")
 NORM_TYPES = ("layer", "rms")
 NORM_SCOPES = ("head", "all")
 ATTN_SCALES = ("learned", "fixed")
@@ -78,8 +78,17 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name}: expected one of {', '.join(allowed)}; got {value!r}"
                 )
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "n_encoder_layers",
-                     "n_decoder_layers", "d_mlp", "max_len", "n_kv_heads"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_heads",
+            "n_layers",
+            "n_encoder_layers",
+            "n_decoder_layers",
+            "d_mlp",
+            "max_len",
+            "n_kv_heads",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}: expected a positive integer; got {value!r}")
@@ -89,7 +98,9 @@ class ModelConfig:
                 f"is not given; got {self.d_model}"
             )
         if isinstance(self.d_head, bool) or not isinstance(self.d_head, int) or self.d_head <= 0:
-            raise ValueError(f"ModelConfig.d_head: expected a positive integer; got {self.d_head!r}")
+            raise ValueError(
+                f"ModelConfig.d_head: expected a positive integer; got {self.d_head!r}"
+            )
         if self.pos_encoding == "rope" and self.d_head % 2:
             raise ValueError(
                 f"ModelConfig.d_head: expected an even number with pos_encoding='rope'; "
@@ -101,7 +112,9 @@ class ModelConfig:
                 f"got {self.n_kv_heads}"
             )
         if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"ModelConfig.dropout: expected a number in [0, 1); got {self.dropout!r}")
+            raise ValueError(
+                f"ModelConfig.dropout: expected a number in [0, 1); got {self.dropout!r}"
+            )
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
@@ -109,7 +122,7 @@ class ModelConfig:
 
     @property
     def normalises_qk(self) -> bool:
-        return self.norm_placement in ("qk", "qkv")
+        return self.norm_placement in ("qk", "qkv", "pre_qk")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,7 +133,6 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         for key in data:
             if key not in known:
-                raise ValueError(
-                    f"ModelConfig: unknown field {key!r}; expected one of {', '.join(sorted(known))}"
-                )
+                allowed = ", ".join(sorted(known))
+                raise ValueError(f"ModelConfig: unknown field {key!r}; expected one of {allowed}")
         return cls(**data)

@@ -17,7 +17,11 @@ class Norm(nn.Module):
     """N(x) over the last dim: `layer` centres first, `rms` does not."""
 
     def __init__(
-        self, dim: int, kind: str = "layer", eps: float = 1e-5, bias: bool = True,
+        self,
+        dim: int,
+        kind: str = "layer",
+        eps: float = 1e-5,
+        bias: bool = True,
         gain_offset: bool = False,
     ) -> None:
         super().__init__()

@@ -28,7 +28,9 @@ class PosEmbed(nn.Module):
         if cfg.pos_encoding == "learned":
             self.W_pos = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
         else:
-            self.register_buffer("W_pos", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False)
+            self.register_buffer(
+                "W_pos", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False
+            )
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         top = int(positions.max()) if positions.numel() else 0

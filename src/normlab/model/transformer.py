@@ -54,10 +54,10 @@ class Stack(nn.Module):
             self.hook_pos_embed = HookPoint()
         self.rotary = Rotary(cfg.d_head, cfg.rope_theta) if cfg.pos_encoding == "rope" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(
-            Block(cfg, causal=causal, cross=cross) for _ in range(n_layers)
+        self.blocks = nn.ModuleList(Block(cfg, causal=causal, cross=cross) for _ in range(n_layers))
+        self.ln_final = (
+            make_norm(cfg, cfg.d_model) if PLACEMENTS[cfg.norm_placement].final else None
         )
-        self.ln_final = make_norm(cfg, cfg.d_model) if PLACEMENTS[cfg.norm_placement].final else None
 
     def run(
         self,
@@ -89,7 +89,11 @@ class Stack(nn.Module):
         mem_mask = None if memory_mask is None else memory_mask[:, None, None, :]
         for i, block in enumerate(self.blocks):
             x = block(
-                x, mask=mask, rope=rope, memory=memory, memory_mask=mem_mask,
+                x,
+                mask=mask,
+                rope=rope,
+                memory=memory,
+                memory_mask=mem_mask,
                 cache=None if cache is None else cache.layers[i],
             )
         if cache is not None:
@@ -104,8 +108,9 @@ class Stack(nn.Module):
             return None
         qi = torch.arange(past, past + p, device=device)[:, None]
         kj = torch.arange(past + p, device=device)[None, :]
-        allowed = (kj <= qi) if self.causal else torch.ones(p, past + p, dtype=torch.bool,
-                                                             device=device)
+        allowed = (
+            (kj <= qi) if self.causal else torch.ones(p, past + p, dtype=torch.bool, device=device)
+        )
         allowed = allowed[None, None]
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, None, :].bool()
@@ -129,8 +134,9 @@ class DecoderLM(Stack, HookedModule):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, cfg.n_layers, causal=True, cross=False)
-        self.W_U = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model,
-                                                                             cfg.vocab_size))
+        self.W_U = (
+            None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model, cfg.vocab_size))
+        )
         _init_weights(self, cfg, cfg.n_layers)
         self.setup_hooks()
 
@@ -160,8 +166,9 @@ class EncoderDecoderLM(HookedModule):
         self.cfg = cfg
         self.encoder = Stack(cfg, cfg.n_encoder_layers, causal=False, cross=False)
         self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True)
-        self.W_U = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model,
-                                                                             cfg.vocab_size))
+        self.W_U = (
+            None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model, cfg.vocab_size))
+        )
         _init_weights(self, cfg, cfg.n_encoder_layers + cfg.n_decoder_layers)
         self.setup_hooks()
 

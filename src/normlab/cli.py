@@ -1,0 +1,254 @@
+"""`normlab` command line: a thin layer over the library; every error is one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from normlab.config import load_config
+    from normlab.train import train
+
+    cfg = load_config(args.config, args.set or [], seed=args.seed)
+    if args.device:
+        cfg.train.device = args.device
+    last = train(cfg, Path(args.out), resume=args.resume, force=args.force, progress=not args.quiet)
+    print(json.dumps(last))
+    return 0
+
+
+def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = True) -> dict[str, Any]:
+    """Evaluate a run's newest checkpoint on every split; write eval.json and heatmap.png."""
+    import torch
+
+    from normlab.evaluate import evaluate, heatmap
+    from normlab.io import provenance, write_json
+    from normlab.tasks.addition import eval_sets
+    from normlab.train import load_run
+
+    cfg, model, meta = load_run(run_dir)
+    torch.set_num_threads(cfg.train.threads)
+    task = cfg.task.resolve()
+    result = evaluate(model, task, eval_sets(task), limit=limit)
+    result.update(
+        {
+            "config": cfg.to_dict(),
+            "checkpoint": {
+                "step": meta["step"],
+                "sha256": meta["sha256"],
+                "train_elapsed_s": meta.get("elapsed_s"),
+            },
+            "seed": cfg.train.seed,
+            "eval_seed": task.eval_seed,
+            "provenance": provenance(),
+        }
+    )
+    write_json(Path(run_dir) / "eval.json", result)
+    heatmap(
+        result,
+        task.train_cells,
+        Path(run_dir) / "heatmap.png",
+        title=f"{cfg.model.norm_placement} seed {cfg.train.seed}: exact match %",
+    )
+    return result
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    result = eval_run(Path(args.run_dir), limit=args.limit)
+    for split, r in result["splits"].items():
+        lo, hi = r["ci95"]
+        print(
+            f"{split:>14}: {100 * r['accuracy']:6.2f}%  [{100 * lo:.1f}, {100 * hi:.1f}]  "
+            f"n={r['count']}"
+        )
+    print(f"wrote {Path(args.run_dir) / 'eval.json'} and heatmap.png")
+    return 0
+
+
+def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
+    """Split accuracies (with CI) of several evaluated runs, as table rows."""
+    results = []
+    for d in run_dirs:
+        path = Path(d) / "eval.json"
+        if not path.is_file():
+            raise ValueError(f"{str(path)!r} not found; run `normlab eval {d}` first")
+        results.append((Path(d), json.loads(path.read_text())))
+    splits = list(dict.fromkeys(s for _, r in results for s in r["splits"]))
+    header = ["run", "placement", "seed", *splits]
+    rows = []
+    for d, r in results:
+        cells = []
+        for s in splits:
+            v = r["splits"].get(s)
+            cells.append(
+                "-"
+                if v is None
+                else f"{100 * v['accuracy']:.1f} [{100 * v['ci95'][0]:.1f}, "
+                f"{100 * v['ci95'][1]:.1f}]"
+            )
+        rows.append([d.name, r["config"]["model"]["norm_placement"], str(r["seed"]), *cells])
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    header, rows = compare_rows([Path(d) for d in args.run_dirs])
+    if args.markdown or not sys.stdout.isatty():
+        print(markdown_table(header, rows))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="exact match % [95% CI]")
+        for h in header:
+            table.add_column(h)
+        for r in rows:
+            table.add_row(*r)
+        Console().print(table)
+    return 0
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from normlab.analysis.report import analyze_run
+
+    kwargs: dict[str, Any] = {
+        "threshold": args.threshold,
+        "mode": args.mode,
+        "noise": args.noise,
+        "seed": args.seed,
+        "targets": tuple(args.targets.split(",")),
+    }
+    if args.sigmas:
+        kwargs["sigmas"] = [float(s) for s in args.sigmas.split(",")]
+    if args.draws:
+        kwargs["n_draws"] = args.draws
+    if args.examples:
+        kwargs["n_examples"] = args.examples
+    if args.hf:
+        from normlab.interop.analyze import analyze_hf
+
+        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=Path(args.out), **kwargs)
+        print(f"wrote analysis to {args.out}")
+        return 0
+    if not args.run_dir:
+        raise ValueError("analyze: give RUN_DIR, or --hf DIR with --tokens/--text and --out")
+    out = analyze_run(Path(args.run_dir), **kwargs)
+    print(
+        f"wrote {Path(args.run_dir) / 'analysis'}: "
+        + ", ".join(k for k in out if not k.startswith("_"))
+    )
+    return 0
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from normlab.reproduce import reproduce
+
+    reproduce(args.profile, Path(args.out), jobs=args.jobs, device=args.device)
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from normlab.sweep import run_sweep
+
+    failed = run_sweep(
+        Path(args.config),
+        Path(args.out),
+        backend=args.backend,
+        address=args.address,
+        jobs=args.jobs,
+        device=args.device,
+    )
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="normlab", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="train one model from a TOML config")
+    t.add_argument(
+        "--config", required=True, help="TOML run config, e.g. configs/addition/pre.toml"
+    )
+    t.add_argument("--out", required=True, help="run folder to create (or resume)")
+    t.add_argument("--seed", type=int, help="overrides train.seed")
+    t.add_argument(
+        "--set",
+        action="append",
+        metavar="TABLE.KEY=VALUE",
+        help="override a config value, e.g. --set model.d_model=128 (repeatable)",
+    )
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    t.add_argument("--force", action="store_true", help="delete an existing run folder first")
+    t.add_argument("--quiet", action="store_true", help="no progress output")
+    t.set_defaults(fn=_cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a run on every split; writes eval.json")
+    e.add_argument("run_dir")
+    e.add_argument("--limit", type=int, help="at most this many examples per cell")
+    e.set_defaults(fn=_cmd_eval)
+
+    c = sub.add_parser("compare", help="table of split accuracies across evaluated runs")
+    c.add_argument("run_dirs", nargs="+")
+    c.add_argument("--markdown", action="store_true")
+    c.set_defaults(fn=_cmd_compare)
+
+    a = sub.add_parser("analyze", help="norm spread, sparse heads, circuit collapse, interference")
+    a.add_argument("run_dir", nargs="?")
+    a.add_argument("--sigmas", help="comma-separated noise levels, e.g. 0,0.05,0.1")
+    a.add_argument("--draws", type=int, help="noise draws per sigma")
+    a.add_argument("--examples", type=int, help="evaluation sequences to analyse")
+    a.add_argument("--threshold", type=float, default=0.9, help="sparse-row threshold theta")
+    a.add_argument("--mode", choices=["token", "vector"], default="token")
+    a.add_argument("--noise", choices=["normal", "uniform"], default="normal")
+    a.add_argument("--targets", default="q,k,v", help="subset of q,k,v to perturb")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--hf", help="a local Hugging Face model folder (save_pretrained format)")
+    a.add_argument("--tokens", help="with --hf: a file of whitespace-separated token ids")
+    a.add_argument("--text", help="with --hf: a text file, tokenised with the folder's tokenizer")
+    a.add_argument("--out", help="with --hf: output folder")
+    a.set_defaults(fn=_cmd_analyze)
+
+    r = sub.add_parser("reproduce", help="train, evaluate, analyse and report a whole profile")
+    r.add_argument("--profile", default="quick", help="smoke, quick or paper")
+    r.add_argument("--out", required=True)
+    r.add_argument("--jobs", type=int, help="runs at once (default: one per 1-thread core)")
+    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    r.set_defaults(fn=_cmd_reproduce)
+
+    s = sub.add_parser("sweep", help="expand a grid of configs into runs and train them")
+    s.add_argument("--config", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--backend", choices=["local", "ray"], default="local")
+    s.add_argument("--address", help="Ray cluster address (with --backend ray)")
+    s.add_argument("--jobs", type=int)
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    s.set_defaults(fn=_cmd_sweep)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("normlab: interrupted; finished checkpoints are kept (use --resume)", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"normlab: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Run configs: TOML files validated into typed dataclasses, with `--set key=value` overrides.
+
+A run config has three tables, `[model]` (`ModelConfig`), `[task]` (`TaskConfig`) and
+`[train]` (`TrainConfig`). Every error is one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from normlab.model.config import ModelConfig
+from normlab.tasks.addition import VOCAB_SIZE, ResolvedTask, TaskConfig
+
+SCHEDULES = ("linear", "cosine", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping. AdamW; warm-up then decay to `min_lr_ratio * lr`."""
+
+    seed: int = 0
+    steps: int = 6000
+    batch_size: int = 128
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.0
+    warmup_steps: int = 200
+    schedule: str = "linear"
+    weight_decay: float = 0.02
+    beta1: float = 0.9
+    beta2: float = 0.98
+    grad_clip: float = 1.0
+    eval_every: int = 500
+    eval_examples: int = 128  # per cell, for the periodic evaluation during training
+    checkpoint_every: int = 500
+    log_every: int = 50
+    early_stop_split: str = "train"
+    early_stop_accuracy: float = 1.01  # stop once this split reaches it (> 1: never)
+    patience: int = 0  # stop after this many evaluations without improvement (0: never)
+    threads: int = 1
+    device: str = "auto"
+
+    def validate(self) -> None:
+        positive = (
+            "steps",
+            "batch_size",
+            "eval_every",
+            "eval_examples",
+            "checkpoint_every",
+            "log_every",
+            "threads",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"train.{name}: expected a positive integer; got {getattr(self, name)}"
+                )
+        for name in ("warmup_steps", "patience", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}: expected >= 0; got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr: expected a positive number; got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"train.min_lr_ratio: expected a number in [0, 1]; got {self.min_lr_ratio}"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"train.schedule: expected one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
+            )
+        if self.device not in DEVICES:
+            raise ValueError(
+                f"train.device: expected one of {', '.join(DEVICES)}; got {self.device!r}"
+            )
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("train.weight_decay / train.grad_clip: expected >= 0")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list or hint is list:
+        return isinstance(value, list)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def typed(cls: type, table: Any, where: str) -> Any:
+    """Build dataclass `cls` from a TOML table: unknown keys and wrong types are errors."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected a table; got {type(table).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in table.items():
+        if key not in hints:
+            raise ValueError(f"{where}.{key}: unknown key; expected one of {', '.join(names)}")
+        if not _type_ok(value, hints[key]):
+            want = getattr(hints[key], "__name__", str(hints[key]))
+            raise ValueError(
+                f"{where}.{key}: expected {want}; got {type(value).__name__} {value!r}"
+            )
+    values = {k: (float(v) if hints[k] is float else v) for k, v in table.items()}
+    return cls(**values)
+
+
+@dataclass
+class RunConfig:
+    """One training run: what model, which task, how to train."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        for key in data:
+            if key not in ("model", "task", "train"):
+                raise ValueError(f"config.{key}: unknown table; expected model, task or train")
+        model = typed(ModelConfig, data.get("model", {}), "model")
+        task = typed(TaskConfig, data.get("task", {}), "task")
+        train = typed(TrainConfig, data.get("train", {}), "train")
+        cfg = cls(model, task, train)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> ResolvedTask:
+        self.model.validate()
+        self.train.validate()
+        task = self.task.resolve()
+        if self.model.vocab_size != VOCAB_SIZE:
+            raise ValueError(
+                f"model.vocab_size: expected {VOCAB_SIZE} for the addition task; "
+                f"got {self.model.vocab_size}"
+            )
+        need = task.max_seq_len(self.model.arch)
+        if self.model.pos_encoding in ("learned", "sinusoidal") and self.model.max_len < need:
+            raise ValueError(
+                f"model.max_len: expected >= {need} for this task's longest "
+                f"sequence; got {self.model.max_len}"
+            )
+        return task
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": dataclasses.asdict(self.model),
+            "task": dataclasses.asdict(self.task),
+            "train": dataclasses.asdict(self.train),
+        }
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`model.d_model=128` -> (['model', 'd_model'], 128); values are TOML literals."""
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. model.d_model=128")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) != 2:
+        raise ValueError(f"--set {key!r}: expected TABLE.KEY, e.g. train.lr")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string: --set model.norm_placement=qkv
+    return path, value
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] = (), seed: int | None = None
+) -> RunConfig:
+    """Read a TOML run config (None: all defaults), apply overrides and an optional seed."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file {str(p)!r}: invalid TOML ({err})") from None
+    for item in overrides:
+        (table, key), value = parse_override(item)
+        data.setdefault(table, {})[key] = value
+    if seed is not None:
+        data.setdefault("train", {})["seed"] = seed
+    return RunConfig.from_dict(data)
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Minimal TOML writer for our flat tables (None values are omitted)."""
+    import tomli_w
+
+    def clean(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: (clean(v) if isinstance(v, dict) else v) for k, v in d.items() if v is not None}
+
+    return tomli_w.dumps(clean(data))

@@ -1,0 +1,133 @@
+"""Exact-match accuracy per cell and split, by batched greedy decoding with the KV cache."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normlab.model import Model
+from normlab.model.generate import greedy_decode
+from normlab.tasks.addition import EOS, Cell, ResolvedTask, make_prompts, parse_answer
+
+
+def wilson_ci(correct: int, count: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion (sane at 0% and 100%)."""
+    if count == 0:
+        return (0.0, 1.0)
+    p = correct / count
+    denom = 1 + z * z / count
+    centre = (p + z * z / (2 * count)) / denom
+    half = z * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def predict(
+    model: Model,
+    questions: list[str],
+    arch: str,
+    reverse_answer: bool,
+    max_new: int,
+    batch_size: int = 1024,
+) -> list[str]:
+    """The model's greedy answers, as strings comparable with the true answers."""
+    out: list[str] = []
+    for i in range(0, len(questions), batch_size):
+        prompts = make_prompts(questions[i : i + batch_size], arch)
+        for ids in greedy_decode(model, prompts, max_new=max_new, eos=EOS):
+            try:
+                out.append(parse_answer(ids, reverse_answer))
+            except ValueError:
+                out.append("?")
+    return out
+
+
+def evaluate(
+    model: Model,
+    task: ResolvedTask,
+    sets: dict[str, dict[Cell, list[tuple[str, str]]]],
+    *,
+    limit: int | None = None,
+    batch_size: int = 1024,
+    predictor: Callable[[list[str]], list[str]] | None = None,
+) -> dict[str, Any]:
+    """Accuracy per split (with 95% CI) and per cell; `limit` caps examples per cell."""
+    arch = model.cfg.arch
+    max_new = task.max_lengths()[1] + 2
+    predictor = predictor or (
+        lambda qs: predict(model, qs, arch, task.reverse_answer, max_new, batch_size)
+    )
+    splits: dict[str, Any] = {}
+    cells: list[dict[str, Any]] = []
+    for split, by_cell in sets.items():
+        items = [(cell, q, a) for cell, probs in by_cell.items() for q, a in probs[:limit]]
+        preds = predictor([q for _, q, _ in items])
+        hits: dict[Cell, list[int]] = {}
+        for (cell, _, a), p in zip(items, preds, strict=True):
+            hits.setdefault(cell, []).append(int(p == a))
+        correct = sum(sum(h) for h in hits.values())
+        count = sum(len(h) for h in hits.values())
+        splits[split] = {
+            "accuracy": correct / max(count, 1),
+            "ci95": list(wilson_ci(correct, count)),
+            "count": count,
+        }
+        for cell, h in hits.items():
+            cells.append(
+                {
+                    "n": cell.n,
+                    "d": cell.d if isinstance(cell.d, int) else list(cell.d),
+                    "cell": str(cell),
+                    "split": split,
+                    "accuracy": sum(h) / len(h),
+                    "count": len(h),
+                }
+            )
+    return {"splits": splits, "cells": cells}
+
+
+def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: str = "") -> None:
+    """Accuracy over the (n, d) grid; train cells outlined. Mixed-digit cells are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    cells = [c for c in result["cells"] if isinstance(c["d"], int)]
+    ns = sorted({c["n"] for c in cells})
+    ds = sorted({c["d"] for c in cells})
+    grid = torch.full((len(ns), len(ds)), float("nan"))
+    for c in cells:
+        grid[ns.index(c["n"]), ds.index(c["d"])] = c["accuracy"]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(ds), 1.0 + 0.6 * len(ns)))
+    im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="viridis", origin="lower")
+    train = {(c.n, c.d) for c in train_cells}
+    for i, n in enumerate(ns):
+        for j, d in enumerate(ds):
+            v = grid[i, j].item()
+            if not math.isnan(v):
+                ax.text(
+                    j,
+                    i,
+                    f"{100 * v:.0f}",
+                    ha="center",
+                    va="center",
+                    color="black" if v > 0.5 else "white",
+                    fontsize=8,
+                )
+            if (n, d) in train:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="red"))
+    ax.set_xticks(range(len(ds)), [str(d) for d in ds])
+    ax.set_yticks(range(len(ns)), [str(n) for n in ns])
+    ax.set_xlabel("digits per integer (d)")
+    ax.set_ylabel("integers per sum (n)")
+    ax.set_title(title or "exact match % (red: train cells)", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,316 @@
+"""Training: AdamW with warm-up and decay, periodic evaluation, safe checkpoints, exact resume.
+
+A run folder holds `config.toml`, `metrics.jsonl`, `checkpoints/`, `tb/` (TensorBoard) and,
+after `normlab eval`, `eval.json`. Nothing already written is overwritten unless asked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from normlab.checkpoint import (
+    latest_checkpoint,
+    model_state,
+    optimizer_state,
+    save_checkpoint,
+    torch_rng,
+)
+from normlab.config import RunConfig, dump_toml
+from normlab.evaluate import evaluate
+from normlab.io import atomic_write_text, provenance
+from normlab.model import Model, build_model
+from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the last good checkpoint remains."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' requested but no CUDA device is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def lr_at(step: int, cfg: Any) -> float:
+    """Linear warm-up, then linear/cosine decay to min_lr_ratio * lr (or constant)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    frac = min(max(frac, 0.0), 1.0)
+    shape = 1 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
+    """Weight decay on matrices only; norms, biases and logit scales are not decayed."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        foreach=False,
+    )
+
+
+def loss_on(model: Model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Cross-entropy on answer tokens only; returns (loss, number of real tokens)."""
+    if "tokens" in batch:
+        logits, targets = model(batch["tokens"]), batch["targets"]
+        n_tok = int((batch["tokens"] != 0).sum())
+    else:
+        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"])
+        targets = batch["tgt_out"]
+        n_tok = int(batch["src_mask"].sum() + (batch["tgt_out"] != IGNORE_INDEX).sum())
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+    return loss, n_tok
+
+
+class Progress:
+    """A rich progress bar on a terminal; plain log lines otherwise (logs, CI, pipes)."""
+
+    def __init__(self, total: int, start: int, enabled: bool, label: str) -> None:
+        self.tty = enabled and sys.stderr.isatty()
+        self.enabled, self.label, self.total = enabled, label, total
+        self.bar = None
+        if self.tty:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total, completed=start, info="")
+
+    def update(self, step: int, info: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif self.enabled:
+            print(f"[{self.label}] step {step}/{self.total} {info}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def prepare_run_dir(out: Path, *, resume: bool, force: bool) -> None:
+    out = Path(out)
+    has_content = out.exists() and any(out.iterdir())
+    if has_content and not (resume or force):
+        raise ValueError(
+            f"run folder {str(out)!r} already exists; pass --resume to continue it "
+            "or --force to start over"
+        )
+    if has_content and force and not resume:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop log lines written after the checkpoint (they will be redone)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+    atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+
+def train(
+    cfg: RunConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
+    """Train one run into `out`; returns the last metrics record.
+
+    `stop_after` ends the process-equivalent early (after that many steps), used to test
+    that a killed run resumes to the same weights.
+    """
+    out = Path(out)
+    task = cfg.validate()
+    tc = cfg.train
+    resuming = (
+        resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
+    )
+    prepare_run_dir(out, resume=resume, force=force)
+    torch.set_num_threads(tc.threads)
+    device = pick_device(tc.device)
+    torch.manual_seed(tc.seed)
+    model = build_model(cfg.model).to(device)
+    opt = make_optimizer(model, tc)
+    stream = TrainStream(
+        task.train_cells,
+        seed=tc.seed,
+        batch_size=tc.batch_size,
+        arch=cfg.model.arch,
+        reverse_answer=task.reverse_answer,
+        weights=task.train_weights,
+    )
+    step, elapsed, best, stale = 0, 0.0, -1.0, 0
+    ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
+    if resuming:
+        tensors, meta = latest_checkpoint(ckpt_dir, warn=log)
+        if meta["config"] != cfg.to_dict():
+            raise ValueError(
+                f"--resume: the config differs from the one saved in {str(out)!r}; "
+                "use the same config (or --force to start over)"
+            )
+        model.load_state_dict(model_state(tensors))
+        opt.load_state_dict(optimizer_state(tensors, meta))
+        stream.load_state_dict(meta["stream"])
+        torch.set_rng_state(torch_rng(meta))
+        step, elapsed = meta["step"], meta["elapsed_s"]
+        best, stale = meta["best"], meta["stale"]
+        _truncate_metrics(metrics_path, step)
+        log(f"resuming {out} from step {step}")
+    else:
+        atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
+    sets = eval_sets(task)
+    writer = _tensorboard(out / "tb")
+
+    def checkpoint() -> None:
+        meta = {
+            "config": cfg.to_dict(),
+            "stream": stream.state_dict(),
+            "elapsed_s": elapsed,
+            "best": best,
+            "stale": stale,
+        }
+        save_checkpoint(ckpt_dir, step, model, opt, meta)
+
+    def record(rec: dict[str, Any]) -> None:
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if writer is not None:
+            for k, v in rec.items():
+                if isinstance(v, int | float) and k != "step":
+                    writer.add_scalar(k, v, rec["step"])
+            for split, acc in rec.get("accuracy", {}).items():
+                writer.add_scalar(f"accuracy/{split}", acc, rec["step"])
+            writer.flush()
+
+    bar = Progress(tc.steps, step, progress, out.name)
+    last: dict[str, Any] = {"step": step}
+    tok_count, t0 = 0, time.perf_counter()
+    end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+    try:
+        model.train()
+        while step < end:
+            lr = lr_at(step, tc)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            batch = {k: v.to(device) for k, v in next(stream).items()}
+            loss, n_tok = loss_on(model, batch)
+            if not torch.isfinite(loss):
+                raise TrainingError(
+                    f"loss is {loss.item()} at step {step + 1}; stopped, the last "
+                    f"good checkpoint in {str(ckpt_dir)!r} is kept"
+                )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tc.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            opt.step()
+            step += 1
+            tok_count += n_tok
+            now = time.perf_counter()
+            elapsed_now = elapsed + (now - t0)
+            if step % tc.log_every == 0 or step == end:
+                tps = tok_count / max(now - t0, 1e-9)
+                last = {
+                    "step": step,
+                    "loss": loss.item(),
+                    "lr": lr,
+                    "tokens_per_s": tps,
+                    "elapsed_s": elapsed_now,
+                }
+                if step % tc.eval_every == 0 or step == tc.steps:
+                    model.eval()
+                    res = evaluate(model, task, sets, limit=tc.eval_examples)
+                    model.train()
+                    last["accuracy"] = {s: r["accuracy"] for s, r in res["splits"].items()}
+                    score = last["accuracy"].get(tc.early_stop_split, -1.0)
+                    best, stale = (score, 0) if score > best else (best, stale + 1)
+                record(last)
+                acc = last.get("accuracy", {}).get(tc.early_stop_split)
+                info = f"loss {last['loss']:.3f} | {tps:,.0f} tok/s" + (
+                    f" | {tc.early_stop_split} acc {acc:.3f}" if acc is not None else ""
+                )
+                bar.update(step, info)
+                elapsed, tok_count, t0 = elapsed_now, 0, time.perf_counter()
+            if step % tc.checkpoint_every == 0 or step == tc.steps:
+                checkpoint()
+            if (
+                "accuracy" in last
+                and last["step"] == step
+                and (best >= tc.early_stop_accuracy or (tc.patience and stale >= tc.patience))
+            ):
+                log(f"early stop at step {step}: {tc.early_stop_split} accuracy {best:.4f}")
+                if step % tc.checkpoint_every:
+                    checkpoint()
+                last["early_stopped"] = True
+                break
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+    return last
+
+
+def _tensorboard(path: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency, but keep training without it
+        return None
+    return SummaryWriter(str(path))
+
+
+def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict[str, Any]]:
+    """The config and newest good model of a run folder (weights only, never unpickled)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"{str(run_dir)!r} is not a normlab run folder (no checkpoints/)")
+    tensors, meta = latest_checkpoint(
+        run_dir / "checkpoints", warn=lambda s: print(s, file=sys.stderr)
+    )
+    cfg = RunConfig.from_dict(meta["config"])
+    model = build_model(cfg.model)
+    model.load_state_dict(model_state(tensors))
+    return cfg, model.to(device).eval(), meta
+
+
+__all__ = ["TrainingError", "load_run", "lr_at", "provenance", "train"]

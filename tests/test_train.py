@@ -1,0 +1,231 @@
+"""Training learns, checkpoints are safe, resume is exact, bad input is one clear line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from normlab.cli import eval_run, main
+from normlab.config import load_config
+from normlab.train import TrainingError, lr_at, train
+
+TINY = [
+    "task.grid='smoke'",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.d_mlp=64",
+    "train.batch_size=32",
+    "train.warmup_steps=5",
+    "train.log_every=5",
+    "train.eval_examples=16",
+    "task.eval_size=32",
+]
+
+
+def cfg(*extra: str):
+    return load_config(None, [*TINY, *extra])
+
+
+def test_learns_a_one_digit_cell(tmp_path: Path) -> None:
+    c = cfg(
+        "task.train=[[1, 1]]",
+        "task.splits={held = [[2, 1]]}",
+        "train.steps=150",
+        "train.lr=3e-3",
+        "train.eval_every=150",
+        "train.checkpoint_every=150",
+    )
+    last = train(c, tmp_path / "run", progress=False)
+    assert last["accuracy"]["train"] == 1.0
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    newest = list_checkpoints(run / "checkpoints")[-1]
+    return load_file(newest.with_suffix(".safetensors"))
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_resume_after_kill_is_bitwise_identical(tmp_path: Path, arch: str) -> None:
+    c = cfg(
+        f"model.arch='{arch}'",
+        "train.steps=40",
+        "train.checkpoint_every=10",
+        "train.eval_every=20",
+        "model.dropout=0.1",
+    )
+    train(c, tmp_path / "straight", progress=False)
+    train(c, tmp_path / "killed", progress=False, stop_after=25)  # dies after step 25
+    # the kill lost steps 21-25; resume restarts from the step-20 checkpoint
+    train(c, tmp_path / "killed", progress=False, resume=True)
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    steps = [json.loads(x)["step"] for x in (tmp_path / "killed/metrics.jsonl").open()]
+    assert steps == sorted(set(steps))  # no duplicated log lines after the resume
+
+
+def test_corrupted_checkpoint_is_one_line_and_previous_still_loads(tmp_path: Path) -> None:
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
+    train(c, tmp_path / "run", progress=False)
+    prev, newest = list_checkpoints(tmp_path / "run/checkpoints")
+    blob = newest.with_suffix(".safetensors")
+    blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])  # truncate
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(newest)
+    assert "truncated or corrupted" in str(err.value) and "\n" not in str(err.value)
+    _, meta = load_checkpoint(prev)
+    assert meta["step"] == 10
+    warnings: list[str] = []
+    _, meta = latest_checkpoint(tmp_path / "run/checkpoints", warn=warnings.append)
+    assert meta["step"] == 10 and warnings
+    side = prev.with_suffix(".json")
+    side.write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(prev)
+
+
+def test_checkpoint_sidecar_records_provenance(tmp_path: Path) -> None:
+    train(
+        cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10"),
+        tmp_path / "run",
+        progress=False,
+    )
+    _, meta = latest_checkpoint(tmp_path / "run/checkpoints")
+    assert meta["config"]["train"]["seed"] == 0
+    assert {"torch", "git_commit", "python"} <= set(meta["provenance"])
+    assert meta["stream"] and meta["optimizer"]["param_groups"]
+    assert (tmp_path / "run/config.toml").is_file()
+    assert list((tmp_path / "run/tb").glob("events.out.tfevents.*"))
+    rec = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").open()]
+    assert {"step", "loss", "lr", "tokens_per_s"} <= set(rec[-1])
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    import normlab.train as tr
+
+    real = tr.loss_on
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss, n = real(model, batch)
+        return (loss * float("nan"), n) if calls["n"] > 12 else (loss, n)
+
+    monkeypatch.setattr(tr, "loss_on", poisoned)
+    with pytest.raises(TrainingError, match="loss is nan at step 13"):
+        train(
+            cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=30"),
+            tmp_path / "run",
+            progress=False,
+        )
+    _, meta = latest_checkpoint(tmp_path / "run/checkpoints")
+    assert meta["step"] == 10
+
+
+def test_never_overwrites_without_force(tmp_path: Path) -> None:
+    c = cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5")
+    train(c, tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match="already exists; pass --resume"):
+        train(c, tmp_path / "run", progress=False)
+    train(c, tmp_path / "run", progress=False, force=True)
+
+
+def test_lr_schedule() -> None:
+    c = cfg("train.steps=100", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr_ratio=0.1")
+    t = c.train
+    assert lr_at(0, t) == pytest.approx(0.1)
+    assert lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(100, t) == pytest.approx(0.1)
+    assert lr_at(55, t) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_eval_json_schema(tmp_path: Path) -> None:
+    train(
+        cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5"),
+        tmp_path / "run",
+        progress=False,
+    )
+    result = eval_run(tmp_path / "run", limit=8)
+    saved = json.loads((tmp_path / "run/eval.json").read_text())
+    assert saved["splits"].keys() == {"train", "interpolation", "extrapolation"}
+    for r in saved["splits"].values():
+        assert 0 <= r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] <= 1 and r["count"] > 0
+    cell = saved["cells"][0]
+    assert {"n", "d", "split", "accuracy", "count"} <= set(cell)
+    assert saved["config"]["model"]["norm_placement"] == "pre"
+    assert saved["checkpoint"]["step"] == 5 and result["splits"] == saved["splits"]
+    assert (tmp_path / "run/heatmap.png").stat().st_size > 1000
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+def test_cli_bad_input(tmp_path: Path, capsys) -> None:
+    out = str(tmp_path / "run")
+    code, err = _cli(capsys, "train", "--config", str(tmp_path / "missing.toml"), "--out", out)
+    assert code == 2 and err.count("\n") == 0 and "not found" in err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nd_modle = 3\n")
+    code, err = _cli(capsys, "train", "--config", str(bad), "--out", out)
+    assert code == 2 and "model.d_modle: unknown key" in err and "\n" not in err
+    bad.write_text("[train]\nlr = 'fast'\n")
+    code, err = _cli(capsys, "train", "--config", str(bad), "--out", out)
+    assert code == 2 and "train.lr: expected float" in err
+    bad.write_text("[model]\nnorm_placement = 'sandwich'\n")
+    code, err = _cli(capsys, "train", "--config", str(bad), "--out", out)
+    assert code == 2 and "ModelConfig.norm_placement" in err
+    good = tmp_path / "good.toml"
+    good.write_text(
+        "[task]\ngrid = 'smoke'\n[train]\nsteps = 2\n[model]\nd_model = 16\nn_layers = 1\n"
+    )
+    Path(out).mkdir()
+    (Path(out) / "keep.txt").write_text("results")
+    code, err = _cli(capsys, "train", "--config", str(good), "--out", out, "--quiet")
+    assert code == 2 and "already exists" in err
+    assert (Path(out) / "keep.txt").read_text() == "results"
+    code, err = _cli(capsys, "eval", str(tmp_path / "nothing"))
+    assert code == 2 and "not a normlab run folder" in err
+    code, err = _cli(capsys, "train", "--config", str(good), "--out", out, "--set", "oops")
+    assert code == 2 and "KEY=VALUE" in err
+
+
+def test_cli_train_eval_compare(tmp_path: Path, capsys) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(
+        "[task]\ngrid = 'smoke'\neval_size = 8\n[train]\nsteps = 4\neval_every = 4\n"
+        "checkpoint_every = 4\n[model]\nd_model = 16\nn_layers = 1\n"
+    )
+    for p in ("pre", "qkv"):
+        code = main(
+            [
+                "train",
+                "--config",
+                str(good),
+                "--out",
+                str(tmp_path / p),
+                "--quiet",
+                "--set",
+                f"model.norm_placement={p}",
+                "--seed",
+                "3",
+            ]
+        )
+        assert code == 0
+        assert main(["eval", str(tmp_path / p)]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--markdown", str(tmp_path / "pre"), str(tmp_path / "qkv")]) == 0
+    table = capsys.readouterr().out
+    assert "| pre | pre | 3 |" in table and "| qkv | qkv | 3 |" in table
