@@ -27,9 +27,12 @@ from normlab.checkpoint import (
 )
 from normlab.config import RunConfig, dump_toml
 from normlab.evaluate import evaluate
-from normlab.io import atomic_write_text, provenance
+from normlab.io import atomic_write_text, provenance, write_json
 from normlab.model import Model, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
+
+
+DONE = "train_done.json"  # written once training has finished (all steps or early stop)
 
 
 class TrainingError(RuntimeError):
@@ -163,6 +166,8 @@ def train(
     out = Path(out)
     task = cfg.validate()
     tc = cfg.train
+    if resume and (out / DONE).is_file():
+        return json.loads((out / DONE).read_text())  # finished before: nothing to redo
     resuming = (
         resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
     )
@@ -184,7 +189,7 @@ def train(
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
     if resuming:
         tensors, meta = latest_checkpoint(ckpt_dir, warn=log)
-        if meta["config"] != cfg.to_dict():
+        if _comparable(meta["config"]) != _comparable(cfg.to_dict()):
             raise ValueError(
                 f"--resume: the config differs from the one saved in {str(out)!r}; "
                 "use the same config (or --force to start over)"
@@ -288,7 +293,14 @@ def train(
         bar.close()
         if writer is not None:
             writer.close()
+    if step >= tc.steps or last.get("early_stopped"):
+        write_json(out / DONE, last)
     return last
+
+
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """A config minus settings that may change across a resume (where it runs)."""
+    return {**config, "train": {k: v for k, v in config["train"].items() if k != "device"}}
 
 
 def _tensorboard(path: Path) -> Any:

@@ -1,5 +1,5 @@
 """Bring models normlab did not train into normlab (same weights, same hook names)."""
 
-from normlab.interop.hf import from_hf
+from normlab.interop.hf import CONVERTERS, from_hf, from_hf_pretrained
 
-__all__ = ["from_hf"]
+__all__ = ["CONVERTERS", "from_hf", "from_hf_pretrained"]

@@ -1,12 +1,16 @@
 """`from_hf`: a Hugging Face causal LM as a normlab `DecoderLM` with the same weights.
 
 Each supported family is a config translation plus a weight mapping into the
-TransformerLens layout; every architectural feature lives in the normlab model itself.
+TransformerLens layout; every architectural feature lives in the normlab model itself, so a
+converted model has the same hooks as one normlab trained. Options a family supports but
+normlab does not implement (RoPE scaling, sliding windows, ...) are refused, never ignored:
+a silently wrong model is worse than none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +20,8 @@ from normlab.model import DecoderLM, ModelConfig, build_model
 HF_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
           "relu": "relu", "silu": "silu"}
 
+StateDict = dict[str, torch.Tensor]
+
 
 def _act(name: str) -> str:
     if name not in HF_ACT:
@@ -23,8 +29,29 @@ def _act(name: str) -> str:
     return HF_ACT[name]
 
 
-def _gpt2(hf: Any) -> DecoderLM:
-    c = hf.config
+def _load(cfg: ModelConfig, new: StateDict) -> DecoderLM:
+    model = build_model(cfg)
+    assert isinstance(model, DecoderLM)
+    model.load_state_dict(new, strict=True)
+    return model
+
+
+def _heads_in(W: torch.Tensor, n: int, e: int) -> torch.Tensor:
+    """nn.Linear weight [n * e, d] (y = x W^T) -> TransformerLens [n, d, e]."""
+    return W.reshape(n, e, -1).transpose(1, 2)
+
+
+# ---- GPT-2 ------------------------------------------------------------------------------------
+
+
+def _gpt2(c: Any, sd: StateDict) -> DecoderLM:
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or not getattr(
+        c, "scale_attn_weights", True
+    ):
+        raise ValueError(
+            "GPT2LMHeadModel: scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False "
+            "is not supported; normlab scales attention by 1/sqrt(d_head)"
+        )
     d, h = c.n_embd, c.n_head
     e = d // h
     cfg = ModelConfig(
@@ -33,9 +60,7 @@ def _gpt2(hf: Any) -> DecoderLM:
         norm_placement="pre", norm_type="layer", norm_eps=c.layer_norm_epsilon,
         attn_bias=True, mlp_bias=True, act=_act(c.activation_function), tie_embeddings=True,
     )
-    model = build_model(cfg)
-    sd = hf.state_dict()
-    new: dict[str, torch.Tensor] = {
+    new: StateDict = {
         "embed.W_E": sd["transformer.wte.weight"],
         "pos_embed.W_pos": sd["transformer.wpe.weight"],
         "ln_final.w": sd["transformer.ln_f.weight"],
@@ -57,20 +82,119 @@ def _gpt2(hf: Any) -> DecoderLM:
         new[dst + "mlp.b_in"] = sd[src + "mlp.c_fc.bias"]
         new[dst + "mlp.W_out"] = sd[src + "mlp.c_proj.weight"]
         new[dst + "mlp.b_out"] = sd[src + "mlp.c_proj.bias"]
-    model.load_state_dict(new, strict=True)
-    return model
+    return _load(cfg, new)
 
 
-CONVERTERS: dict[str, Callable[[Any], DecoderLM]] = {"GPT2LMHeadModel": _gpt2}
+# ---- Llama / Qwen3 ----------------------------------------------------------------------------
+
+
+def _rope_theta(c: Any, family: str) -> float:
+    """Base of plain RoPE; any scaled variant is refused because normlab implements none.
+
+    transformers 5 keeps everything in `rope_parameters`; 4.x used `rope_theta` plus an
+    optional `rope_scaling` dict (`type` in old versions, `rope_type` in newer ones).
+    """
+    params = dict(getattr(c, "rope_scaling", None) or {})
+    params.update(getattr(c, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{family}: per-layer-type rope_parameters are not supported")
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind != "default":
+        raise ValueError(
+            f"{family}: rope_scaling type {kind!r} is not supported; only plain RoPE "
+            "(rope_type 'default') is implemented"
+        )
+    partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{family}: partial_rotary_factor={partial} is not supported; expected 1.0")
+    return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+
+
+def _llama_like(c: Any, sd: StateDict, family: str, *, qk_norm: bool) -> DecoderLM:
+    """Pre-RMSNorm, RoPE, SwiGLU, GQA; Qwen3 adds per-head RMS QK-Norm before RoPE."""
+    if getattr(c, "mlp_bias", False):
+        raise ValueError(f"{family}: mlp_bias=True is not supported (normlab has no gate bias)")
+    windows = [t for t in (getattr(c, "layer_types", None) or []) if t != "full_attention"]
+    if getattr(c, "use_sliding_window", False) or windows:
+        raise ValueError(f"{family}: sliding-window attention is not supported")
+    d, h = c.hidden_size, c.num_attention_heads
+    kvh = getattr(c, "num_key_value_heads", None) or h
+    e = getattr(c, "head_dim", None) or d // h
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    cfg = ModelConfig(
+        arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_kv_heads=kvh, d_head=e,
+        n_layers=c.num_hidden_layers, d_mlp=c.intermediate_size,
+        max_len=c.max_position_embeddings, pos_encoding="rope",
+        rope_theta=_rope_theta(c, family), norm_placement="pre_qk" if qk_norm else "pre",
+        norm_type="rms", norm_eps=c.rms_norm_eps, qkv_norm_scope="head", attn_scale="fixed",
+        attn_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=False,
+        act=_act(c.hidden_act), mlp_type="gated", tie_embeddings=tied,
+    )
+    new: StateDict = {"embed.W_E": sd["model.embed_tokens.weight"],
+                      "ln_final.w": sd["model.norm.weight"]}
+    if not tied:
+        new["W_U"] = sd["lm_head.weight"].T
+    for i in range(c.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"blocks.{i}."
+        a = src + "self_attn."
+        for name, n in (("q", h), ("k", kvh), ("v", kvh)):
+            new[dst + f"attn.W_{name.upper()}"] = _heads_in(sd[a + f"{name}_proj.weight"], n, e)
+            if cfg.attn_bias:
+                new[dst + f"attn.b_{name.upper()}"] = sd[a + f"{name}_proj.bias"].reshape(n, e)
+        new[dst + "attn.W_O"] = sd[a + "o_proj.weight"].T.reshape(h, e, d)
+        if cfg.attn_bias:
+            new[dst + "attn.b_O"] = sd[a + "o_proj.bias"]
+        if qk_norm:
+            new[dst + "attn.q_norm.w"] = sd[a + "q_norm.weight"]
+            new[dst + "attn.k_norm.w"] = sd[a + "k_norm.weight"]
+        new[dst + "ln1.w"] = sd[src + "input_layernorm.weight"]
+        new[dst + "ln2.w"] = sd[src + "post_attention_layernorm.weight"]
+        new[dst + "mlp.W_gate"] = sd[src + "mlp.gate_proj.weight"].T
+        new[dst + "mlp.W_in"] = sd[src + "mlp.up_proj.weight"].T
+        new[dst + "mlp.W_out"] = sd[src + "mlp.down_proj.weight"].T
+    return _load(cfg, new)
+
+
+def _llama(c: Any, sd: StateDict) -> DecoderLM:
+    return _llama_like(c, sd, "LlamaForCausalLM", qk_norm=False)
+
+
+def _qwen3(c: Any, sd: StateDict) -> DecoderLM:
+    return _llama_like(c, sd, "Qwen3ForCausalLM", qk_norm=True)
+
+
+CONVERTERS: dict[str, Callable[[Any, StateDict], DecoderLM]] = {
+    "GPT2LMHeadModel": _gpt2,
+    "LlamaForCausalLM": _llama,
+    "Qwen3ForCausalLM": _qwen3,
+}
 
 
 def from_hf(hf_model: Any) -> DecoderLM:
-    """Convert a loaded Hugging Face causal LM; the output is in float32 eval mode."""
+    """Convert a loaded Hugging Face causal LM into a float32, eval-mode model on the CPU.
+
+    The weights are copied in float32 (so logits can be compared to 1e-4); `hf_model` itself
+    is left untouched (dtype, device, mode).
+    """
     name = type(hf_model).__name__
     if name not in CONVERTERS:
         raise ValueError(
             f"architecture {name!r} is not supported; expected one of {', '.join(CONVERTERS)}"
         )
+    sd = {k: v.detach().to("cpu", torch.float32) for k, v in hf_model.state_dict().items()}
     with torch.no_grad():
-        model = CONVERTERS[name](hf_model.float())
+        model = CONVERTERS[name](hf_model.config, sd)
     return model.eval()
+
+
+def from_hf_pretrained(path: str | Path) -> DecoderLM:
+    """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        what = "has no config.json" if folder.is_dir() else "does not exist"
+        raise ValueError(f"from_hf_pretrained: folder {str(folder)!r} {what}; expected a "
+                         "Hugging Face save_pretrained folder")
+    from transformers import AutoModelForCausalLM
+
+    # the saved dtype is kept here; from_hf upcasts to float32 (lossless from bf16/fp16)
+    return from_hf(AutoModelForCausalLM.from_pretrained(folder, local_files_only=True))

@@ -1,0 +1,256 @@
+"""What the analyses run on: teacher-forced evaluation batches and the model's attention sites.
+
+Every measurement (norm spread, sparse rows, collapse, interference) is taken on *correct*
+sequences fed through the model teacher-forced, so the circuits measured are the ones the model
+uses on the task. A batch is described by `EvalData`: the model inputs plus, for each token
+*stream* (`tokens` for a decoder-only model; `src` and `tgt` for an encoder-decoder), which
+positions are real tokens and which class they belong to. Hooks know their stream from their
+name (`stream_of`), so pads are skipped uniformly everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from normlab.model import DecoderLM, EncoderDecoderLM, Model
+from normlab.model.attention import Attention
+from normlab.tasks.addition import PAD, Cell, ResolvedTask, encode, make_batch
+
+DECODER_CLASSES = ("question", "answer")
+ENC_DEC_CLASSES = ("encoder", "decoder")
+
+
+@dataclass
+class EvalData:
+    """A teacher-forced batch and its bookkeeping.
+
+    `inputs`: decoder `{"tokens"}`; encoder-decoder `{"src", "src_mask", "tgt_in"}`.
+    `valid[stream]` [B, T] bool marks real tokens; `classes[stream]` [B, T] long indexes
+    `class_names` (-1 on pads). `problems`/`cells` say where each example came from.
+    """
+
+    arch: str
+    inputs: dict[str, torch.Tensor]
+    valid: dict[str, torch.Tensor]
+    classes: dict[str, torch.Tensor]
+    class_names: tuple[str, ...]
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    cells: list[str] = field(default_factory=list)
+
+    @property
+    def n_examples(self) -> int:
+        return next(iter(self.valid.values())).shape[0]
+
+    @property
+    def lengths(self) -> dict[str, int]:
+        """Padded width of each stream."""
+        return {s: v.shape[1] for s, v in self.valid.items()}
+
+    @property
+    def tokens_per_copy(self) -> int:
+        """Positions one copy of the batch puts through the model (to size chunks)."""
+        return self.n_examples * sum(self.lengths.values())
+
+    def repeated(self, copies: int) -> dict[str, torch.Tensor]:
+        """Inputs repeated `copies` times along the batch: row `c * B + b` is example b."""
+        return {k: v.repeat(copies, *([1] * (v.dim() - 1))) for k, v in self.inputs.items()}
+
+    def forward(self, model: Model, copies: int = 1) -> torch.Tensor:
+        """Run the model teacher-forced, exactly as training does (no extra masks)."""
+        x = self.repeated(copies) if copies != 1 else self.inputs
+        if self.arch == "decoder":
+            return model(x["tokens"])
+        return model(x["src"], x["tgt_in"], x["src_mask"])
+
+    @classmethod
+    def from_problems(
+        cls,
+        problems: Sequence[tuple[str, str]],
+        arch: str,
+        reverse_answer: bool = False,
+        cells: Sequence[str] = (),
+    ) -> EvalData:
+        """Correct (question, answer) pairs as `make_batch` lays them out for `arch`."""
+        batch = make_batch(problems, arch, reverse_answer)
+        if arch == "decoder":
+            tokens = batch["tokens"]
+            valid = tokens != PAD
+            q_len = torch.tensor([len(encode(q)) + 2 for q, _ in problems])  # B question E
+            pos = torch.arange(tokens.shape[1])[None, :]
+            classes = torch.where(pos < q_len[:, None], 0, 1).masked_fill(~valid, -1)
+            return cls(arch, {"tokens": tokens}, {"tokens": valid}, {"tokens": classes},
+                       DECODER_CLASSES, list(problems), list(cells))
+        src_valid = batch["src_mask"].bool()
+        tgt_valid = batch["tgt_in"] != PAD
+        return cls(
+            arch,
+            {"src": batch["src"], "src_mask": src_valid, "tgt_in": batch["tgt_in"]},
+            {"src": src_valid, "tgt": tgt_valid},
+            {"src": torch.zeros_like(batch["src"]).masked_fill(~src_valid, -1),
+             "tgt": torch.ones_like(batch["tgt_in"]).masked_fill(~tgt_valid, -1)},
+            ENC_DEC_CLASSES, list(problems), list(cells),
+        )
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> EvalData:
+        """Arbitrary decoder-only sequences (e.g. hand-built tests); one class, `tokens`."""
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool()
+        classes = torch.zeros_like(tokens).masked_fill(~valid, -1)
+        return cls("decoder", {"tokens": tokens}, {"tokens": valid}, {"tokens": classes},
+                   ("tokens",))
+
+
+def select_problems(
+    task: ResolvedTask,
+    sets: dict[str, dict[Cell, list[tuple[str, str]]]],
+    n_examples: int,
+    splits: Sequence[str] | None = ("train",),
+) -> tuple[dict[str, dict[Cell, list[tuple[str, str]]]], int]:
+    """The first `per_cell` problems of every cell of `splits` (None: all splits).
+
+    `per_cell = ceil(n_examples / n_cells)`, so the cells are balanced and the very same
+    problems serve the collapse sweep and `evaluate(..., limit=per_cell)`. Returns the reduced
+    sets and `per_cell`. Deterministic: the eval sets are already fixed per cell.
+    """
+    _check_positive_int(n_examples, "n_examples")
+    names = list(sets) if splits is None else list(splits)
+    for name in names:
+        if name not in sets:
+            raise ValueError(f"unknown split {name!r}; expected one of {', '.join(sets)}")
+    n_cells = sum(len(sets[s]) for s in names)
+    if n_cells == 0:
+        raise ValueError("the selected splits have no cells")
+    per_cell = math.ceil(n_examples / n_cells)
+    chosen = {s: {c: probs[:per_cell] for c, probs in sets[s].items()} for s in names}
+    return chosen, per_cell
+
+
+def data_from_sets(
+    sets: dict[str, dict[Cell, list[tuple[str, str]]]], arch: str, reverse_answer: bool = False
+) -> EvalData:
+    """All problems of (already reduced) eval sets as one teacher-forced batch."""
+    problems, cells = [], []
+    for by_cell in sets.values():
+        for cell, probs in by_cell.items():
+            problems += probs
+            cells += [cell.label] * len(probs)
+    return EvalData.from_problems(problems, arch, reverse_answer, cells)
+
+
+# --------------------------------------------------------------------------- sites
+
+
+@dataclass(frozen=True)
+class Site:
+    """One attention module: its name, which stream its queries and keys come from."""
+
+    name: str
+    module: Attention
+    q_stream: str
+    kv_stream: str
+
+    @property
+    def cross(self) -> bool:
+        return self.name.endswith("cross_attn")
+
+    @property
+    def n_heads(self) -> int:
+        return self.module.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.module.n_kv_heads
+
+
+def stream_of(name: str) -> str:
+    """Which token stream a hook's position axis runs over, from its dotted name."""
+    if ".cross_attn.k_norm" in name or ".cross_attn.v_norm" in name:
+        return "src"
+    if name.startswith("encoder."):
+        return "src"
+    if name.startswith("decoder."):
+        return "tgt"
+    return "tokens"
+
+
+def attention_sites(model: Model) -> dict[str, Site]:
+    """Every attention module by name (`blocks.0.attn`, `decoder.blocks.1.cross_attn`, ...)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Attention):
+            q = stream_of(name)
+            kv = "src" if name.endswith("cross_attn") else q
+            out[name] = Site(name, mod, q, kv)
+    return out
+
+
+def resolve_sites(
+    model: Model, sites: Sequence[str] | None = None, heads: Sequence[int] | None = None
+) -> tuple[list[Site], list[int] | None]:
+    """Validate a site/head selection (None: all); one-line ValueError on unknown names."""
+    known = attention_sites(model)
+    if isinstance(sites, str):
+        sites = [sites]
+    chosen = list(known.values())
+    if sites is not None:
+        chosen = []
+        for s in sites:
+            if s not in known:
+                raise ValueError(f"unknown attention site {s!r}; expected one of "
+                                 f"{', '.join(known)}")
+            chosen.append(known[s])
+        if not chosen:
+            raise ValueError("sites: expected at least one attention site")
+    if heads is not None:
+        heads = list(heads)
+        n = min(s.n_heads for s in chosen)
+        for h in heads:
+            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n:
+                raise ValueError(f"unknown head {h!r}; expected an int in [0, {n})")
+        if not heads:
+            raise ValueError("heads: expected at least one head")
+    return chosen, heads
+
+
+def block_of(model: Model, site: str) -> tuple[str, int]:
+    """(`prefix`, layer) of a site: `decoder.blocks.1.cross_attn` -> (`decoder.`, 1)."""
+    head, _, rest = site.partition("blocks.")
+    return head, int(rest.split(".")[0])
+
+
+def stack_of(model: Model, prefix: str) -> torch.nn.Module:
+    if isinstance(model, EncoderDecoderLM):
+        return getattr(model, prefix.rstrip("."))
+    assert isinstance(model, DecoderLM)
+    return model
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def evaluating(model: Model) -> Iterator[None]:
+    """Eval mode (no dropout) and no autograd for the block; the mode is restored after."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was)
+
+
+def _check_positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1; got {value!r}")
+    return value
+
+
+def chunk_copies(data: EvalData, max_tokens: int, wanted: int) -> int:
+    """How many batch copies fit in `max_tokens` positions per forward (at least 1)."""
+    return max(1, min(wanted, max_tokens // max(1, data.tokens_per_copy)))

@@ -1,0 +1,44 @@
+"""Small statistics used across reports: means with t-intervals over seeds, verdict rules."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+# two-sided 97.5% Student-t quantiles for 1..30 degrees of freedom (then the normal's 1.96)
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
+    """Mean and 95% t-interval over seeds; one value gives an unbounded interval."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("mean_ci: expected at least one value")
+    n = len(vals)
+    m = sum(vals) / n
+    if n == 1:
+        return m, (-math.inf, math.inf)
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    half = t * sd / math.sqrt(n)
+    return m, (m - half, m + half)
+
+
+def verdict_band(ci: tuple[float, float], lo: float, hi: float) -> str:
+    """`agrees` if the CI lies inside [lo, hi], `disagrees` if it misses it, else inconclusive."""
+    a, b = ci
+    if lo <= a and b <= hi:
+        return "agrees"
+    if b < lo or a > hi:
+        return "disagrees"
+    return "inconclusive"
+
+
+def verdict_sign(ci: tuple[float, float], expect_negative: bool = True) -> str:
+    """For "A is worse than B": `agrees` if the CI of A - B is below 0, `disagrees` if above."""
+    a, b = ci
+    if expect_negative:
+        return "agrees" if b < 0 else "disagrees" if a > 0 else "inconclusive"
+    return "agrees" if a > 0 else "disagrees" if b < 0 else "inconclusive"

@@ -1,0 +1,305 @@
+"""Sweeps: expand a grid of config values into runs and execute them, locally or on Ray.
+
+Each run is train (resuming whatever was left) -> eval -> analyse; a step whose output
+exists is skipped, so rerunning a sweep only does what is missing. A failed run is reported
+with its error and the others go on.
+
+A sweep file (TOML):
+
+    base = "../addition/pre.toml"        # run config, relative to this file
+    name = "{norm_placement}-s{seed}"     # run folder names, from the grid keys' last part
+    [grid]                                # every combination becomes one run
+    "model.norm_placement" = ["pre", "qkv"]
+    "train.seed" = [0, 1, 2]
+    [set]                                 # fixed overrides for every run
+    "train.steps" = 2000
+    [run]
+    analyze = true
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+import tomllib
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from normlab.config import load_config
+
+SWEEP_KEYS = ("base", "name", "grid", "set", "run")
+
+
+@dataclass
+class RunSpec:
+    """One run of a sweep: its folder, its resolved config, what to do after training."""
+
+    name: str
+    out: str
+    config: dict[str, Any]
+    analyze: bool = True
+    analysis: dict[str, Any] = field(default_factory=dict)
+
+
+def expand(
+    base: str | Path | None,
+    grid: dict[str, list[Any]],
+    fixed: dict[str, Any],
+    out: Path,
+    name: str = "",
+    analyze: bool = True,
+    analysis: dict[str, Any] | None = None,
+) -> list[RunSpec]:
+    """Every combination of `grid` values on top of `base` + `fixed`; configs validated now."""
+    if not grid:
+        raise ValueError("sweep.grid: empty; expected at least one KEY = [values]")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"sweep.grid.{key}: expected a non-empty list of values")
+    specs = []
+    keys = list(grid)
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        chosen = dict(zip(keys, combo, strict=True))
+        sets = [f"{k}={_toml(v)}" for k, v in {**fixed, **chosen}.items()]
+        cfg = load_config(base, sets)
+        short = {k.split(".")[-1]: v for k, v in chosen.items()}
+        try:
+            run_name = (name or "-".join("{" + k + "}" for k in short)).format(**short)
+        except KeyError as err:
+            raise ValueError(f"sweep.name: {err} is not a grid key") from None
+        specs.append(
+            RunSpec(run_name, str(out / run_name), cfg.to_dict(), analyze, analysis or {})
+        )
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError("sweep.name: two runs get the same folder name; include every grid key")
+    return specs
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return repr(v).replace("'", '"') if "'" in v else f"'{v}'"
+    return str(v)
+
+
+def load_sweep(path: Path, out: Path) -> list[RunSpec]:
+    if not Path(path).is_file():
+        raise ValueError(f"sweep file {str(path)!r} not found")
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"sweep file {str(path)!r}: invalid TOML ({err})") from None
+    for key in data:
+        if key not in SWEEP_KEYS:
+            raise ValueError(f"sweep.{key}: unknown key; expected one of {', '.join(SWEEP_KEYS)}")
+    base = data.get("base")
+    if base is not None:
+        base = Path(path).parent / base
+    run = data.get("run", {})
+    for key in run:
+        if key not in ("analyze", "analysis"):
+            raise ValueError(f"sweep.run.{key}: unknown key; expected analyze or analysis")
+    return expand(base, data.get("grid", {}), data.get("set", {}), out, data.get("name", ""),
+                  run.get("analyze", True), run.get("analysis", {}))
+
+
+def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
+    """Train (or resume), evaluate and analyse one run; finished steps are skipped."""
+    import torch
+
+    from normlab.cli import eval_run
+    from normlab.config import RunConfig
+    from normlab.train import train
+
+    t0 = time.time()
+    out = Path(spec.out)
+    cfg = RunConfig.from_dict(spec.config)
+    cfg.train.device = device
+    torch.set_num_threads(cfg.train.threads)
+    done = []
+    log_path = out.parent / f"{out.name}.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as log:
+
+        def say(s: str) -> None:
+            log.write(s + "\n")
+            log.flush()
+
+        if not (out / "train_done.json").is_file():
+            train(cfg, out, resume=True, progress=False, log=say)
+            done.append("train")
+        if not (out / "eval.json").is_file():
+            eval_run(out)
+            done.append("eval")
+        if spec.analyze and not (out / "analysis" / "collapse.json").is_file():
+            from normlab.analysis.report import analyze_run
+
+            analyze_run(out, **spec.analysis)
+            done.append("analyze")
+    return {"name": spec.name, "did": done, "seconds": time.time() - t0}
+
+
+def _safe_run(spec: RunSpec, device: str) -> dict[str, Any]:
+    try:
+        return {"ok": True, **run_one(spec, device)}
+    except Exception as err:  # reported, and the sweep goes on
+        return {"ok": False, "name": spec.name, "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc()}
+
+
+def _current_step(spec: RunSpec) -> int:
+    path = Path(spec.out) / "metrics.jsonl"
+    try:
+        last = path.read_text().rstrip().rsplit("\n", 1)[-1]
+        return int(last.split('"step": ', 1)[1].split(",", 1)[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def execute(
+    specs: list[RunSpec],
+    *,
+    backend: str = "local",
+    jobs: int | None = None,
+    device: str = "auto",
+    address: str | None = None,
+    progress: bool = True,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every spec; returns one result dict per run (ok, did, seconds or error)."""
+    threads = max(1, min(_threads(s) for s in specs)) if specs else 1
+    jobs = jobs or max(1, (os.cpu_count() or 1) // threads)
+    if backend == "ray":
+        submit, wait = _ray_backend(specs, device, address, threads)
+    elif backend == "local":
+        submit, wait = _local_backend(jobs, device)
+    else:
+        raise ValueError(f"--backend: expected local or ray; got {backend!r}")
+    pending = {submit(s): s for s in specs}
+    results: list[dict[str, Any]] = []
+    with _Watch(specs, progress) as watch:
+        while pending:
+            finished = wait(list(pending))
+            for fut in finished:
+                spec = pending.pop(fut)
+                res = fut.result() if hasattr(fut, "result") else _ray_get(fut)
+                results.append(res)
+                watch.finished(spec, res)
+                if on_result:
+                    on_result(res)
+            watch.tick([pending[f] for f in pending])
+    return results
+
+
+def _threads(spec: RunSpec) -> int:
+    return int(spec.config["train"].get("threads", 1))
+
+
+def _local_backend(jobs: int, device: str) -> tuple[Callable, Callable]:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+
+    def submit(spec: RunSpec) -> cf.Future:
+        return pool.submit(_safe_run, spec, device)
+
+    def wait(futs: list[cf.Future]) -> list[cf.Future]:
+        done, _ = cf.wait(futs, timeout=2.0, return_when=cf.FIRST_COMPLETED)
+        if len(done) == len(futs):
+            pool.shutdown(wait=False)
+        return list(done)
+
+    return submit, wait
+
+
+def _ray_backend(specs: list[RunSpec], device: str, address: str | None,
+                 threads: int) -> tuple[Callable, Callable]:
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--backend ray needs Ray: pip install 'normlab[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 ignore_reinit_error=True)
+    gpus = 1 if device == "cuda" else 0
+    remote = ray.remote(num_cpus=threads, num_gpus=gpus)(_safe_run)
+
+    def submit(spec: RunSpec) -> Any:
+        return remote.remote(spec, device)
+
+    def wait(refs: list[Any]) -> list[Any]:
+        done, _ = ray.wait(refs, num_returns=1, timeout=2.0)
+        return done
+
+    return submit, wait
+
+
+def _ray_get(ref: Any) -> dict[str, Any]:
+    import ray
+
+    return ray.get(ref)
+
+
+class _Watch:
+    """Runs done / total, plus a bar per running run (read from its metrics.jsonl)."""
+
+    def __init__(self, specs: list[RunSpec], enabled: bool) -> None:
+        self.total, self.done = len(specs), 0
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.bars: dict[str, Any] = {}
+        self.progress = None
+
+    def __enter__(self) -> _Watch:
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn())
+            self.progress.start()
+            self.overall = self.progress.add_task("runs", total=self.total)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def tick(self, running: list[RunSpec]) -> None:
+        if self.progress is None:
+            return
+        for spec in running:
+            steps = spec.config["train"]["steps"]
+            if spec.name not in self.bars:
+                self.bars[spec.name] = self.progress.add_task(f"  {spec.name}", total=steps)
+            self.progress.update(self.bars[spec.name], completed=_current_step(spec))
+
+    def finished(self, spec: RunSpec, res: dict[str, Any]) -> None:
+        self.done += 1
+        msg = (f"run {self.done}/{self.total} {spec.name}: "
+               + (f"ok ({', '.join(res['did']) or 'already done'}, {res['seconds']:.0f}s)"
+                  if res["ok"] else f"FAILED: {res['error']}"))
+        if self.progress is not None:
+            self.progress.update(self.overall, completed=self.done)
+            if spec.name in self.bars:
+                self.progress.remove_task(self.bars.pop(spec.name))
+            self.progress.console.print(msg)
+        elif self.enabled:
+            print(msg, file=sys.stderr, flush=True)
+
+
+def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str | None = None,
+              jobs: int | None = None, device: str = "auto") -> list[dict[str, Any]]:
+    """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
+    specs = load_sweep(config, out)
+    results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)
+    failed = [r for r in results if not r["ok"]]
+    for r in failed:
+        print(f"normlab: run {r['name']} failed: {r['error']}", file=sys.stderr)
+    return failed
