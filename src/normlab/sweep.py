@@ -20,6 +20,7 @@ A sweep file (TOML):
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.config import load_config
+from normlab.io import write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
 
@@ -131,17 +133,24 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             log.write(s + "\n")
             log.flush()
 
+        timings_path = out / "timings.json"
+        timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+
+        def step(name: str, fn: Callable[[], Any]) -> None:
+            t = time.time()
+            fn()
+            timings[name] = timings.get(name, 0.0) + time.time() - t
+            write_json(timings_path, timings)
+            done.append(name)
+
         if not (out / "train_done.json").is_file():
-            train(cfg, out, resume=True, progress=False, log=say)
-            done.append("train")
+            step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
         if not (out / "eval.json").is_file():
-            eval_run(out)
-            done.append("eval")
+            step("eval", lambda: eval_run(out))
         if spec.analyze and not (out / "analysis" / "collapse.json").is_file():
             from normlab.analysis.report import analyze_run
 
-            analyze_run(out, **spec.analysis)
-            done.append("analyze")
+            step("analyze", lambda: analyze_run(out, **spec.analysis))
     return {"name": spec.name, "did": done, "seconds": time.time() - t0}
 
 

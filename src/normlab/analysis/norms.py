@@ -5,8 +5,8 @@ if every token had the same norm, a Pre-Norm would be a constant factor and harm
 normalisation input (every `*.hook_scale`: ln1, ln2, ln_cross, ln_final and, under qk/qkv/pre_qk,
 the per-head q/k/v norms, one entry per head) we take the scale over the real tokens of the eval
 batch, divide by that layer's (and head's) median, and summarise the ratio per token class.
-`h90` is the symmetric half-width with 90% of ratios in [1 - h90, 1 + h90]: the number to set
-beside the paper's "about ±20% for 90% of embeddings".
+`h90` is the smallest symmetric half-width with at least 90% of ratios in [1 - h90, 1 + h90]:
+the number to set beside the paper's "about ±20% for 90% of embeddings".
 
 `hook_scale` is sqrt(mean(x_c^2) + eps) = ||x_c|| / sqrt(d) (x_c centred for LayerNorm, raw
 for RMSNorm), so the ratio is that of L2 norms up to the tiny eps. For reference (e.g. under
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from normlab.analysis.data import EvalData, evaluating, stream_of
 from normlab.model import Model
@@ -90,7 +89,7 @@ def spread_stats(ratio: np.ndarray) -> dict[str, Any]:
         "p95": float(p95),
         "within_10": float(np.mean(dev <= 0.1)),
         "within_20": float(np.mean(dev <= 0.2)),
-        "h90": float(np.quantile(dev, 0.9)),
+        "h90": float(np.quantile(dev, 0.9, method="higher")),  # smallest h holding >= 90%
     }
 
 

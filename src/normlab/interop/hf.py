@@ -106,7 +106,9 @@ def _rope_theta(c: Any, family: str) -> float:
         )
     partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise ValueError(f"{family}: partial_rotary_factor={partial} is not supported; expected 1.0")
+        raise ValueError(
+            f"{family}: partial_rotary_factor={partial} is not supported; expected 1.0"
+        )
     return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
 
 

@@ -1,0 +1,116 @@
+"""Greedy decoding with vs without the key/value cache, on the longest extrapolation cells.
+
+A decoder of the quick-grid size (configs/addition/{pre,qkv}.toml; random weights, which cost
+the same as trained ones) answers the fixed eval questions of the longest quick-grid
+extrapolation cells, n=5 d=2 and n=2 d=3, in one batch each (as `normlab eval` batches them).
+Generation length is forced to the cell's longest answer plus the closing E (`max_new`) with
+an end token that never matches, so both paths generate exactly `max_new` tokens for every
+question. The two paths are timed side by side, alternating per repeat, and their outputs are
+checked to be identical.
+
+    python benchmarks/bench_decode.py [--quick] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+from bench_train_step import base_config, model_config
+from common import (
+    add_common_args,
+    header,
+    load_note,
+    machine_info,
+    md_table,
+    paired_timing,
+    ratio_stats,
+    repeats_for,
+    setup_threads,
+    summary,
+)
+
+from normlab import build_model
+from normlab.model.generate import greedy_decode
+from normlab.tasks.addition import Cell, eval_sets, make_prompts, max_lengths
+
+CELLS = (Cell(5, 2), Cell(2, 3))
+NEVER = -1  # an end-of-sequence id no token has: generation runs to max_new
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    threads = setup_threads(args.threads)
+    info = machine_info(threads)
+    run_cfg = base_config()
+    task = run_cfg.validate()
+    sets = eval_sets(task)
+    by_cell = {c: probs for split in sets.values() for c, probs in split.items()}
+    n_questions = 64 if args.quick else task.eval_size
+    repeats = repeats_for(args, quick=3, full=7)
+    placements = ("pre",) if args.quick else ("pre", "qkv")
+    results = []
+    for placement in placements:
+        torch.manual_seed(0)
+        model = build_model(model_config(run_cfg, run_cfg.model.d_model, placement)).eval()
+        for cell in CELLS:
+            questions = [q for q, _ in by_cell[cell][:n_questions]]
+            prompts = make_prompts(questions, "decoder")
+            max_new = max_lengths([cell])[1] + 1
+            outs: dict[str, list[list[int]]] = {}
+
+            def decoder(cached: bool, key: str, prompts: list[list[int]] = prompts,
+                        max_new: int = max_new, outs: dict = outs) -> Any:
+                def fn() -> None:
+                    outs[key] = greedy_decode(model, prompts, max_new=max_new, eos=NEVER,
+                                              use_cache=cached)
+                return fn
+
+            times = paired_timing({"cached": decoder(True, "cached"),
+                                   "uncached": decoder(False, "uncached")},
+                                  repeats=repeats, inner=1, warmup=1)
+            n_tok = len(prompts) * max_new
+            results.append({
+                "placement": placement, "cell": cell.label, "batch": len(prompts),
+                "prompt_len": max(len(p) for p in prompts), "max_new": max_new,
+                "cached": summary(times["cached"]), "uncached": summary(times["uncached"]),
+                "cached_tokens_per_s": n_tok / summary(times["cached"])["median_s"],
+                "uncached_tokens_per_s": n_tok / summary(times["uncached"])["median_s"],
+                "speedup": ratio_stats(times["uncached"], times["cached"]),
+                "identical_outputs": outs["cached"] == outs["uncached"],
+                "generated_all": all(len(r) == max_new for r in outs["cached"]),
+            })
+    return {"benchmark": "decode", "info": info, "repeats": repeats, "results": results,
+            "d_model": run_cfg.model.d_model, "n_layers": run_cfg.model.n_layers,
+            "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"])}
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    rows = [[r["placement"], r["cell"], r["batch"], r["prompt_len"], r["max_new"],
+             1e3 * r["cached"]["median_s"], 1e3 * r["uncached"]["median_s"],
+             r["speedup"]["median"], "yes" if r["identical_outputs"] else "NO"]
+            for r in res["results"]]
+    return "\n\n".join([
+        header("Greedy decoding: KV cache vs none", res["info"], res["load_note"]),
+        f"d_model {res['d_model']}, {res['n_layers']} layers, random weights; one batch per "
+        f"cell, forced to max_new tokens; median of {res['repeats']} repeats; speed-up = "
+        "uncached / cached time (median of per-repeat ratios).",
+        md_table(["placement", "cell", "batch", "prompt len", "max_new", "cached ms",
+                  "uncached ms", "speed-up", "same tokens"], rows),
+    ])
+
+
+def main() -> None:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    res = run(args)
+    print(to_markdown(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Training-step throughput: normlab (every placement) vs nanoGPT-style and x-transformers.
+
+One step = forward, cross-entropy on the answer tokens, backward, gradient clipping, AdamW
+(`normlab.train.make_optimizer`, identical for every contender). All contenders see the same
+real training batch of the quick grid (`TrainStream`, seed 0) and are timed side by side,
+alternating per repeat. tokens/s counts every position of the padded batch (batch x seq len),
+which is what the model computes on.
+
+    python benchmarks/bench_train_step.py [--quick] [--threads N] [--widths 64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from common import (
+    ROOT,
+    add_common_args,
+    header,
+    load_note,
+    machine_info,
+    md_table,
+    paired_timing,
+    ratio_stats,
+    repeats_for,
+    setup_threads,
+    summary,
+)
+from nanogpt_ref import NanoGPT
+
+from normlab import ModelConfig, build_model
+from normlab.config import RunConfig, load_config
+from normlab.tasks.addition import IGNORE_INDEX, TrainStream
+from normlab.train import loss_on, make_optimizer
+
+PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
+CONFIG = ROOT / "configs" / "addition" / "pre.toml"
+
+
+def base_config() -> RunConfig:
+    return load_config(CONFIG)
+
+
+def model_config(run: RunConfig, d_model: int, placement: str) -> ModelConfig:
+    cfg = copy.deepcopy(run.model)
+    scale = d_model / cfg.d_model
+    cfg.d_model, cfg.d_head = d_model, None
+    cfg.d_mlp = int(run.model.d_mlp * scale)
+    cfg.norm_placement = placement
+    cfg.__post_init__()
+    return cfg
+
+
+def real_batch(run: RunConfig, batch_size: int | None = None) -> dict[str, torch.Tensor]:
+    task = run.validate()
+    stream = TrainStream(task.train_cells, seed=0, batch_size=batch_size or run.train.batch_size,
+                         arch="decoder", reverse_answer=task.reverse_answer)
+    return next(stream)
+
+
+def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def x_transformers_status() -> tuple[bool, str]:
+    try:
+        import x_transformers
+    except ImportError as err:
+        return False, f"not installed ({err})"
+    from importlib.metadata import version
+
+    return True, f"x-transformers {version('x-transformers')} ({x_transformers.__name__})"
+
+
+def build_contender(
+    kind: str, cfg: ModelConfig, run: RunConfig, batch: dict[str, torch.Tensor]
+) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """kind: 'normlab' (cfg.norm_placement), 'nanogpt' or 'x-transformers'."""
+    torch.manual_seed(0)
+    tokens, targets = batch["tokens"], batch["targets"]
+    if kind == "normlab":
+        model: torch.nn.Module = build_model(cfg)
+
+        def loss_fn() -> torch.Tensor:
+            return loss_on(model, batch)[0]  # the training loop's own loss
+    elif kind == "nanogpt":
+        model = NanoGPT(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_mlp,
+                        cfg.max_len)
+
+        def loss_fn() -> torch.Tensor:
+            return _ce(model(tokens), targets)
+    elif kind == "x-transformers":
+        from x_transformers import Decoder, TransformerWrapper
+
+        model = TransformerWrapper(
+            num_tokens=cfg.vocab_size,
+            max_seq_len=cfg.max_len,
+            attn_layers=Decoder(
+                dim=cfg.d_model, depth=cfg.n_layers, heads=cfg.n_heads,
+                attn_dim_head=cfg.d_head, ff_mult=cfg.d_mlp / cfg.d_model, ff_no_bias=True,
+                attn_flash=True,  # SDPA, like normlab's fast path and the nanoGPT reference
+            ),
+        )
+
+        def loss_fn() -> torch.Tensor:
+            return _ce(model(tokens), targets)
+    else:
+        raise ValueError(f"unknown contender {kind!r}")
+    model.train()
+    opt = make_optimizer(model, run.train)
+    clip = run.train.grad_clip
+
+    def step() -> None:
+        loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+
+    return model, step
+
+
+def contenders_for(
+    run: RunConfig, d_model: int, batch: dict[str, torch.Tensor], placements: tuple[str, ...],
+    refs: tuple[str, ...] = ("nanogpt", "x-transformers"),
+) -> tuple[dict[str, Callable[[], None]], dict[str, int]]:
+    steps: dict[str, Callable[[], None]] = {}
+    params: dict[str, int] = {}
+    for p in placements:
+        m, s = build_contender("normlab", model_config(run, d_model, p), run, batch)
+        steps[f"normlab-{p}"], params[f"normlab-{p}"] = s, sum(x.numel() for x in m.parameters())
+    for kind in refs:
+        if kind == "x-transformers" and not x_transformers_status()[0]:
+            continue
+        m, s = build_contender(kind, model_config(run, d_model, "pre"), run, batch)
+        steps[kind], params[kind] = s, sum(x.numel() for x in m.parameters())
+    return steps, params
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    threads = setup_threads(args.threads)
+    info = machine_info(threads)
+    run_cfg = base_config()
+    batch = real_batch(run_cfg)
+    b, t = batch["tokens"].shape
+    widths = [int(w) for w in (args.widths or ("64" if args.quick else "64,128")).split(",")]
+    repeats = repeats_for(args, quick=3, full=7)
+    inner = 1 if args.quick else 3
+    xt_ok, xt_note = x_transformers_status()
+    out: dict[str, Any] = {
+        "benchmark": "train_step", "info": info, "batch": b, "seq_len": t,
+        "repeats": repeats, "steps_per_repeat": inner, "x_transformers": xt_note,
+        "config": str(CONFIG.relative_to(ROOT)), "widths": {},
+    }
+    for d in widths:
+        steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS)
+        times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1)
+        refs = [r for r in ("nanogpt", "x-transformers") if r in times]
+        fastest = min(refs, key=lambda r: summary(times[r])["median_s"])
+        rows = {}
+        for name, ts in times.items():
+            s = summary(ts)
+            rows[name] = {
+                **s, "params": params[name], "tokens_per_s": b * t / s["median_s"],
+                "vs_nanogpt": ratio_stats(ts, times["nanogpt"]),
+                "vs_fastest_ref": ratio_stats(ts, times[fastest]),
+            }
+        out["widths"][str(d)] = {
+            "contenders": rows, "fastest_reference": fastest,
+            "qkv_over_pre": ratio_stats(times["normlab-qkv"], times["normlab-pre"]),
+            "pre_over_fastest_ref": ratio_stats(times["normlab-pre"], times[fastest]),
+        }
+    out["x_transformers_used"] = xt_ok
+    out["load_note"] = load_note(info["loadavg_1m_at_start"], info["cpu_count"])
+    return out
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    parts = [header("Training step (forward + backward + AdamW)", res["info"], res["load_note"]),
+             f"batch {res['batch']} x seq len {res['seq_len']} (real quick-grid batch), "
+             f"{res['config']} sizes, median of {res['repeats']} repeats x "
+             f"{res['steps_per_repeat']} steps; ratio = time / reference time (median of "
+             f"per-repeat ratios, > 1 means slower). {res['x_transformers']}."]
+    for d, w in res["widths"].items():
+        rows = [[name, c["params"], 1e3 * c["median_s"], c["tokens_per_s"],
+                 c["vs_nanogpt"]["median"], c["vs_fastest_ref"]["median"]]
+                for name, c in w["contenders"].items()]
+        parts.append(f"**d_model {d}** (fastest reference: {w['fastest_reference']}; "
+                     f"qkv/pre = {w['qkv_over_pre']['median']:.3f}, pre/fastest reference = "
+                     f"{w['pre_over_fastest_ref']['median']:.3f})\n\n"
+                     + md_table(["contender", "params", "ms/step", "tokens/s", "/nanogpt",
+                                 "/fastest ref"], rows))
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--widths", default=None, help="comma-separated d_model values")
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    args = parser.parse_args()
+    res = run(args)
+    print(to_markdown(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Shared helpers for the benchmarks: CLI flags, paired timing, machine facts, Markdown.
+
+Timing rule: contenders are timed side by side in one process, alternating per repeat (the
+order is reversed every other repeat to cancel drift), and we report the median over repeats
+plus the median of the per-repeat ratios. Nothing here asserts a time; benchmarks only report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--quick", action="store_true", help="a few seconds: checks it runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="override the repeat count")
+    return parser
+
+
+def setup_threads(n: int) -> int:
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def repeats_for(args: argparse.Namespace, quick: int, full: int) -> int:
+    if args.repeats is not None:
+        return max(1, args.repeats)
+    return quick if args.quick else full
+
+
+def paired_timing(
+    contenders: Mapping[str, Callable[[], Any]],
+    *,
+    repeats: int,
+    inner: int = 1,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Seconds per call of each contender, one entry per repeat, contenders interleaved."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            fn = contenders[name]
+            gc.collect()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - t0) / inner)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of the per-repeat ratios num[i] / den[i] (paired repeats)."""
+    rs = [a / b for a, b in zip(num, den, strict=True) if b > 0]
+    return {"median": median(rs), "min": min(rs), "max": max(rs)}
+
+
+def summary(times: Sequence[float]) -> dict[str, float]:
+    return {"median_s": median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+            timeout=10, check=False,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
+            timeout=10, check=False,
+        )
+    except OSError:
+        return None
+    if out.returncode:
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": threads,
+        "mkldnn": bool(torch.backends.mkldnn.is_available()),
+        "git": _git_commit(),
+        "loadavg_1m_at_start": round(load[0], 2),
+    }
+
+
+def load_note(start: float, cpus: int | None) -> str:
+    """A warning when the 1-minute load average says other processes compete for the CPU."""
+    now = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    worst = max(start, now)
+    if cpus and worst > 0.5 * cpus:
+        return (f"MEASURED UNDER LOAD (1-min load average {worst:.2f} on {cpus} CPUs): "
+                "absolute timings are disturbed; rerun on a quiet machine")
+    return ""
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
+        return f"{x:.{digits}g}"
+    return f"{x:,.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return str(v)
+        return f"{v:,}" if isinstance(v, int) else fmt(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def header(title: str, info: Mapping[str, Any], extra: str = "") -> str:
+    line = (f"torch {info['torch']}, {info['threads']} thread(s), {info['cpu']} "
+            f"({info['cpu_count']} CPUs), {info['date']}")
+    return f"### {title}\n\n{line}" + (f"\n\n{extra}" if extra else "")

@@ -1,0 +1,68 @@
+"""A minimal plain-PyTorch nanoGPT-style decoder, the speed reference for normlab's Pre-Norm.
+
+Same shapes as a normlab `pre` decoder: learned token and position embeddings, Pre-LN blocks
+(LayerNorm with bias), one fused qkv Linear, causal `F.scaled_dot_product_attention`, a GELU
+MLP, final LayerNorm, untied unembedding; no biases in Linear layers (normlab's defaults
+`attn_bias = mlp_bias = False`). Parameter counts match normlab `pre` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (y.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(z.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, d_mlp: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, d_mlp, bias=False)
+        self.out = nn.Linear(d_mlp, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(
+        self, vocab: int, d_model: int, n_layers: int, n_heads: int, d_mlp: int, max_len: int
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, d_mlp) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        out_std = 0.02 / math.sqrt(2 * n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 2:
+                std = out_std if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

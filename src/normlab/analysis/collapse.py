@@ -1,0 +1,599 @@
+"""H2, circuit collapse: do sparse attention rows keep their winner when q/k/v norms are noisy?
+
+PAPER.md section 3 models subspace interference as multiplicative noise on the L2 norms of
+q, k, v: `q -> (1 + eps) q` etc. Here that noise is applied to the real model with forward hooks
+on `hook_q`, `hook_k`, `hook_v` of the chosen attention sites, and we count the sparse rows
+(max weight >= theta) whose argmax key changes. Beside it we put the analytic prediction of
+`normlab.analysis.theory` computed from the recorded, unperturbed raw logits of those rows.
+
+Noise (`Perturbation`):
+- `token` mode (default): one eps per token per attention module, shared by that token's q, k
+  and v in every selected head (a token's norm is one number in a Pre-Norm model). For
+  cross-attention the queries (decoder tokens) and the memory (encoder tokens) have separate
+  tables.
+- `vector` mode: independent eps for each of q, k, v, per head and token.
+- eps ~ N(0, sigma^2) (`normal`) or U[-sigma, sigma] (`uniform`), drawn as sigma * z with z
+  drawn once per sigma from `torch.Generator().manual_seed(seed)`: every sigma sees the same z
+  (common random numbers), so the measured rate is close to monotone in sigma.
+- Tables are pre-drawn for the whole padded width, so hooks only index them; this is what makes
+  uncached greedy decoding consistent across steps (position p has the same eps at every step).
+
+Measurement vs theory (why they differ, on purpose):
+- The measurement perturbs every selected site at once, so a row's logits also move because
+  earlier layers' noise changed this layer's input, and value noise changes the inputs of later
+  layers. The theory sees only key-norm noise at the row's own layer, applied to the recorded
+  logits. Measured > predicted therefore signals propagation, not an error.
+- In `token` mode a query's own eps is a row-wide factor, which the theory rightly ignores;
+  but in self-attention the query token's key shares that eps, so its key is not independent
+  of the row temperature as the theory assumes.
+- Targets without `k` (e.g. only `v`) have no direct effect on the row in the theory, which
+  still reports the key-noise prediction for reference.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from normlab.analysis.data import (
+    EvalData,
+    Site,
+    _check_positive_int,
+    chunk_copies,
+    evaluating,
+    resolve_sites,
+)
+from normlab.analysis.theory import predict_collapse
+from normlab.model import EncoderDecoderLM, Model
+from normlab.model.generate import greedy_decode
+from normlab.tasks.addition import EOS, Cell, ResolvedTask, make_prompts, parse_answer
+
+MODES = ("token", "vector")
+TARGETS = ("q", "k", "v")
+NOISES = ("normal", "uniform")
+THRESHOLDS = (0.5, 0.8, 0.9, 0.99)
+DEFAULT_SIGMAS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
+DEFAULT_MAX_TOKENS = 1 << 15
+"""Positions per forward in the batched sweep; bounds memory (MLP activations dominate)."""
+
+CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): draws and rows "
+             "of one example are correlated, so examples, not row-draws, are resampled")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_sigmas(sigmas: Sequence[float]) -> list[float]:
+    if isinstance(sigmas, int | float):
+        sigmas = [sigmas]
+    out = []
+    for s in sigmas:
+        if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or s < 0:
+            raise ValueError(f"sigma: expected a finite number >= 0; got {s!r}")
+        out.append(float(s))
+    if not out:
+        raise ValueError("sigmas: expected at least one sigma")
+    return out
+
+
+def check_threshold(theta: float) -> float:
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta <= 1:
+        raise ValueError(f"threshold: expected a number in (0, 1]; got {theta!r}")
+    return float(theta)
+
+
+def check_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
+    """`("q","k")`, `"qk"` or `"q,k"`; order normalised to q, k, v."""
+    items = list(targets.replace(",", "")) if isinstance(targets, str) else list(targets)
+    for t in items:
+        if t not in TARGETS:
+            raise ValueError(f"unknown target {t!r}; expected a subset of q, k, v")
+    if not items:
+        raise ValueError("targets: expected at least one of q, k, v")
+    return tuple(t for t in TARGETS if t in items)
+
+
+def _check_choice(value: str, allowed: Sequence[str], name: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(allowed)}")
+    return value
+
+
+# --------------------------------------------------------------------------- perturbation
+
+
+Tables = dict[tuple[str, str], torch.Tensor]
+
+
+class Perturbation:
+    """Multiplicative q/k/v noise on chosen sites and heads, applied from pre-drawn tables.
+
+    `draw(sigma, n_rows, lengths, generator)` makes the eps tables for a batch of `n_rows`
+    sequences; `hooks(tables)` gives `(hook_name, fn)` pairs for `model.hooks(...)`. Tables are
+    drawn for *all* sites and targets in a fixed order, whatever is selected, so a selection
+    never changes the noise another site receives. With grouped-query attention a selected query
+    head selects the key/value head it reads.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        mode: str = "token",
+        targets: Sequence[str] | str = TARGETS,
+        noise: str = "normal",
+        sites: Sequence[str] | None = None,
+        heads: Sequence[int] | None = None,
+    ) -> None:
+        self.mode = _check_choice(mode, MODES, "mode")
+        self.noise = _check_choice(noise, NOISES, "noise")
+        self.targets = check_targets(targets)
+        self.all_sites, _ = resolve_sites(model)
+        self.sites, self.heads = resolve_sites(model, sites, heads)
+
+    def _head_mask(self, site: Site, target: str) -> torch.Tensor:
+        n = site.n_heads if target == "q" else site.n_kv_heads
+        if self.heads is None:
+            return torch.ones(n)
+        rep = site.n_heads // site.n_kv_heads
+        keep = set(self.heads) if target == "q" else {h // rep for h in self.heads}
+        return torch.tensor([float(i in keep) for i in range(n)])
+
+    def draw(
+        self, sigma: float, n_rows: int, lengths: Mapping[str, int], generator: torch.Generator
+    ) -> Tables:
+        """eps tables keyed by (site, target): [n_rows, L] (token) or [n_rows, L, heads]."""
+        sigma = check_sigmas([sigma])[0]
+
+        def z(*shape: int) -> torch.Tensor:
+            if self.noise == "normal":
+                return torch.randn(shape, generator=generator) * sigma
+            return (torch.rand(shape, generator=generator) * 2 - 1) * sigma
+
+        tables: Tables = {}
+        for site in self.all_sites:
+            lq, lkv = lengths[site.q_stream], lengths[site.kv_stream]
+            if self.mode == "token":
+                tq = z(n_rows, lq)
+                tkv = z(n_rows, lkv) if site.cross else tq
+                tables[(site.name, "q")] = tq
+                tables[(site.name, "k")] = tables[(site.name, "v")] = tkv
+            else:
+                tables[(site.name, "q")] = z(n_rows, lq, site.n_heads)
+                tables[(site.name, "k")] = z(n_rows, lkv, site.n_kv_heads)
+                tables[(site.name, "v")] = z(n_rows, lkv, site.n_kv_heads)
+        return tables
+
+    def hooks(self, tables: Tables) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+        out = []
+        for site in self.sites:
+            for t in self.targets:
+                fn = _scale_hook(tables[(site.name, t)], self._head_mask(site, t))
+                out.append((f"{site.name}.hook_{t}", fn))
+        return out
+
+
+def _scale_hook(table: torch.Tensor, head_mask: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """x [batch, pos, head, d_head] -> x * (1 + eps[batch, pos(, head)]) on selected heads."""
+
+    def fn(x: torch.Tensor, hook: Any) -> torch.Tensor:
+        n, p = x.shape[:2]
+        if table.shape[0] != n or table.shape[1] < p:
+            raise ValueError(f"{hook.name}: eps table {tuple(table.shape)} does not cover a "
+                             f"batch of {n} x {p} positions")
+        eps = table[:, :p]
+        eps = eps[:, :, None, None] if eps.dim() == 2 else eps[..., None]
+        mask = head_mask.to(x.dtype)[None, None, :, None]
+        return x * (1 + eps.to(x.dtype) * mask)
+
+    return fn
+
+
+# --------------------------------------------------------------------------- sparse rows
+
+
+@dataclass
+class SparseRows:
+    """Sparse rows of the unperturbed model, grouped by site (then example, head, query).
+
+    Columns are [R] tensors; `logits[site]` holds the raw scores [R_site, K_site] of that
+    site's rows in the same order (``-inf`` on masked keys). `valid_rows[(site, head)]` is
+    the number of real query rows of that head and `counts[(site, head)][theta]` how many are
+    sparse at each reporting threshold.
+    """
+
+    threshold: float
+    sites: list[str]
+    site: torch.Tensor
+    head: torch.Tensor
+    example: torch.Tensor
+    qpos: torch.Tensor
+    key: torch.Tensor
+    weight: torch.Tensor
+    logits: dict[str, torch.Tensor]
+    valid_rows: dict[tuple[str, int], int]
+    counts: dict[tuple[str, int], dict[float, int]]
+
+    def __len__(self) -> int:
+        return int(self.site.numel())
+
+
+def find_sparse_rows(
+    model: Model,
+    data: EvalData,
+    *,
+    threshold: float = 0.9,
+    sites: Sequence[str] | None = None,
+    heads: Sequence[int] | None = None,
+) -> SparseRows:
+    """Rows with max weight >= threshold at real query positions of the chosen sites/heads."""
+    threshold = check_threshold(threshold)
+    chosen, head_sel = resolve_sites(model, sites, heads)
+    names = [f"{s.name}.hook_{k}" for s in chosen for k in ("attn_scores", "pattern")]
+    with evaluating(model):
+        cache: dict[str, torch.Tensor] = {}
+
+        def save(x: torch.Tensor, hook: Any) -> None:
+            cache[hook.name] = x.detach()
+
+        with model.hooks([(n, save) for n in names]):
+            data.forward(model)
+    thetas = sorted(set(THRESHOLDS) | {threshold})
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in
+                                           ("site", "head", "example", "qpos", "key", "weight")}
+    logits, valid_rows, counts = {}, {}, {}
+    for si, site in enumerate(chosen):
+        pattern = cache[f"{site.name}.hook_pattern"]  # [B, H, Q, K]
+        scores = cache[f"{site.name}.hook_attn_scores"]
+        hs = list(range(site.n_heads)) if head_sel is None else head_sel
+        qvalid = data.valid[site.q_stream][:, None, :].expand(-1, site.n_heads, -1).clone()
+        keep = torch.zeros(site.n_heads, dtype=torch.bool)
+        keep[hs] = True
+        qvalid &= keep[None, :, None]
+        weight, key = pattern.max(-1)
+        for h in hs:
+            w = weight[:, h][qvalid[:, h]]
+            valid_rows[(site.name, h)] = int(w.numel())
+            counts[(site.name, h)] = {t: int((w >= t).sum()) for t in thetas}
+        b, h, q = torch.nonzero(qvalid & (weight >= threshold), as_tuple=True)
+        cols["site"].append(torch.full_like(b, si))
+        for name, val in (("head", h), ("example", b), ("qpos", q), ("key", key[b, h, q]),
+                          ("weight", weight[b, h, q])):
+            cols[name].append(val)
+        logits[site.name] = scores[b, h, q]
+    return SparseRows(threshold, [s.name for s in chosen],
+                      *(torch.cat(cols[k]) for k in cols), logits, valid_rows, counts)
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+def _cluster_ci(
+    flips: np.ndarray, counts: np.ndarray, rng: np.random.Generator, n_boot: int = 1000
+) -> list[float | None]:
+    """95% percentile CI of sum(flips)/sum(counts) resampling examples (clusters)."""
+    n = flips.size
+    if counts.sum() == 0:
+        return [None, None]
+    w = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
+    num, den = w @ flips, w @ counts
+    rates = num[den > 0] / den[den > 0]
+    lo, hi = np.percentile(rates, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def measure_collapse(
+    model: Model,
+    data: EvalData,
+    *,
+    sigmas: Sequence[float] = DEFAULT_SIGMAS,
+    n_draws: int = 32,
+    threshold: float = 0.9,
+    mode: str = "token",
+    targets: Sequence[str] | str = TARGETS,
+    noise: str = "normal",
+    sites: Sequence[str] | None = None,
+    heads: Sequence[int] | None = None,
+    seed: int = 0,
+    theory_draws: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> dict[str, Any]:
+    """Measured collapse rate per sigma with a 95% CI, per head, and the theory beside it.
+
+    The batch is repeated `chunk` times along the batch dimension and run once per chunk with
+    the perturbation hooks, each copy getting its own eps; the argmax key of every row is read
+    off `hook_pattern`. sigma = 0 is run once (every draw would be identical). Returns a
+    JSON-ready dict; `rows` holds the per-row columns as tensors (pop it before writing JSON),
+    with `rate` [R, n_sigmas] the per-row measured collapse frequency.
+    """
+    sigmas = check_sigmas(sigmas)
+    _check_positive_int(n_draws, "n_draws")
+    _check_positive_int(theory_draws, "theory_draws")
+    pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
+    rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads)
+    B, R = data.n_examples, len(rows)
+    chosen = {s.name: s for s in pert.sites}
+    by_site = {name: (rows.site == i).nonzero().squeeze(1) for i, name in enumerate(rows.sites)}
+    flips = torch.zeros(R, len(sigmas), dtype=torch.float64)
+    draws_used = []
+    sweep_s, row_draws = 0.0, 0
+    chunk = chunk_copies(data, max_tokens, n_draws)
+    for si, sigma in enumerate(sigmas):
+        gen = torch.Generator().manual_seed(int(seed))
+        total = 1 if sigma == 0 else n_draws
+        draws_used.append(total)
+        t0 = time.perf_counter()
+        done = 0
+        while done < total:
+            c = min(chunk, total - done)
+            tables = pert.draw(sigma, c * B, data.lengths, gen)
+            argmax: dict[str, torch.Tensor] = {}
+
+            def grab(x: torch.Tensor, hook: Any, _store: dict = argmax) -> None:
+                _store[hook.name.removesuffix(".hook_pattern")] = x.argmax(-1)
+
+            hooks = pert.hooks(tables) + [(f"{n}.hook_pattern", grab) for n in rows.sites]
+            with evaluating(model), model.hooks(hooks):
+                data.forward(model, copies=c)
+            for name, idx in by_site.items():
+                if idx.numel() == 0:
+                    continue
+                am = argmax[name].view(c, B, chosen[name].n_heads, -1)
+                got = am[:, rows.example[idx], rows.head[idx], rows.qpos[idx]]  # [c, R_site]
+                flips[idx, si] += (got != rows.key[idx]).sum(0).double()
+            done += c
+        if sigma > 0:
+            sweep_s += time.perf_counter() - t0
+            row_draws += R * total
+    draws = torch.tensor(draws_used, dtype=torch.float64)
+    rate_rows = flips / draws
+    rng = np.random.default_rng(seed)
+    ex = rows.example.numpy()
+    rows_per_example = np.bincount(ex, minlength=B).astype(np.float64)
+    collapse_rate, ci = [], []
+    for si in range(len(sigmas)):
+        f_ex = np.bincount(ex, weights=flips[:, si].numpy(), minlength=B)
+        c_ex = rows_per_example * draws_used[si]
+        collapse_rate.append(float(f_ex.sum() / c_ex.sum()) if R else None)
+        ci.append(_cluster_ci(f_ex, c_ex, rng))
+    theory = _theory(rows, sigmas, noise, theory_draws, seed)
+    per_head = []
+    for (site_name, h), n_valid in rows.valid_rows.items():
+        sel = (rows.site == rows.sites.index(site_name)) & (rows.head == h)
+        n_sparse = int(sel.sum())
+        entry = {
+            "site": site_name, "head": h, "n_rows": n_valid, "n_sparse": n_sparse,
+            "sparse_fraction": n_sparse / n_valid if n_valid else None,
+            "mostly_sparse": bool(n_valid and n_sparse / n_valid >= 0.5),
+            "sparse_counts_by_threshold": {str(t): v for t, v in
+                                           rows.counts[(site_name, h)].items()},
+            "collapse_rate": ([float(v) for v in rate_rows[sel].mean(0)] if n_sparse
+                              else [None] * len(sigmas)),
+        }
+        entry |= theory["per_head"].get((site_name, h), {
+            "predicted_rate": [None] * len(sigmas), "predicted_union": [None] * len(sigmas),
+            "predicted_pair_max": [None] * len(sigmas)})
+        per_head.append(entry)
+    thetas = sorted({t for c in rows.counts.values() for t in c})
+    n_valid_total = sum(rows.valid_rows.values())
+    return {
+        "threshold": rows.threshold,
+        "noise": pert.noise,
+        "mode": pert.mode,
+        "targets": list(pert.targets),
+        "sites": rows.sites,
+        "heads": pert.heads,
+        "sigmas": sigmas,
+        "collapse_rate": collapse_rate,
+        "collapse_ci95": ci,
+        "ci_method": CI_METHOD,
+        "predicted_rate": theory["monte_carlo"],
+        "predicted_rate_se": theory["monte_carlo_se"],
+        "predicted_union": theory["union"],
+        "predicted_pair_max": theory["pair_max"],
+        "theory_draws": theory_draws,
+        "n_sparse_rows": R,
+        "n_rows": n_valid_total,
+        "sparse_fraction": R / n_valid_total if n_valid_total else None,
+        "n_draws": n_draws,
+        "draws_per_sigma": draws_used,
+        "n_examples": B,
+        "sparse_counts_by_threshold": {
+            str(t): sum(c[t] for c in rows.counts.values()) for t in thetas},
+        "mostly_sparse_heads": sum(e["mostly_sparse"] for e in per_head),
+        "per_head": per_head,
+        "rows_per_s": row_draws / sweep_s if sweep_s > 0 else None,
+        "sweep_seconds": sweep_s,
+        "seed": seed,
+        "theory_note": THEORY_NOTE,
+        "rows": {"site": rows.site, "head": rows.head, "example": rows.example,
+                 "qpos": rows.qpos, "key": rows.key, "weight": rows.weight, "rate": rate_rows},
+    }
+
+
+THEORY_NOTE = (
+    "predicted_*: theory.predict_collapse on the recorded unperturbed raw scores (scaled q.k, "
+    "-inf masked) of the sparse rows, key-norm noise at the row's own layer only (monte_carlo = "
+    "predicted_rate, union upper bound, pair_max lower bound; the bounds are None for uniform "
+    "noise). The measurement perturbs all selected sites at once: noise from earlier layers "
+    "propagates into this layer's logits and value noise changes later inputs, so measured "
+    "rates may exceed the prediction; in token mode a self-attention query shares its eps with "
+    "its own key, and targets without k have no direct effect in the theory."
+)
+
+
+def _theory(
+    rows: SparseRows, sigmas: list[float], noise: str, n_draws: int, seed: int
+) -> dict[str, Any]:
+    """`predict_collapse` per (site, head) group, combined into row-weighted means."""
+    S = len(sigmas)
+    closed = noise == "normal"
+    tot = {k: np.zeros(S) for k in ("monte_carlo", "union", "pair_max")}
+    var = np.zeros(S)
+    per_head = {}
+    for si, name in enumerate(rows.sites):
+        site_sel = rows.site == si
+        for h in rows.head[site_sel].unique().tolist():
+            sel = (rows.site == si) & (rows.head == h)
+            logits = rows.logits[name][sel[site_sel]]
+            p = predict_collapse(logits, sigmas, n_draws, noise=noise, seed=seed)
+            n = p["n_rows"]
+            per_head[(name, h)] = {
+                "predicted_rate": p["monte_carlo"],
+                "predicted_union": p["union"] if closed else [None] * S,
+                "predicted_pair_max": p["pair_max"] if closed else [None] * S,
+            }
+            tot["monte_carlo"] += n * np.array(p["monte_carlo"])
+            var += (n * np.array(p["monte_carlo_se"])) ** 2
+            if closed:
+                tot["union"] += n * np.array(p["union"])
+                tot["pair_max"] += n * np.array(p["pair_max"])
+    R = len(rows)
+    out: dict[str, Any] = {"per_head": per_head}
+    for k, v in tot.items():
+        out[k] = [float(x) for x in v / R] if R and (closed or k == "monte_carlo") else (
+            [None] * S)
+    out["monte_carlo_se"] = [float(x) for x in np.sqrt(var) / R] if R else [None] * S
+    return out
+
+
+# --------------------------------------------------------------------------- accuracy
+
+
+def perturbed_predictor(
+    model: Model,
+    task: ResolvedTask,
+    perturbation: Perturbation,
+    sigma: float,
+    *,
+    seed: int = 0,
+    batch_size: int = 512,
+) -> Callable[[list[str]], list[str]]:
+    """A predictor for `normlab.evaluate.evaluate`: greedy answers under the perturbation.
+
+    Decoding is uncached so every step recomputes all positions with the same pre-drawn eps
+    (one draw per question); with sigma = 0 it returns the unperturbed greedy answers.
+    """
+    sigma = check_sigmas([sigma])[0]
+    arch = model.cfg.arch
+    max_new = task.max_lengths()[1] + 2
+
+    def predict(questions: list[str]) -> list[str]:
+        gen = torch.Generator().manual_seed(int(seed))
+        out: list[str] = []
+        for i in range(0, len(questions), batch_size):
+            prompts = make_prompts(questions[i:i + batch_size], arch)
+            width = max(len(p) for p in prompts)
+            if isinstance(model, EncoderDecoderLM):
+                lengths = {"src": width, "tgt": max_new + 1}
+            else:
+                lengths = {"tokens": width + max_new}
+            tables = perturbation.draw(sigma, len(prompts), lengths, gen)
+            with model.hooks(perturbation.hooks(tables)):
+                ids = greedy_decode(model, prompts, max_new=max_new, eos=EOS, use_cache=False)
+            for row in ids:
+                try:
+                    out.append(parse_answer(row, task.reverse_answer))
+                except ValueError:
+                    out.append("?")
+        return out
+
+    return predict
+
+
+def perturbed_accuracy(
+    model: Model,
+    task: ResolvedTask,
+    sets: dict[str, dict[Cell, list[tuple[str, str]]]],
+    *,
+    sigmas: Sequence[float] = DEFAULT_SIGMAS,
+    limit: int | None = None,
+    mode: str = "token",
+    targets: Sequence[str] | str = TARGETS,
+    noise: str = "normal",
+    sites: Sequence[str] | None = None,
+    heads: Sequence[int] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Exact-match accuracy (pooled over `sets`, and per split) at each sigma, plus unperturbed.
+
+    `accuracy_unperturbed` comes from plain `evaluate` (cached decoding), an independent check
+    that sigma = 0 reproduces it.
+    """
+    from normlab.evaluate import evaluate
+
+    sigmas = check_sigmas(sigmas)
+    pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
+
+    def pooled(res: dict[str, Any]) -> float:
+        n = sum(s["count"] for s in res["splits"].values())
+        return sum(s["accuracy"] * s["count"] for s in res["splits"].values()) / max(n, 1)
+
+    with evaluating(model):
+        base = evaluate(model, task, sets, limit=limit)
+        acc, per_split = [], []
+        for sigma in sigmas:
+            res = evaluate(model, task, sets, limit=limit,
+                           predictor=perturbed_predictor(model, task, pert, sigma, seed=seed))
+            acc.append(pooled(res))
+            per_split.append({k: v["accuracy"] for k, v in res["splits"].items()})
+    return {
+        "accuracy": acc,
+        "accuracy_by_split": per_split,
+        "accuracy_unperturbed": pooled(base),
+        "accuracy_unperturbed_by_split": {k: v["accuracy"] for k, v in base["splits"].items()},
+        "accuracy_examples": sum(s["count"] for s in base["splits"].values()),
+    }
+
+
+# --------------------------------------------------------------------------- figure
+
+
+def plot_collapse(result: dict[str, Any], path: Path, title: str = "") -> None:
+    """Measured rate with its CI band and the predictions vs sigma; accuracy on a twin axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = np.array(result["sigmas"])
+
+    def arr(key: str) -> np.ndarray:
+        return np.array([np.nan if v is None else v for v in result.get(key) or []], dtype=float)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rate = arr("collapse_rate")
+    if rate.size:
+        lo = np.array([np.nan if c[0] is None else c[0] for c in result["collapse_ci95"]])
+        hi = np.array([np.nan if c[1] is None else c[1] for c in result["collapse_ci95"]])
+        ax.fill_between(s, lo, hi, color="tab:red", alpha=0.2, lw=0)
+        ax.plot(s, rate, "o-", color="tab:red", label="measured collapse")
+    for key, style, label in (("predicted_rate", "s--", "predicted (Monte Carlo)"),
+                              ("predicted_union", ":", "union bound"),
+                              ("predicted_pair_max", "-.", "pair max")):
+        y = arr(key)
+        if y.size and not np.all(np.isnan(y)):
+            ax.plot(s, y, style, color="tab:blue", label=label, alpha=0.8)
+    ax.set_xlabel("sigma (relative q/k/v norm noise)")
+    ax.set_ylabel(f"collapse rate (sparse rows, theta={result['threshold']})")
+    acc = arr("accuracy")
+    if acc.size:
+        ax2 = ax.twinx()
+        ax2.plot(s, acc, "^-", color="tab:green", label="accuracy")
+        ax2.set_ylabel("exact-match accuracy", color="tab:green")
+        ax2.set_ylim(-0.02, 1.02)
+        ax2.legend(loc="center right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(title or f"circuit collapse ({result['mode']} mode, {result['noise']} noise, "
+                          f"targets {''.join(result['targets'])})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

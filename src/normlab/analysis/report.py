@@ -1,0 +1,145 @@
+"""`analyze_run`: every analysis of one trained run, written to `RUN_DIR/analysis/`.
+
+Files: `norms.json` + `norms.png` (H1 norm spread), `collapse.json` + `collapse.png` (H2 circuit
+collapse, accuracy under noise, theory beside it), `collapse_rows.npz` (per sparse row: site
+index, head, example, query position, winning key, weight, collapse frequency per sigma) and
+`interference.json` + `interference.png` (per-head probe and the synthetic demonstration). Every
+JSON carries `provenance()`, the run config, the seed and the analysis parameters.
+
+Defaults and their cost (our choices): 256 teacher-forced sequences of the `train` split (the
+first ceil(256 / n_cells) fixed eval problems of each train cell, so every cell counts equally
+and the same problems serve accuracy), 32 noise draws per sigma over 8 sigmas (sigma = 0 is run
+once), 256 Monte Carlo draws for the theory, 4 null-space directions per head. On a 4-layer,
+d_model = 64 decoder (about 0.2M parameters) that is well under 2 minutes on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from normlab.analysis.collapse import (
+    DEFAULT_SIGMAS,
+    MODES,
+    NOISES,
+    _check_choice,
+    check_sigmas,
+    check_targets,
+    check_threshold,
+    measure_collapse,
+    perturbed_accuracy,
+    plot_collapse,
+)
+from normlab.analysis.data import (
+    _check_positive_int,
+    data_from_sets,
+    resolve_sites,
+    select_problems,
+)
+from normlab.analysis.interference import (
+    interference_probe,
+    plot_interference,
+    synthetic_interference,
+)
+from normlab.analysis.norms import norm_spread, plot_norm_spread
+from normlab.io import provenance, write_json
+
+
+def analyze_run(
+    run_dir: Path,
+    out: Path | None = None,
+    *,
+    sigmas: Sequence[float] = DEFAULT_SIGMAS,
+    n_draws: int = 32,
+    threshold: float = 0.9,
+    mode: str = "token",
+    targets: Sequence[str] | str = ("q", "k", "v"),
+    noise: str = "normal",
+    n_examples: int = 256,
+    seed: int = 0,
+    splits: Sequence[str] | None = ("train",),
+    sites: Sequence[str] | None = None,
+    heads: Sequence[int] | None = None,
+    alpha: float = 0.5,
+    figures: bool = True,
+) -> dict[str, Any]:
+    """Run norm spread, collapse (+ accuracy and theory) and interference on one run folder.
+
+    `out` defaults to `run_dir/analysis`. `splits` picks the eval splits the problems come from
+    (None: all); `sites`/`heads` restrict the perturbed and measured attention sites and heads
+    (collapse only; the norm spread and probe cover the whole model unless `sites`/`heads` are
+    given, which then also restrict the probe). `alpha` is the probe's injected norm fraction.
+    Returns the three JSON documents plus `files` and `seconds`.
+    """
+    from normlab.tasks.addition import eval_sets
+    from normlab.train import load_run
+
+    sigmas = check_sigmas(sigmas)
+    threshold = check_threshold(threshold)
+    targets = check_targets(targets)
+    _check_choice(mode, MODES, "mode")
+    _check_choice(noise, NOISES, "noise")
+    _check_positive_int(n_draws, "n_draws")
+    _check_positive_int(n_examples, "n_examples")
+    run_dir = Path(run_dir)
+    out = run_dir / "analysis" if out is None else Path(out)
+    cfg, model, meta = load_run(run_dir)
+    resolve_sites(model, sites, heads)  # fail on a bad selection before any work
+    task = cfg.task.resolve()
+    sets, per_cell = select_problems(task, eval_sets(task), n_examples, splits)
+    data = data_from_sets(sets, cfg.model.arch, task.reverse_answer)
+    params = {"sigmas": sigmas, "n_draws": n_draws, "threshold": threshold, "mode": mode,
+              "targets": list(targets), "noise": noise, "n_examples": n_examples,
+              "n_examples_used": data.n_examples, "per_cell": per_cell,
+              "splits": None if splits is None else list(splits), "sites": sites,
+              "heads": heads, "alpha": alpha}
+    common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
+              "params": params, "config": cfg.to_dict()}
+    seconds: dict[str, float] = {}
+    files: list[str] = []
+
+    t0 = time.perf_counter()
+    norms = norm_spread(model, data) | common | {"provenance": provenance()}
+    write_json(out / "norms.json", norms)
+    files.append(str(out / "norms.json"))
+    seconds["norms"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws, threshold=threshold,
+                                mode=mode, targets=targets, noise=noise, sites=sites,
+                                heads=heads, seed=seed)
+    rows = collapse.pop("rows")
+    seconds["collapse_sweep"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    collapse |= perturbed_accuracy(model, task, sets, sigmas=sigmas, limit=per_cell, mode=mode,
+                                   targets=targets, noise=noise, sites=sites, heads=heads,
+                                   seed=seed)
+    seconds["accuracy"] = time.perf_counter() - t0
+    collapse |= common | {"provenance": provenance()}
+    write_json(out / "collapse.json", collapse)
+    np.savez_compressed(out / "collapse_rows.npz", sites=np.array(collapse["sites"]),
+                        sigmas=np.array(sigmas), **{k: v.numpy() for k, v in rows.items()})
+    files += [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
+
+    t0 = time.perf_counter()
+    interference = {
+        "probe": interference_probe(model, data, alpha=alpha, sites=sites, heads=heads,
+                                    seed=seed),
+        "synthetic": synthetic_interference(seed=seed),
+    } | common | {"provenance": provenance()}
+    write_json(out / "interference.json", interference)
+    files.append(str(out / "interference.json"))
+    seconds["interference"] = time.perf_counter() - t0
+
+    if figures:
+        name = f"{run_dir.name} ({cfg.model.arch}, {cfg.model.norm_placement})"
+        plot_norm_spread(norms, out / "norms.png", f"{name}: scale / layer median, 5-95%")
+        plot_collapse(collapse, out / "collapse.png", f"{name}: circuit collapse")
+        plot_interference(interference, out / "interference.png", name)
+        files += [str(out / f) for f in ("norms.png", "collapse.png", "interference.png")]
+    return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
+            "collapse": collapse, "interference": interference}

@@ -1,0 +1,291 @@
+"""The study report: the paper's headline claims beside ours, with CIs over seeds and verdicts.
+
+Verdict rules (computed, never set by hand; `normlab.stats`):
+- H1 norm spread: h90 of Pre-Norm models (90% of norm-input ratios lie within 1 ± h90, pooled
+  over every norm input). `agrees` if the 95% CI over seeds lies in [0.10, 0.40] (a factor 2
+  around the paper's 0.20), `disagrees` if it misses that band, else `inconclusive`.
+- H2 circuit collapse: Pre-Norm collapse rate at sigma = 0.1. Band [0.005, 0.02] (factor 2
+  around 1%), same rule.
+- H3 in-distribution parity: per-seed difference qkv - pre of train-cell accuracy. `agrees` if
+  the CI lies in [-0.02, +0.02], `disagrees` if it misses it.
+- H4 out-of-distribution gap: per-seed difference qkv - pre of held-out accuracy (mean over
+  the held-out splits). `agrees` if the CI is below 0 (QKV-Norm worse), `disagrees` if above.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from normlab.io import atomic_write_text, provenance, write_json
+from normlab.stats import mean_ci, verdict_band, verdict_sign
+
+SIGMA_H2 = 0.1
+CLAIMS = {
+    "H1": "norm spread in trained Pre-Norm models: about ±20% for 90% of embeddings",
+    "H2": "Pre-Norm circuit collapse: about 1% of sparse rows at norm noise ≲ 10%",
+    "H3": "Pre-Norm vs QKV-Norm in distribution: comparable accuracy",
+    "H4": "Pre-Norm vs QKV-Norm out of distribution: QKV-Norm worse",
+}
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
+    """placement -> seed -> {eval, norms, collapse, timings, done, dir} for finished runs."""
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for d in run_dirs:
+        ev = _load(d / "eval.json")
+        if ev is None:
+            continue
+        cfg = ev["config"]
+        runs.setdefault(cfg["model"]["norm_placement"], {})[cfg["train"]["seed"]] = {
+            "dir": d, "eval": ev, "norms": _load(d / "analysis" / "norms.json"),
+            "collapse": _load(d / "analysis" / "collapse.json"),
+            "timings": _load(d / "timings.json") or {}, "done": _load(d / "train_done.json"),
+        }
+    return runs
+
+
+def held_out(ev: dict[str, Any]) -> float:
+    accs = [r["accuracy"] for s, r in ev["splits"].items() if s != "train"]
+    return sum(accs) / len(accs) if accs else math.nan
+
+
+def _at_sigma(col: dict[str, Any], key: str, sigma: float) -> float | None:
+    for s, v in zip(col["sigmas"], col[key], strict=True):
+        if abs(s - sigma) < 1e-9:
+            return v
+    return None
+
+
+def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per claim: paper figure, our mean and CI over seeds, the verdict."""
+    pre, qkv = runs.get("pre", {}), runs.get("qkv", {})
+    rows = []
+
+    def row(cid: str, paper: str, values: list[float], verdict_fn: Any, unit: str) -> None:
+        if not values:
+            rows.append({"id": cid, "claim": CLAIMS[cid], "paper": paper, "ours": None,
+                         "ci95": None, "n_seeds": 0, "verdict": "inconclusive", "unit": unit})
+            return
+        m, ci = mean_ci(values)
+        rows.append({"id": cid, "claim": CLAIMS[cid], "paper": paper, "ours": m,
+                     "ci95": list(ci), "n_seeds": len(values), "verdict": verdict_fn(ci),
+                     "unit": unit, "per_seed": values})
+
+    h1 = [r["norms"]["summary"]["all"]["h90"] for r in pre.values()
+          if r["norms"] and r["norms"]["summary"]["all"].get("h90") is not None]
+    row("H1", "±0.20 (h90)", h1, lambda ci: verdict_band(ci, 0.10, 0.40), "h90")
+    h2 = [v for r in pre.values() if r["collapse"]
+          for v in [_at_sigma(r["collapse"], "collapse_rate", SIGMA_H2)] if v is not None]
+    row("H2", "≈1% at σ ≤ 0.1", h2, lambda ci: verdict_band(ci, 0.005, 0.02),
+        f"collapse rate at σ={SIGMA_H2}")
+    seeds = sorted(set(pre) & set(qkv))
+    h3 = [qkv[s]["eval"]["splits"]["train"]["accuracy"] - pre[s]["eval"]["splits"]["train"]
+          ["accuracy"] for s in seeds]
+    row("H3", "comparable", h3, lambda ci: verdict_band(ci, -0.02, 0.02),
+        "qkv − pre, train-cell accuracy")
+    h4 = [held_out(qkv[s]["eval"]) - held_out(pre[s]["eval"]) for s in seeds]
+    row("H4", "QKV-Norm worse", h4, lambda ci: verdict_sign(ci, expect_negative=True),
+        "qkv − pre, held-out accuracy")
+    return rows
+
+
+def split_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
+    splits = list(dict.fromkeys(s for by in runs.values() for r in by.values()
+                                for s in r["eval"]["splits"]))
+    rows = [["placement", "seeds", *splits]]
+    for p, by in runs.items():
+        cells = []
+        for s in splits:
+            vals = [r["eval"]["splits"][s]["accuracy"] for r in by.values()
+                    if s in r["eval"]["splits"]]
+            m, (lo, hi) = mean_ci(vals)
+            cells.append(_pct(m, lo, hi))
+        rows.append([p, str(len(by)), *cells])
+    return rows
+
+
+def _pct(m: float, lo: float, hi: float) -> str:
+    if math.isinf(lo):
+        return f"{100 * m:.1f}"
+    return f"{100 * m:.1f} [{100 * max(lo, 0):.1f}, {100 * min(hi, 1):.1f}]"
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "—"
+    return f"{100 * v:.2f}%" if "rate" in unit or "accuracy" in unit else f"{v:.3f}"
+
+
+def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[str, Path]:
+    """Collapse and accuracy vs sigma per placement (mean over seeds) and the norm spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Path] = {}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for p, by in runs.items():
+        cols = [r["collapse"] for r in by.values() if r["collapse"]]
+        if not cols:
+            continue
+        sig = cols[0]["sigmas"]
+        mean = [sum(c["collapse_rate"][i] for c in cols) / len(cols) for i in range(len(sig))]
+        pred = [sum(c["predicted_rate"][i] for c in cols) / len(cols) for i in range(len(sig))]
+        acc = [sum(c["accuracy"][i] for c in cols) / len(cols) for i in range(len(sig))]
+        line = ax1.plot(sig, mean, "o-", label=f"{p} measured")[0]
+        ax1.plot(sig, pred, "--", color=line.get_color(), label=f"{p} predicted")
+        ax2.plot(sig, acc, "o-", color=line.get_color(), label=p)
+    ax1.set_xlabel("σ (relative norm noise)")
+    ax1.set_ylabel("collapse rate of sparse rows")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("σ")
+    ax2.set_ylabel("exact-match accuracy (all splits)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    out["collapse"] = folder / "collapse_vs_sigma.png"
+    fig.savefig(out["collapse"], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for i, (p, by) in enumerate(runs.items()):
+        vals = [r["norms"]["summary"]["all"] for r in by.values()
+                if r["norms"] and r["norms"]["summary"]["all"].get("h90") is not None]
+        if vals:
+            h = [v["h90"] for v in vals]
+            ax.bar(i, sum(h) / len(h), yerr=(max(h) - min(h)) / 2, capsize=4)
+    ax.axhline(0.2, color="k", ls="--", lw=1, label="paper: ±20%")
+    ax.set_xticks(range(len(runs)), list(runs))
+    ax.set_ylabel("h90 of norm-input ratios")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out["norms"] = folder / "norm_spread.png"
+    fig.savefig(out["norms"], dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "") -> dict:
+    """Write summary.json, report.md and a self-contained report.html into `out`."""
+    runs = collect(run_dirs)
+    claims = claims_table(runs)
+    figs = figures(runs, out / "figures")
+    heatmaps = {f"{p}-s{s}": r["dir"] / "heatmap.png" for p, by in runs.items()
+                for s, r in sorted(by.items()) if (r["dir"] / "heatmap.png").is_file()}
+    run_info = []
+    for p, by in runs.items():
+        for s, r in sorted(by.items()):
+            run_info.append({
+                "run": r["dir"].name, "placement": p, "seed": s,
+                "steps": (r["done"] or {}).get("step"),
+                "train_s": (r["done"] or {}).get("elapsed_s"),
+                "wall_s": r["timings"], "checkpoint": r["eval"]["checkpoint"],
+                "provenance": r["eval"].get("provenance"), "config": r["eval"]["config"],
+            })
+    summary = {"profile": profile, "claims": claims, "splits": split_table(runs),
+               "runs": run_info, "provenance": provenance(), "rules": __doc__}
+    write_json(out / "summary.json", summary)
+
+    md = [f"# normlab reproduction — profile `{profile}`", "",
+          f"Machine: {machine or summary['provenance']['machine']}; torch "
+          f"{summary['provenance']['torch']}; commit {summary['provenance']['git_commit']}.",
+          "", "## The paper's headline claims beside ours", "",
+          "| claim | paper | ours (mean [95% CI over seeds]) | seeds | verdict |",
+          "|---|---|---|---|---|"]
+    for c in claims:
+        ours = "—" if c["ours"] is None else (
+            f"{_fmt(c['ours'], c['unit'])} [{_fmt(c['ci95'][0], c['unit'])}, "
+            f"{_fmt(c['ci95'][1], c['unit'])}]")
+        md.append(f"| **{c['id']}** {c['claim']} ({c['unit']}) | {c['paper']} | {ours} | "
+                  f"{c['n_seeds']} | **{c['verdict']}** |")
+    md += ["", "Verdict rules (computed by `normlab.report`):", "",
+           *[ln.strip() for ln in (__doc__ or "").splitlines()[3:] if ln.strip()], "",
+           "## Exact-match accuracy per split (%, mean [95% CI over seeds])", ""]
+    table = summary["splits"]
+    md += ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    md += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    md += ["", "## Figures", ""]
+    for name, path in figs.items():
+        md.append(f"![{name}]({path.relative_to(out)})")
+    for name, path in heatmaps.items():
+        md.append(f"![{name}]({_rel(path, out)})")
+    md += ["", "## Runs", "", "| run | placement | seed | steps | train s | eval s | analysis s |"
+           " commit |", "|---|---|---|---|---|---|---|---|"]
+    for r in run_info:
+        t = r["wall_s"]
+        md.append(f"| {r['run']} | {r['placement']} | {r['seed']} | {r['steps']} | "
+                  f"{_num(r['train_s'])} | {_num(t.get('eval'))} | {_num(t.get('analyze'))} | "
+                  f"{(r['provenance'] or {}).get('git_commit')} |")
+    md += ["", "Each run's full config, versions and machine are in `summary.json` and in the "
+           "run folder's `eval.json`."]
+    atomic_write_text(out / "report.md", "\n".join(md) + "\n")
+    atomic_write_text(out / "report.html", _html("\n".join(md), out))
+    return summary
+
+
+def _num(v: float | None) -> str:
+    return "—" if v is None else f"{v:.0f}"
+
+
+def _rel(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def _html(md: str, base: Path) -> str:
+    """A self-contained HTML page from our simple Markdown (tables, headings, images)."""
+    body, in_table = [], False
+    for line in md.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if set("".join(cells)) <= set("-"):
+                continue
+            if not in_table:
+                body.append("<table>")
+                in_table = True
+            body.append("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            body.append("</table>")
+            in_table = False
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(line[level:].strip())}</h{level}>")
+        elif line.startswith("!["):
+            alt, src = line[2:].split("](", 1)
+            path = Path(src.rstrip(")"))
+            path = path if path.is_absolute() else base / path
+            if path.is_file():
+                data = base64.b64encode(path.read_bytes()).decode()
+                body.append(f'<figure><img alt="{html.escape(alt)}" '
+                            f'src="data:image/png;base64,{data}"><figcaption>'
+                            f"{html.escape(alt)}</figcaption></figure>")
+        elif line.strip():
+            body.append(f"<p>{_inline(line)}</p>")
+    if in_table:
+        body.append("</table>")
+    style = ("body{font-family:sans-serif;max-width:60em;margin:auto}table{border-collapse:"
+             "collapse}td{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}"
+             "figure{display:inline-block;margin:4px}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>normlab report</title>"
+            f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
+
+
+def _inline(text: str) -> str:
+    out = html.escape(text)
+    parts = out.split("**")
+    out = "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+    parts = out.split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))

@@ -1,0 +1,83 @@
+"""`normlab reproduce`: the whole study in one restartable command.
+
+Profiles:
+- `smoke`: tiny models on the smoke grid, 2 placements x 2 seeds, a minute or two (tests).
+- `quick`: `pre` and `qkv` on the quick grid, 2 seeds each, about 45 minutes on 2 CPU cores
+  (two runs at a time, one torch thread each).
+- `paper`: every placement, 5 seeds, on the paper grid (`configs/addition/paper/`), for a
+  GPU or a cluster (`--device cuda`, or `normlab sweep --backend ray` with the same configs).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import normlab
+from normlab.io import write_json
+from normlab.report import write_report
+from normlab.sweep import RunSpec, execute, expand
+
+ALL_PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
+
+
+@dataclass(frozen=True)
+class Profile:
+    config_dir: str
+    placements: tuple[str, ...]
+    seeds: tuple[int, ...]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    analysis: dict[str, Any] = field(default_factory=dict)
+
+
+PROFILES = {
+    "smoke": Profile(
+        "configs/addition", ("pre", "qkv"), (0, 1),
+        {"task.grid": "smoke", "task.eval_size": 32, "model.d_model": 32, "model.n_layers": 2,
+         "model.d_mlp": 64, "train.steps": 60, "train.eval_every": 60,
+         "train.checkpoint_every": 30, "train.eval_examples": 16, "train.warmup_steps": 10},
+        {"n_examples": 32, "n_draws": 4, "sigmas": [0.0, 0.05, 0.1, 0.3]},
+    ),
+    "quick": Profile("configs/addition", ("pre", "qkv"), (0, 1)),
+    "paper": Profile("configs/addition/paper", ALL_PLACEMENTS, (0, 1, 2, 3, 4)),
+}
+
+
+def config_root() -> Path:
+    """The repository's configs/ (next to src/), else ./configs."""
+    here = Path(normlab.__file__).resolve().parents[2]
+    return here if (here / "configs").is_dir() else Path.cwd()
+
+
+def profile_specs(name: str, out: Path) -> list[RunSpec]:
+    if name not in PROFILES:
+        raise ValueError(f"--profile: expected one of {', '.join(PROFILES)}; got {name!r}")
+    prof = PROFILES[name]
+    specs = []
+    for p in prof.placements:
+        base = config_root() / prof.config_dir / f"{p}.toml"
+        specs += expand(base, {"train.seed": list(prof.seeds)}, prof.overrides, out / "runs",
+                        name=f"{p}-s{{seed}}", analysis=prof.analysis)
+    return specs
+
+
+def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str = "auto",
+              progress: bool = True) -> dict[str, Any]:
+    """Train, evaluate and analyse every run of `profile` (skipping finished ones), then report."""
+    out = Path(out)
+    specs = profile_specs(profile, out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "manifest.json", {"profile": profile, "runs": [s.__dict__ for s in specs]})
+    results = execute(specs, jobs=jobs, device=device, progress=progress)
+    failed = [r for r in results if not r["ok"]]
+    summary = write_report(out, [Path(s.out) for s in specs], profile)
+    for r in failed:
+        print(f"normlab: run {r['name']} failed: {r['error']}", file=sys.stderr)
+    if progress:
+        print(f"report: {out / 'report.md'} ({len(specs) - len(failed)}/{len(specs)} runs ok)",
+              file=sys.stderr)
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(specs)} runs failed; rerun to retry them")
+    return summary

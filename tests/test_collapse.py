@@ -1,0 +1,212 @@
+"""Circuit collapse, perturbation hooks and `analyze_run`, each against an independent truth."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from normlab import ModelConfig, build_model
+from normlab.analysis.collapse import (
+    Perturbation,
+    find_sparse_rows,
+    measure_collapse,
+    perturbed_accuracy,
+    perturbed_predictor,
+)
+from normlab.analysis.data import EvalData
+from normlab.analysis.theory import predict_collapse
+from normlab.evaluate import predict
+from normlab.tasks.addition import Cell, TaskConfig
+
+
+def problems(n: int = 24, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [Cell(2, 2).sample(rng) for _ in range(n)]
+
+
+def small(arch: str = "decoder", placement: str = "pre", **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    base = dict(arch=arch, d_model=32, n_heads=4, n_layers=2, n_encoder_layers=1,
+                n_decoder_layers=1, d_mlp=64, max_len=40, init_std=0.3, norm_placement=placement)
+    return build_model(ModelConfig(**(base | kw))).eval()
+
+
+def phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def test_sigma_zero_is_exact_and_rate_grows() -> None:
+    model = small()
+    data = EvalData.from_problems(problems(), "decoder")
+    res = measure_collapse(model, data, sigmas=[0.0, 0.05, 0.3], n_draws=8, threshold=0.5)
+    assert res["n_sparse_rows"] > 50
+    assert res["collapse_rate"][0] == 0.0 and res["collapse_ci95"][0] == [0.0, 0.0]
+    assert bool((res["rows"]["rate"][:, 0] == 0).all())
+    assert 0 < res["collapse_rate"][1] <= res["collapse_rate"][2]
+    lo, hi = res["collapse_ci95"][2]
+    assert lo <= res["collapse_rate"][2] <= hi
+    assert res["predicted_rate"][0] == 0.0 and res["rows_per_s"] > 0
+    # counts by threshold are nested and the chosen theta's count is n_sparse_rows
+    c = res["sparse_counts_by_threshold"]
+    assert c["0.5"] == res["n_sparse_rows"] >= c["0.8"] >= c["0.9"] >= c["0.99"]
+    assert sum(h["n_sparse"] for h in res["per_head"]) == res["n_sparse_rows"]
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_sigma_zero_predictions_match_plain_decoding(arch: str) -> None:
+    model = small(arch)
+    task = TaskConfig(grid="smoke").resolve()
+    qs = [q for q, _ in problems(12)]
+    plain = predict(model, qs, arch, False, task.max_lengths()[1] + 2)
+    pert = Perturbation(model)
+    assert perturbed_predictor(model, task, pert, 0.0)(qs) == plain
+    assert perturbed_predictor(model, task, pert, 0.5)(qs) != plain  # the hooks do act
+    sets = {"s": {Cell(2, 2): problems(12)}}
+    acc = perturbed_accuracy(model, task, sets, sigmas=[0.0], limit=12)
+    assert acc["accuracy"][0] == acc["accuracy_unperturbed"]
+
+
+def hand_model() -> torch.nn.Module:
+    """One head, d_head 4, scale 1/2: at query 1 the raw logits are 3 (key 0) and 1 (key 1)."""
+    cfg = ModelConfig(d_model=4, n_heads=1, n_layers=1, d_mlp=8, max_len=4,
+                      pos_encoding="none", norm_placement="none")
+    model = build_model(cfg).eval()
+    blk = model.blocks[0].attn
+    with torch.no_grad():
+        model.embed.W_E.zero_()
+        model.embed.W_E[4, 0] = 1.0
+        model.embed.W_E[5, 1] = 1.0
+        blk.W_Q.zero_()
+        blk.W_Q[0, 0, 0] = blk.W_Q[0, 1, 0] = 1.0
+        blk.W_K.zero_()
+        blk.W_K[0, 0, 0], blk.W_K[0, 1, 0] = 6.0, 2.0
+    return model
+
+
+@pytest.mark.parametrize("mode", ["token", "vector"])
+def test_two_key_closed_form(mode: str) -> None:
+    model = hand_model()
+    data = EvalData.from_tokens(torch.tensor([[4, 5]] * 128))
+    rows = find_sparse_rows(model, data, threshold=0.8)
+    row1 = rows.qpos == 1
+    torch.testing.assert_close(rows.logits["blocks.0.attn"][row1][0],
+                               torch.tensor([3.0, 1.0]))
+    sigmas = [0.3, 0.5]
+    res = measure_collapse(model, data, sigmas=sigmas, n_draws=64, threshold=0.8,
+                           targets=("k",), mode=mode, seed=1)
+    n = 128 * 64
+    for i, s in enumerate(sigmas):
+        truth = phi(-(3.0 - 1.0) / (s * math.sqrt(3.0**2 + 1.0**2)))
+        got = float(res["rows"]["rate"][res["rows"]["qpos"] == 1, i].mean())
+        assert abs(got - truth) < 4.5 * math.sqrt(truth * (1 - truth) / n), (s, got, truth)
+        assert abs(res["predicted_pair_max"][i] * 2 - truth) < 1e-9  # two rows, one can flip
+
+
+def test_predictions_pool_predict_collapse() -> None:
+    model = small(n_layers=1)
+    data = EvalData.from_problems(problems(), "decoder")
+    res = measure_collapse(model, data, sigmas=[0.1, 0.3], n_draws=2, threshold=0.5)
+    rows = find_sparse_rows(model, data, threshold=0.5)
+    ref = predict_collapse(rows.logits["blocks.0.attn"], [0.1, 0.3], 16)
+    for key, ref_key in (("predicted_union", "union"), ("predicted_pair_max", "pair_max")):
+        assert res[key] == pytest.approx(ref[ref_key], rel=1e-9, abs=1e-12)
+
+
+def _qkv_ratio(model, data, hooks, site: str) -> dict[str, torch.Tensor]:
+    """Per (batch, pos, head): <perturbed, clean> / <clean, clean> of hook_q/k/v."""
+    names = [f"{site}.hook_{t}" for t in "qkv"]
+    clean, pert = {}, {}
+    for store, extra in ((clean, []), (pert, hooks)):
+        def save(x, hook, _s=store):
+            _s[hook.name[-1]] = x.clone()
+        with torch.no_grad(), model.hooks(extra + [(n, save) for n in names]):
+            data.forward(model)
+    return {t: (pert[t] * clean[t]).sum(-1) / clean[t].pow(2).sum(-1) for t in "qkv"}
+
+
+def test_token_mode_shares_one_factor_vector_mode_does_not() -> None:
+    model = small()
+    data = EvalData.from_problems(problems(3), "decoder")
+    lengths = data.lengths
+    gen = torch.Generator().manual_seed(0)
+    pert = Perturbation(model, mode="token")
+    tables = pert.draw(0.2, 3, lengths, gen)
+    r = _qkv_ratio(model, data, pert.hooks(tables), "blocks.0.attn")
+    expect = (1 + tables[("blocks.0.attn", "q")])[:, :, None].expand(-1, -1, 4)
+    for t in "qkv":
+        torch.testing.assert_close(r[t], expect, rtol=1e-5, atol=1e-5)
+    vec = Perturbation(model, mode="vector")
+    r = _qkv_ratio(model, data, vec.hooks(vec.draw(0.2, 3, lengths, gen)), "blocks.0.attn")
+    assert not torch.allclose(r["q"], r["k"], atol=1e-3)
+    assert not torch.allclose(r["q"], r["q"][:, :, :1].expand_as(r["q"]), atol=1e-3)
+    # head selection leaves the other heads alone
+    one = Perturbation(model, mode="token", heads=[2])
+    r = _qkv_ratio(model, data, one.hooks(one.draw(0.2, 3, lengths, gen)), "blocks.0.attn")
+    torch.testing.assert_close(r["k"][:, :, [0, 1, 3]], torch.ones(3, lengths["tokens"], 3))
+
+
+def test_cross_attention_memory_has_its_own_table() -> None:
+    model = small("encoder_decoder")
+    data = EvalData.from_problems(problems(3), "encoder_decoder")
+    site = "decoder.blocks.0.cross_attn"
+    pert = Perturbation(model, mode="token", sites=[site])
+    tables = pert.draw(0.2, 3, data.lengths, torch.Generator().manual_seed(0))
+    r = _qkv_ratio(model, data, pert.hooks(tables), site)
+    assert tables[(site, "q")].shape == (3, data.lengths["tgt"])
+    assert tables[(site, "k")].shape == (3, data.lengths["src"])
+    torch.testing.assert_close(r["q"], (1 + tables[(site, "q")])[..., None].expand(-1, -1, 4))
+    for t in "kv":
+        torch.testing.assert_close(r[t], (1 + tables[(site, "k")])[..., None].expand(-1, -1, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(sigmas=[0.1, -0.1]), dict(threshold=0.0), dict(threshold=1.5),
+     dict(sites=["blocks.9.attn"]), dict(heads=[4]), dict(mode="tokens"),
+     dict(noise="cauchy"), dict(targets=("q", "x")), dict(targets=()), dict(n_draws=0)],
+)
+def test_bad_arguments_are_one_line_value_errors(kwargs: dict) -> None:
+    model = small(n_layers=1)
+    data = EvalData.from_problems(problems(2), "decoder")
+    with pytest.raises(ValueError) as err:
+        measure_collapse(model, data, **(dict(sigmas=[0.1], n_draws=1) | kwargs))
+    assert "\n" not in str(err.value)
+
+
+def test_analyze_run_writes_schema(tmp_path) -> None:
+    from normlab.analysis.report import analyze_run
+    from normlab.config import load_config
+    from normlab.train import train
+
+    cfg = load_config(None, ["task.grid='smoke'", "train.steps=30", "model.d_model=32",
+                             "model.n_layers=1", "model.n_heads=4", "train.batch_size=16",
+                             "train.eval_examples=4", "train.log_every=10"])
+    run = tmp_path / "run"
+    train(cfg, run, progress=False, log=lambda s: None)
+    with pytest.raises(ValueError, match="mode"):
+        analyze_run(run, mode="both")
+    res = analyze_run(run, n_examples=16, n_draws=4, sigmas=[0.0, 0.2], seed=3)
+    out = run / "analysis"
+    for f in ("norms.json", "collapse.json", "interference.json", "collapse.png",
+              "norms.png", "interference.png", "collapse_rows.npz"):
+        assert (out / f).is_file(), f
+    docs = {n: json.loads((out / f"{n}.json").read_text())
+            for n in ("norms", "collapse", "interference")}
+    for doc in docs.values():
+        assert {"provenance", "config", "seed"} <= set(doc) and doc["seed"] == 3
+        assert doc["config"]["model"]["d_model"] == 32
+    c = docs["collapse"]
+    need = {"threshold", "noise", "mode", "targets", "sigmas", "collapse_rate", "collapse_ci95",
+            "predicted_rate", "predicted_union", "predicted_pair_max", "accuracy",
+            "accuracy_unperturbed", "n_sparse_rows", "n_draws", "sparse_counts_by_threshold",
+            "per_head", "rows_per_s"}
+    assert need <= set(c)
+    assert c["collapse_rate"][0] in (0.0, None) and c["accuracy"][0] == c["accuracy_unperturbed"]
+    assert len(c["collapse_ci95"]) == len(c["accuracy"]) == 2
+    assert {"entries", "summary"} <= set(docs["norms"])
+    assert {"probe", "synthetic"} <= set(docs["interference"])
+    assert res["collapse"]["n_examples"] == docs["norms"]["n_examples"] >= 16

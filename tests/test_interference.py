@@ -1,0 +1,115 @@
+"""Subspace interference: the null-space probe and the synthetic demonstration."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from normlab import ModelConfig, build_model
+from normlab.analysis.data import EvalData, attention_sites
+from normlab.analysis.interference import (
+    interference_probe,
+    null_directions,
+    plot_interference,
+    synthetic_interference,
+)
+from normlab.tasks.addition import Cell
+
+
+def data(arch: str = "decoder", n: int = 8) -> EvalData:
+    rng = random.Random(2)
+    return EvalData.from_problems([Cell(2, 2).sample(rng) for _ in range(n)], arch)
+
+
+def model(placement: str, arch: str = "decoder", **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = dict(arch=arch, d_model=32, n_heads=4, n_layers=2, n_encoder_layers=1,
+               n_decoder_layers=1, d_mlp=64, max_len=40, init_std=0.3, norm_placement=placement)
+    return build_model(ModelConfig(**(cfg | kw))).eval()
+
+
+def randomise_gains(m: torch.nn.Module) -> None:
+    """Trained-looking LayerNorm gains, so the probe must account for diag(g)."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".w"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+
+
+@pytest.mark.parametrize("placement", ["qkv", "none", "qk"])
+def test_probe_is_zero_when_the_head_reads_x_directly(placement: str) -> None:
+    res = interference_probe(model(placement), data(), n_directions=2)
+    assert len(res["per_head"]) == 8
+    assert res["tv_max"] < 1e-5
+    assert all(r["null_dim"] == 32 - 2 * 8 for r in res["per_head"])
+
+
+def test_probe_is_nonzero_under_pre_and_one_token_mode() -> None:
+    m = model("pre")
+    randomise_gains(m)
+    res = interference_probe(m, data(), n_directions=2)
+    assert all(r["tv_mean"] > 1e-3 for r in res["per_head"])
+    assert all(r["null_dim"] == 32 - 2 * 8 - 1 for r in res["per_head"])  # centring
+    one = interference_probe(m, data(), n_directions=2, tokens="one", heads=[1])
+    assert len(one["per_head"]) == 2 and 0 < one["tv_mean"] < res["tv_mean"]
+
+
+def test_null_directions_respect_gain_and_centring() -> None:
+    m = model("pre")
+    randomise_gains(m)
+    site = attention_sites(m)["blocks.1.attn"]
+    u, _ = null_directions(m, site, 2, 3, torch.Generator().manual_seed(0))
+    g = m.blocks[1].ln1.w.detach()
+    for w in (m.blocks[1].attn.W_Q[2], m.blocks[1].attn.W_K[2]):
+        assert (u @ (g[:, None] * w.detach())).abs().max() < 1e-5
+        assert (u @ w.detach()).abs().max() > 1e-2  # the plain W would have been wrong
+    torch.testing.assert_close(u.sum(-1), torch.zeros(3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(u.norm(dim=-1), torch.ones(3))
+    # pre_qk with zero LN bias: the head only sees the norm change, which its q/k norms
+    # remove, so with the gain accounted for the pattern is unchanged
+    pq = model("pre_qk")
+    randomise_gains(pq)
+    assert interference_probe(pq, data(), n_directions=2)["tv_max"] < 1e-4
+
+
+def test_post_injects_before_the_previous_norm() -> None:
+    res = interference_probe(model("post"), data(), n_directions=2)
+    by_layer = {r["site"]: [] for r in res["per_head"]}
+    for r in res["per_head"]:
+        by_layer[r["site"]].append(r["tv_mean"])
+    assert max(by_layer["blocks.0.attn"]) < 1e-5  # block 0 reads the embedding directly
+    assert min(by_layer["blocks.1.attn"]) > 1e-3
+    assert {r["inject"] for r in res["per_head"]} == {"resid", "norm_input"}
+
+
+def test_encoder_decoder_skips_cross_attention() -> None:
+    res = interference_probe(model("qkv", "encoder_decoder"), data("encoder_decoder"),
+                             n_directions=1)
+    assert res["skipped_sites"] == ["decoder.blocks.0.cross_attn"]
+    assert {r["site"] for r in res["per_head"]} == {"encoder.blocks.0.attn",
+                                                    "decoder.blocks.0.attn"}
+    assert res["tv_max"] < 1e-5
+
+
+@pytest.mark.parametrize("norm_type", ["rms", "layer"])
+def test_synthetic_pre_depends_on_b_and_spheres_restore_independence(norm_type: str,
+                                                                     tmp_path) -> None:
+    res = synthetic_interference(spreads=[0.0, 0.2, 0.5], norm_type=norm_type, n_seqs=16)
+    tv = res["tv"]
+    for cond in ("qkv", "none", "pre_spheres"):
+        assert max(tv[cond]) < 1e-5, cond
+    assert tv["pre"][0] < 1e-5 < 1e-2 < tv["pre"][1] < tv["pre"][2]
+    assert res["dim_a"] + res["dim_b"] == (16 if norm_type == "rms" else 15)
+    plot_interference({"synthetic": res, "probe": None}, tmp_path / "i.png")
+    assert (tmp_path / "i.png").is_file()
+
+
+@pytest.mark.parametrize("kwargs", [dict(alpha=-1.0), dict(tokens="some"), dict(heads=[9]),
+                                    dict(sites=["blocks.0.mlp"]), dict(n_directions=0)])
+def test_bad_arguments(kwargs: dict) -> None:
+    with pytest.raises(ValueError) as err:
+        interference_probe(model("pre"), data(n=2), **kwargs)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,98 @@
+"""Norm spread (H1) against hand computations from cached activations."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from normlab import ModelConfig, build_model
+from normlab.analysis.data import EvalData
+from normlab.analysis.norms import norm_ratios, norm_spread, plot_norm_spread
+from normlab.tasks.addition import Cell
+
+
+def data(arch: str = "decoder", n: int = 12) -> EvalData:
+    rng = random.Random(1)
+    return EvalData.from_problems([Cell(2, 2).sample(rng) for _ in range(n)], arch)
+
+
+def model(placement: str, arch: str = "decoder", **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = dict(arch=arch, d_model=32, n_heads=4, n_layers=2, n_encoder_layers=1,
+               n_decoder_layers=1, d_mlp=64, max_len=40, init_std=0.3, norm_placement=placement)
+    return build_model(ModelConfig(**(cfg | kw))).eval()
+
+
+def find(items: list[dict], hook: str, head: int | None = None) -> dict:
+    return next(i for i in items if i["hook"] == hook and i["head"] == head)
+
+
+@pytest.mark.parametrize("norm_type", ["layer", "rms"])
+def test_ratios_match_hand_computation_from_residuals(norm_type: str) -> None:
+    m, d = model("pre", norm_type=norm_type), data()
+    _, cache = m.run_with_cache(d.inputs["tokens"])
+    x = cache["blocks.1.hook_resid_pre"].double()
+    if norm_type == "layer":
+        x = x - x.mean(-1, keepdim=True)
+    scale = (x.pow(2).mean(-1) + 1e-5).sqrt()
+    valid = d.inputs["tokens"] != 0
+    hand = scale[valid].numpy()
+    hand = hand / np.median(hand)
+    item = find(norm_ratios(m, d), "blocks.1.ln1.hook_scale")
+    np.testing.assert_allclose(item["ratio"], hand, rtol=1e-5)
+    # per-class statistics from the hand ratios
+    q_len = torch.tensor([len(q) + 2 for q, _ in d.problems])
+    is_q = (torch.arange(valid.shape[1])[None] < q_len[:, None])[valid].numpy()
+    entry = next(e for e in norm_spread(m, d)["entries"]
+                 if e["hook"] == "blocks.1.ln1.hook_scale")
+    for cname, sel in (("all", np.ones_like(is_q)), ("question", is_q), ("answer", ~is_q)):
+        r, st = hand[sel], entry["classes"][cname]
+        assert st["n"] == r.size
+        assert st["within_20"] == pytest.approx(np.mean(np.abs(r - 1) <= 0.2), abs=1e-9)
+        assert st["p5"] == pytest.approx(np.percentile(r, 5), rel=1e-5)
+        # h90: the smallest symmetric band around 1 holding 90% of the ratios
+        assert np.mean(np.abs(r - 1) <= st["h90"] + 1e-5) >= 0.9
+        assert np.mean(np.abs(r - 1) < st["h90"] - 1e-5) <= 0.9 + 1.0 / r.size
+
+
+def test_per_head_qk_norms_and_resid_reference() -> None:
+    m, d = model("qkv"), data()
+    _, cache = m.run_with_cache(d.inputs["tokens"])
+    y = cache["blocks.0.attn.hook_k_pre_norm"].double()  # [B, T, H, e]
+    yc = y - y.mean(-1, keepdim=True)
+    scale = (yc.pow(2).mean(-1) + 1e-5).sqrt()[d.inputs["tokens"] != 0]  # [N, H]
+    items = norm_ratios(m, d)
+    for h in range(4):
+        s = scale[:, h].numpy()
+        np.testing.assert_allclose(find(items, "blocks.0.attn.k_norm.hook_scale", h)["ratio"],
+                                   s / np.median(s), rtol=1e-5)
+    hooks = {i["hook"] for i in items if i["kind"] == "norm"}
+    assert "blocks.0.ln1.hook_scale" not in hooks and "blocks.1.ln2.hook_scale" in hooks
+    none = norm_spread(model("none"), d)
+    assert {e["kind"] for e in none["entries"]} == {"resid"}
+    assert none["summary"]["all"]["n"] == 0
+
+
+def test_encoder_decoder_streams_and_classes(tmp_path) -> None:
+    m, d = model("qk", "encoder_decoder"), data("encoder_decoder")
+    res = norm_spread(m, d)
+    by = {(e["hook"], e["head"]): e for e in res["entries"]}
+    n_src, n_tgt = int(d.valid["src"].sum()), int(d.valid["tgt"].sum())
+    assert by[("decoder.ln_final.hook_scale", None)]["classes"]["all"]["n"] == n_tgt
+    k = by[("decoder.blocks.0.cross_attn.k_norm.hook_scale", 0)]
+    q = by[("decoder.blocks.0.cross_attn.q_norm.hook_scale", 0)]
+    assert k["stream"] == "src" and k["classes"]["all"]["n"] == n_src
+    assert set(k["classes"]) == {"all", "encoder"}
+    assert q["stream"] == "tgt" and set(q["classes"]) == {"all", "decoder"}
+    assert res["summary"]["all"]["n"] > 0 and res["classes"] == ["encoder", "decoder"]
+    plot_norm_spread(res, tmp_path / "n.png")
+    assert (tmp_path / "n.png").stat().st_size > 1000
+
+
+def test_unknown_hook_is_a_one_line_value_error() -> None:
+    with pytest.raises(ValueError, match="unknown norm hook") as err:
+        norm_spread(model("pre"), data(n=2), names=["blocks.0.ln9.hook_scale"])
+    assert "\n" not in str(err.value)

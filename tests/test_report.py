@@ -1,0 +1,153 @@
+"""Verdict rules, CI over seeds, sweep configs: synthetic inputs with known answers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from normlab.report import claims_table
+from normlab.stats import mean_ci, verdict_band, verdict_sign
+from normlab.sweep import load_sweep
+
+
+def test_mean_ci_hand_computed() -> None:
+    m, (lo, hi) = mean_ci([1.0, 3.0])  # sd = sqrt(2), t(1) = 12.706
+    assert m == 2.0
+    assert hi - m == pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2))
+    m, (lo, hi) = mean_ci([0.5])
+    assert m == 0.5 and math.isinf(lo) and math.isinf(hi)
+    with pytest.raises(ValueError):
+        mean_ci([])
+
+
+def test_verdict_rules() -> None:
+    assert verdict_band((0.15, 0.25), 0.1, 0.4) == "agrees"
+    assert verdict_band((0.5, 0.7), 0.1, 0.4) == "disagrees"
+    assert verdict_band((0.01, 0.05), 0.1, 0.4) == "disagrees"
+    assert verdict_band((0.05, 0.2), 0.1, 0.4) == "inconclusive"
+    assert verdict_band((-math.inf, math.inf), 0.1, 0.4) == "inconclusive"
+    assert verdict_sign((-0.3, -0.1)) == "agrees"
+    assert verdict_sign((0.1, 0.3)) == "disagrees"
+    assert verdict_sign((-0.1, 0.1)) == "inconclusive"
+
+
+def _run(placement: str, seed: int, train: float, held: float, h90: float, rate: float):
+    ev = {"config": {"model": {"norm_placement": placement}, "train": {"seed": seed}},
+          "splits": {"train": {"accuracy": train}, "interpolation": {"accuracy": held},
+                     "extrapolation": {"accuracy": held}}}
+    norms = {"summary": {"all": {"h90": h90}}}
+    col = {"sigmas": [0.0, 0.1], "collapse_rate": [0.0, rate]}
+    return {"eval": ev, "norms": norms, "collapse": col, "dir": Path(f"{placement}-s{seed}")}
+
+
+def test_claims_table_on_synthetic_runs() -> None:
+    runs = {
+        "pre": {0: _run("pre", 0, 0.99, 0.50, 0.20, 0.010),
+                1: _run("pre", 1, 0.99, 0.52, 0.21, 0.011),
+                2: _run("pre", 2, 0.99, 0.51, 0.19, 0.009)},
+        "qkv": {0: _run("qkv", 0, 0.99, 0.20, 0.05, 0.001),
+                1: _run("qkv", 1, 0.985, 0.22, 0.05, 0.001),
+                2: _run("qkv", 2, 0.995, 0.21, 0.05, 0.001)},
+    }
+    rows = {r["id"]: r for r in claims_table(runs)}
+    assert rows["H1"]["verdict"] == "agrees" and rows["H1"]["ours"] == pytest.approx(0.2)
+    assert rows["H2"]["verdict"] == "agrees" and rows["H2"]["ours"] == pytest.approx(0.01)
+    assert rows["H3"]["verdict"] == "agrees"
+    assert rows["H4"]["verdict"] == "agrees" and rows["H4"]["ours"] == pytest.approx(-0.3)
+    # flip H4: QKV-Norm better out of distribution
+    for s in runs["qkv"]:
+        runs["qkv"][s]["eval"]["splits"]["extrapolation"]["accuracy"] = 0.9
+        runs["qkv"][s]["eval"]["splits"]["interpolation"]["accuracy"] = 0.9
+    assert {r["id"]: r for r in claims_table(runs)}["H4"]["verdict"] == "disagrees"
+    # no runs at all: every claim inconclusive, nothing invented
+    assert all(r["verdict"] == "inconclusive" and r["ours"] is None for r in claims_table({}))
+
+
+def test_bad_sweep_configs(tmp_path: Path) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text('[grid]\n"model.norm_placement" = ["pre"]\n[oops]\n')
+    with pytest.raises(ValueError, match=r"sweep\.oops: unknown key"):
+        load_sweep(f, tmp_path / "out")
+    f.write_text("[grid]\n")
+    with pytest.raises(ValueError, match=r"sweep\.grid: empty"):
+        load_sweep(f, tmp_path / "out")
+    f.write_text('[grid]\n"model.d_modle" = [1]\n')
+    with pytest.raises(ValueError, match=r"model\.d_modle: unknown key"):
+        load_sweep(f, tmp_path / "out")
+    f.write_text('[grid]\n"train.seed" = []\n')
+    with pytest.raises(ValueError, match="non-empty list"):
+        load_sweep(f, tmp_path / "out")
+    with pytest.raises(ValueError, match="not found"):
+        load_sweep(tmp_path / "missing.toml", tmp_path / "out")
+
+
+def test_sweep_expands_the_grid(tmp_path: Path) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text('name = "{norm_placement}-s{seed}"\n[grid]\n'
+                 '"model.norm_placement" = ["pre", "qkv"]\n"train.seed" = [0, 1, 2]\n'
+                 '[set]\n"train.steps" = 7\n"task.grid" = "smoke"\n')
+    specs = load_sweep(f, tmp_path / "out")
+    assert [s.name for s in specs] == [f"{p}-s{i}" for p in ("pre", "qkv") for i in range(3)]
+    assert all(s.config["train"]["steps"] == 7 for s in specs)
+    assert specs[4].config["model"]["norm_placement"] == "qkv"
+    assert specs[4].config["train"]["seed"] == 1
+
+
+TINY_SET = ('[set]\n"task.grid" = "smoke"\n"task.eval_size" = 8\n"model.d_model" = 16\n'
+            '"model.n_layers" = 1\n"model.d_mlp" = 32\n"train.steps" = 6\n'
+            '"train.eval_every" = 6\n"train.checkpoint_every" = 3\n"train.eval_examples" = 4\n'
+            '[run]\nanalyze = false\n')
+
+
+def _tiny_sweep(tmp_path: Path, seeds: str = "[0, 1]") -> Path:
+    f = tmp_path / "s.toml"
+    f.write_text(f'name = "{{norm_placement}}-s{{seed}}"\n[grid]\n"model.norm_placement" = '
+                 f'["pre"]\n"train.seed" = {seeds}\n' + TINY_SET)
+    return f
+
+
+def test_local_sweep_runs_skips_and_resumes(tmp_path: Path) -> None:
+    from normlab.config import RunConfig
+    from normlab.sweep import execute
+    from normlab.train import train
+
+    specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
+    # a killed run: 4 of 6 steps done, checkpoint at 3, no eval yet
+    train(RunConfig.from_dict(specs[1].config), Path(specs[1].out), progress=False, stop_after=4)
+    results = execute(specs, jobs=2, progress=False)
+    assert all(r["ok"] for r in results), results
+    by = {r["name"]: r for r in results}
+    assert by["pre-s0"]["did"] == ["train", "eval"] and by["pre-s1"]["did"] == ["train", "eval"]
+    assert "resuming" in (tmp_path / "out" / "pre-s1.log").read_text()
+    again = execute(specs, jobs=1, progress=False)
+    assert [r["did"] for r in again] == [[], []]  # nothing recomputed
+
+
+def test_failed_run_is_reported_and_others_go_on(tmp_path: Path) -> None:
+    from normlab.sweep import execute
+
+    specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
+    Path(specs[0].out).mkdir(parents=True)
+    (Path(specs[0].out) / "checkpoints").mkdir()
+    (Path(specs[0].out) / "checkpoints" / "step_0000003.json").write_text("{broken")
+    results = {r["name"]: r for r in execute(specs, jobs=1, progress=False)}
+    assert not results["pre-s0"]["ok"] and "CheckpointError" in results["pre-s0"]["error"]
+    assert results["pre-s1"]["ok"]
+
+
+def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    from normlab.sweep import execute
+
+    specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        results = execute(specs, backend="ray", progress=False)
+    finally:
+        ray.shutdown()
+    assert all(r["ok"] for r in results), results
+    for s in specs:
+        assert (Path(s.out) / "eval.json").is_file()
