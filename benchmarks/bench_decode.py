@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 import torch
+
 from bench_train_step import base_config, model_config
 from common import (
     add_common_args,
@@ -31,7 +32,6 @@ from common import (
     setup_threads,
     summary,
 )
-
 from normlab import build_model
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import Cell, eval_sets, make_prompts, max_lengths
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outs: dict[str, list[list[int]]] = {}
 
             def decoder(cached: bool, key: str, prompts: list[list[int]] = prompts,
-                        max_new: int = max_new, outs: dict = outs) -> Any:
+                        max_new: int = max_new, outs: dict = outs, model: Any = model) -> Any:
                 def fn() -> None:
                     outs[key] = greedy_decode(model, prompts, max_new=max_new, eos=NEVER,
                                               use_cache=cached)

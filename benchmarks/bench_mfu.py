@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+
 from bench_train_step import (
     base_config,
     contenders_for,
@@ -43,7 +44,6 @@ from common import (
     setup_threads,
     summary,
 )
-
 from normlab import build_model
 
 MATMUL_LEAVES = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_gate", "W_U")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from common import (
     ROOT,
     add_common_args,
@@ -33,7 +34,6 @@ from common import (
     summary,
 )
 from nanogpt_ref import NanoGPT
-
 from normlab import ModelConfig, build_model
 from normlab.config import RunConfig, load_config
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream

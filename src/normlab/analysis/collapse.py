@@ -381,6 +381,13 @@ def measure_collapse(
             "predicted_rate": [None] * len(sigmas), "predicted_union": [None] * len(sigmas),
             "predicted_pair_max": [None] * len(sigmas)})
         per_head.append(entry)
+    per_site = []
+    for si, name in enumerate(rows.sites):
+        sel = rows.site == si
+        n_valid = sum(v for (s, _), v in rows.valid_rows.items() if s == name)
+        per_site.append({"site": name, "n_rows": n_valid, "n_sparse": int(sel.sum()),
+                         "collapse_rate": ([float(v) for v in rate_rows[sel].mean(0)]
+                                           if bool(sel.any()) else [None] * len(sigmas))})
     thetas = sorted({t for c in rows.counts.values() for t in c})
     n_valid_total = sum(rows.valid_rows.values())
     return {
@@ -409,6 +416,7 @@ def measure_collapse(
             str(t): sum(c[t] for c in rows.counts.values()) for t in thetas},
         "mostly_sparse_heads": sum(e["mostly_sparse"] for e in per_head),
         "per_head": per_head,
+        "per_site": per_site,
         "rows_per_s": row_draws / sweep_s if sweep_s > 0 else None,
         "sweep_seconds": sweep_s,
         "seed": seed,

@@ -79,19 +79,24 @@ def null_directions(
     """`n` random unit directions u with u·(effective W_Q, W_K) = 0, and the null-space dim.
 
     Effective W = diag(g) W when a norm with gain g sits in front; with a LayerNorm, u is also
-    orthogonal to the all-ones vector. Returns an empty [0, d] tensor when the null space is 0.
+    orthogonal to the all-ones vector. Under a whole-projection q/k norm (`qkv_norm_scope =
+    "all"`) every head's W_Q, W_K count, since the head's normalised q, k divide by all of
+    them. Returns an empty [0, d] tensor when the null space is 0.
     """
     attn = site.module
     rep = attn.n_heads // attn.n_kv_heads
-    wq = attn.W_Q[head].detach().double()
-    wk = attn.W_K[head // rep].detach().double()
+    if attn.q_norm is not None and attn.q_norm.scope == "all":
+        # a whole-projection q/k norm divides by every head's projection: all of them read
+        wq, wk = attn.W_Q.detach().double().unbind(0), attn.W_K.detach().double().unbind(0)
+    else:
+        wq, wk = [attn.W_Q[head].detach().double()], [attn.W_K[head // rep].detach().double()]
     norm, _ = read_norm(model, site)
-    cols = [wq, wk]
+    cols = [*wq, *wk]
+    d = cols[0].shape[0]
     if norm is not None:
         g = _gain(norm).double()[:, None]
-        cols = [g * wq, g * wk]
+        cols = [g * w for w in cols]
         if norm.kind == "layer":
-            d = wq.shape[0]
             cols.append(torch.full((d, 1), 1.0 / math.sqrt(d), dtype=torch.float64))
     m = torch.cat(cols, dim=1)
     u, s, _ = torch.linalg.svd(m, full_matrices=True)

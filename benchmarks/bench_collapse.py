@@ -1,0 +1,207 @@
+"""Collapse-sweep throughput: `normlab.analysis.collapse` (vectorised) vs a naive Python loop.
+
+Both contenders perturb q, k, v of every attention site with token-mode normal noise at one
+sigma, on the same model, the same teacher-forced examples (`select_problems` on the train
+cells, as `normlab analyze` does) and the same sparse rows (max weight >= 0.9), for the same
+number of noise draws, and count rows whose argmax key changes.
+
+- vectorised: `measure_collapse(model, data, sigmas=[sigma], n_draws, theory_draws=1)`: the
+  batch is repeated across draws and run in a few large forwards. We report its whole call and
+  its own `sweep_seconds` (the perturbed forwards only, without finding rows and theory).
+- naive (`naive_sweep`, below): one forward per example per draw, batch size 1, with hooks
+  that scale q/k/v by the very same eps tables (drawn through `Perturbation.draw` in the same
+  order), so the flip counts must agree row for row (up to float ties); we report agreement.
+
+Throughput = sparse rows x draws / second. The naive loop gets its sparse rows for free.
+
+    python benchmarks/bench_collapse.py [--quick] [--threads N] [--run RUN_DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench_train_step import base_config
+from common import (
+    add_common_args,
+    header,
+    load_note,
+    machine_info,
+    md_table,
+    paired_timing,
+    ratio_stats,
+    repeats_for,
+    setup_threads,
+    summary,
+)
+from normlab import build_model
+from normlab.model import Model
+from normlab.tasks.addition import eval_sets
+
+SIGMA = 0.3
+SEED = 0
+
+
+def naive_sweep(
+    model: Model, data: Any, rows: Any, pert: Any, sigma: float, n_draws: int, chunk: int,
+    seed: int = SEED,
+) -> torch.Tensor:
+    """Flip count per sparse row: for each draw, for each example, one batch-1 forward."""
+    tokens = data.inputs["tokens"]
+    B, R = data.n_examples, len(rows)
+    flips = torch.zeros(R, dtype=torch.float64)
+    per_example = []
+    for b in range(B):
+        idx = (rows.example == b).nonzero().squeeze(1)
+        per_example.append([(int(i), rows.sites[int(rows.site[i])], int(rows.head[i]),
+                             int(rows.qpos[i]), int(rows.key[i])) for i in idx])
+    site_names = [s.name for s in pert.sites]
+    gen = torch.Generator().manual_seed(int(seed))
+    done = 0
+    model.eval()
+    with torch.no_grad():
+        while done < n_draws:
+            c = min(chunk, n_draws - done)
+            tables = pert.draw(sigma, c * B, data.lengths, gen)
+            for j in range(c):
+                for b in range(B):
+                    r = j * B + b
+                    argmax: dict[str, torch.Tensor] = {}
+
+                    def scale(eps: torch.Tensor) -> Callable[..., torch.Tensor]:
+                        def fn(x: torch.Tensor, hook: Any) -> torch.Tensor:
+                            return x * (1 + eps[:, : x.shape[1], None, None])
+                        return fn
+
+                    def grab(x: torch.Tensor, hook: Any, store: dict = argmax) -> None:
+                        store[hook.name.removesuffix(".hook_pattern")] = x[0].argmax(-1)
+
+                    hooks = [(f"{s}.hook_{t}", scale(tables[(s, t)][r:r + 1]))
+                             for s in site_names for t in pert.targets]
+                    hooks += [(f"{s}.hook_pattern", grab) for s in rows.sites]
+                    with model.hooks(hooks):
+                        model(tokens[b:b + 1])
+                    for i, site, head, qpos, key in per_example[b]:
+                        if int(argmax[site][head, qpos]) != key:
+                            flips[i] += 1
+            done += c
+    return flips
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    threads = setup_threads(args.threads)
+    info = machine_info(threads)
+    try:
+        from normlab.analysis.collapse import (
+            DEFAULT_MAX_TOKENS,
+            Perturbation,
+            find_sparse_rows,
+            measure_collapse,
+        )
+        from normlab.analysis.data import chunk_copies, data_from_sets, select_problems
+    except ImportError as err:
+        return {"benchmark": "collapse", "info": info, "skipped": f"collapse API missing: {err}"}
+    if args.run:
+        from normlab.train import load_run
+
+        run_cfg, model, _ = load_run(args.run)
+        source = f"trained run {args.run}"
+    else:
+        run_cfg = base_config()
+        run_cfg.model.norm_placement = "qkv"
+        run_cfg.model.init_std = 0.2  # peakier random attention: more, non-trivial sparse rows
+        torch.manual_seed(0)
+        model = build_model(run_cfg.model)
+        source = "random weights (init_std 0.2), configs/addition/qkv.toml sizes"
+    if run_cfg.model.arch != "decoder":
+        return {"benchmark": "collapse", "info": info,
+                "skipped": "the naive baseline handles decoder-only models"}
+    task = run_cfg.task.resolve()
+    n_examples = 24 if args.quick else 64
+    n_draws = 4 if args.quick else 16
+    repeats = repeats_for(args, quick=2, full=3)
+    sets, _ = select_problems(task, eval_sets(task), n_examples)
+    data = data_from_sets(sets, "decoder", task.reverse_answer)
+    model.eval()
+    rows = find_sparse_rows(model, data, threshold=0.9)
+    pert = Perturbation(model)
+    chunk = chunk_copies(data, DEFAULT_MAX_TOKENS, n_draws)
+    results: dict[str, Any] = {}
+
+    def vectorised() -> None:
+        res = measure_collapse(model, data, sigmas=[SIGMA], n_draws=n_draws, threshold=0.9,
+                               theory_draws=1, seed=SEED)
+        results.setdefault("sweep_s", []).append(res["sweep_seconds"])
+        results["flips"] = res["rows"]["rate"][:, 0] * n_draws
+        results["n_rows"] = res["n_sparse_rows"]
+
+    def naive() -> None:
+        results["naive_flips"] = naive_sweep(model, data, rows, pert, SIGMA, n_draws, chunk)
+
+    times = paired_timing({"vectorised": vectorised, "naive": naive}, repeats=repeats,
+                          inner=1, warmup=0)
+    R = len(rows)
+    work = R * n_draws
+    sweep_s = results["sweep_s"]
+    agree = float((results["flips"].round() == results["naive_flips"]).double().mean()) if R else 1
+    return {
+        "benchmark": "collapse", "info": info, "model": source, "sigma": SIGMA,
+        "n_examples": data.n_examples, "seq_len": data.lengths["tokens"], "n_draws": n_draws,
+        "sparse_rows": R, "chunk_copies": chunk, "repeats": repeats,
+        "naive": summary(times["naive"]), "vectorised_call": summary(times["vectorised"]),
+        "vectorised_sweep": summary(sweep_s),
+        "naive_row_draws_per_s": work / summary(times["naive"])["median_s"],
+        "vectorised_call_row_draws_per_s": work / summary(times["vectorised"])["median_s"],
+        "vectorised_sweep_row_draws_per_s": work / summary(sweep_s)["median_s"],
+        "speedup_sweep": ratio_stats(times["naive"], sweep_s),
+        "speedup_call": ratio_stats(times["naive"], times["vectorised"]),
+        "flip_agreement": agree,
+        "flips_total": {"vectorised": float(results["flips"].sum()),
+                        "naive": float(results["naive_flips"].sum())},
+        "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"]),
+    }
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    if "skipped" in res:
+        return f"### Collapse sweep\n\nskipped: {res['skipped']}"
+    rows = [
+        ["naive loop (batch 1 per example per draw)", res["naive"]["median_s"],
+         res["naive_row_draws_per_s"], 1.0],
+        ["measure_collapse, perturbed forwards (sweep_seconds)",
+         res["vectorised_sweep"]["median_s"], res["vectorised_sweep_row_draws_per_s"],
+         res["speedup_sweep"]["median"]],
+        ["measure_collapse, whole call (rows + theory)", res["vectorised_call"]["median_s"],
+         res["vectorised_call_row_draws_per_s"], res["speedup_call"]["median"]],
+    ]
+    return "\n\n".join([
+        header("Collapse sweep: vectorised vs naive loop", res["info"], res["load_note"]),
+        f"{res['model']}; {res['n_examples']} examples x seq len {res['seq_len']}, "
+        f"{res['sparse_rows']} sparse rows (theta 0.9), sigma {res['sigma']}, "
+        f"{res['n_draws']} draws ({res['chunk_copies']} copies per forward); median of "
+        f"{res['repeats']} repeats. Flip counts agree on {100 * res['flip_agreement']:.2f}% "
+        f"of rows (totals {res['flips_total']['vectorised']:.0f} vs "
+        f"{res['flips_total']['naive']:.0f}).",
+        md_table(["contender", "seconds", "row-draws/s", "speed-up vs naive"], rows),
+    ])
+
+
+def main() -> None:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--run", default=None, help="a trained decoder run folder")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    res = run(args)
+    print(to_markdown(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

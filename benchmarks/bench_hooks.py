@@ -1,0 +1,117 @@
+"""Hook overhead: a forward with no hooks attached vs the same forward with HookPoints bypassed.
+
+normlab's `HookPoint.__call__` returns its input at once when nothing is attached. To see what
+the remaining check costs, the baseline replaces `HookPoint.__call__` by a bare `return x`
+(class-level monkeypatch, restored afterwards). Both contenders run the same model on the same
+tokens (eval mode, no_grad; attention on the SDPA path in both), alternating per repeat. Batch
+128 is a training-size forward; batch 1 is decode-sized, where fixed per-call costs dominate.
+
+    python benchmarks/bench_hooks.py [--quick] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench_train_step import base_config, model_config, real_batch
+from common import (
+    add_common_args,
+    header,
+    load_note,
+    machine_info,
+    md_table,
+    paired_timing,
+    ratio_stats,
+    repeats_for,
+    setup_threads,
+    summary,
+)
+from normlab import build_model
+from normlab.model.hooks import HookPoint
+
+ORIGINAL_CALL = HookPoint.__call__
+
+
+def _bare(self: HookPoint, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _inner_for(fn: Callable[[], Any], target_s: float) -> int:
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return max(1, int(target_s / max(time.perf_counter() - t0, 1e-6)))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    threads = setup_threads(args.threads)
+    info = machine_info(threads)
+    run_cfg = base_config()
+    batch = real_batch(run_cfg)["tokens"]
+    repeats = repeats_for(args, quick=3, full=9)
+    target = 0.05 if args.quick else 0.3
+    results = []
+    try:
+        for placement in ("pre", "qkv"):
+            torch.manual_seed(0)
+            model = build_model(model_config(run_cfg, run_cfg.model.d_model, placement)).eval()
+            n_points = len(model.hook_points())
+            for b in (128, 1):
+                tokens = batch[:b]
+
+                def forward(call: Any, tokens: torch.Tensor = tokens, model: Any = model) -> Any:
+                    def fn() -> None:
+                        HookPoint.__call__ = call
+                        with torch.no_grad():
+                            model(tokens)
+                    return fn
+
+                contenders = {"hooks": forward(ORIGINAL_CALL), "bypassed": forward(_bare)}
+                inner = _inner_for(contenders["hooks"], target)
+                times = paired_timing(contenders, repeats=repeats, inner=inner, warmup=1)
+                th, tb = summary(times["hooks"]), summary(times["bypassed"])
+                results.append({
+                    "placement": placement, "batch": b, "seq_len": tokens.shape[1],
+                    "hook_points": n_points, "inner": inner, "hooks": th, "bypassed": tb,
+                    "ratio": ratio_stats(times["hooks"], times["bypassed"]),
+                    "us_per_hook_call": 1e6 * (th["median_s"] - tb["median_s"]) / n_points,
+                })
+    finally:
+        HookPoint.__call__ = ORIGINAL_CALL
+    return {"benchmark": "hooks", "info": info, "repeats": repeats, "results": results,
+            "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"])}
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    rows = [[r["placement"], r["batch"], r["hook_points"], 1e3 * r["hooks"]["median_s"],
+             1e3 * r["bypassed"]["median_s"], r["ratio"]["median"], r["us_per_hook_call"]]
+            for r in res["results"]]
+    return "\n\n".join([
+        header("Hook overhead (forward, no hooks attached)", res["info"], res["load_note"]),
+        f"d_model 64, 4 layers, seq len {res['results'][0]['seq_len']}; median of "
+        f"{res['repeats']} repeats; ratio = with HookPoint calls / bypassed (median of "
+        "per-repeat ratios); µs/call = time difference / hook points (may be negative: noise).",
+        md_table(["placement", "batch", "hook points", "ms (hooks)", "ms (bypassed)", "ratio",
+                  "µs/call"], rows),
+    ])
+
+
+def main() -> None:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    res = run(args)
+    print(to_markdown(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Run every benchmark (what `make bench` runs), write one JSON and print Markdown tables.
+
+    python benchmarks/run_all.py [--quick] [--threads N] [--out benchmarks/results.json]
+        [--only train_step,mfu,decode,collapse,scaling,hooks]
+
+A benchmark that fails or cannot run (e.g. the collapse API is missing) is reported as such
+and the others still run. Timings are side-by-side ratios within one process; nothing here is
+a pass/fail test. See docs/performance.md for how to read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bench_collapse
+import bench_decode
+import bench_hooks
+import bench_mfu
+import bench_scaling
+import bench_train_step
+from common import ROOT, load_note, machine_info, md_table, setup_threads
+
+ORDER = ("train_step", "mfu", "decode", "collapse", "scaling", "hooks")
+MODULES: dict[str, Any] = {
+    "train_step": bench_train_step, "mfu": bench_mfu, "decode": bench_decode,
+    "collapse": bench_collapse, "scaling": bench_scaling, "hooks": bench_hooks,
+}
+
+
+def headlines(results: dict[str, Any]) -> str:
+    """The few numbers worth quoting, pulled from the individual results."""
+    rows: list[list[Any]] = []
+    ts = results.get("train_step", {})
+    for d, w in ts.get("widths", {}).items():
+        rows.append([f"train step d{d}: normlab-pre / {w['fastest_reference']} (time)",
+                     w["pre_over_fastest_ref"]["median"]])
+        rows.append([f"train step d{d}: qkv / pre (time)", w["qkv_over_pre"]["median"]])
+    for d, w in results.get("mfu", {}).get("widths", {}).items():
+        for name in ("normlab-pre", "normlab-qkv"):
+            if name in w["contenders"]:
+                rows.append([f"MFU d{d} {name} (%)", 100 * w["contenders"][name]["mfu"]])
+    for r in results.get("decode", {}).get("results", []):
+        rows.append([f"decode {r['placement']} {r['cell']}: uncached / cached (time)",
+                     r["speedup"]["median"]])
+    col = results.get("collapse", {})
+    if "speedup_sweep" in col:
+        rows.append(["collapse sweep: naive / vectorised sweep (time)",
+                     col["speedup_sweep"]["median"]])
+        rows.append(["collapse sweep: naive / whole measure_collapse (time)",
+                     col["speedup_call"]["median"]])
+    for r in results.get("hooks", {}).get("results", []):
+        rows.append([f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)",
+                     r["ratio"]["median"]])
+    return "### Headlines\n\n" + md_table(["quantity", "value"], rows) if rows else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="seconds per benchmark: smoke run")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="override every repeat count")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
+    parser.add_argument("--only", default=",".join(ORDER), help="comma-separated subset")
+    parser.add_argument("--run", default=None, help="trained decoder run for bench_collapse")
+    args = parser.parse_args(argv)
+    chosen = [n.strip() for n in args.only.split(",") if n.strip()]
+    for name in chosen:
+        if name not in MODULES:
+            parser.error(f"--only: unknown benchmark {name!r}; expected {', '.join(ORDER)}")
+    bench_args = argparse.Namespace(quick=args.quick, threads=args.threads, repeats=args.repeats,
+                                    widths=None, run=args.run, out=None)
+    threads = setup_threads(args.threads)
+    info = machine_info(threads)
+    t_start = time.perf_counter()
+    results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for name in ORDER:
+        if name not in chosen:
+            continue
+        mod = MODULES[name]
+        t0 = time.perf_counter()
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        try:
+            run: Callable[..., dict[str, Any]] = mod.run
+            if name == "mfu" and "train_step" in results and "error" not in results["train_step"]:
+                res = run(bench_args, train_step=results["train_step"])
+            else:
+                res = run(bench_args)
+            text = mod.to_markdown(res)
+        except Exception as err:  # report and go on with the other benchmarks
+            res = {"benchmark": name, "error": f"{type(err).__name__}: {err}",
+                   "traceback": traceback.format_exc()}
+            text = f"### {name}\n\nFAILED: {res['error']}"
+        seconds[name] = time.perf_counter() - t0
+        results[name] = res
+        print(text + "\n", flush=True)
+    head = headlines(results)
+    if head:
+        print(head + "\n")
+    note = load_note(info["loadavg_1m_at_start"], info["cpu_count"])
+    doc = {
+        "command": " ".join(["python", "benchmarks/run_all.py", *(argv or sys.argv[1:])]),
+        "quick": args.quick, "info": info, "load_note": note, "seconds": seconds,
+        "total_seconds": time.perf_counter() - t_start, "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"total {doc['total_seconds']:.0f} s; wrote {args.out}" + (f"; {note}" if note else ""))
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

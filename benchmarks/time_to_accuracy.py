@@ -1,0 +1,103 @@
+"""Time to accuracy: the first logged step where a run's train accuracy reaches a threshold.
+
+Reads `metrics.jsonl` of each run folder (records with `step`, `elapsed_s` and, at evaluation
+steps, `accuracy.{split}`) and prints, per run, the first evaluation at which
+`accuracy[split] >= threshold`, then the median over runs of each placement (read from the
+run's `config.toml`, `model.norm_placement`). `elapsed_s` is the training loop's wall time: it
+excludes the periodic evaluations but includes checkpoint writes. The resolution is
+`train.eval_every` steps. Runs that never reach the threshold are listed and left out of the
+medians (the table says how many reached it).
+
+    python benchmarks/time_to_accuracy.py RUN_DIR [RUN_DIR ...] [--threshold 0.99]
+        [--split train] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+
+def placement_of(run_dir: Path) -> str:
+    cfg = run_dir / "config.toml"
+    if cfg.is_file():
+        try:
+            return str(tomllib.loads(cfg.read_text())["model"]["norm_placement"])
+        except (KeyError, tomllib.TOMLDecodeError):
+            pass
+    return "?"
+
+
+def first_reach(run_dir: Path, threshold: float, split: str) -> dict[str, Any]:
+    path = run_dir / "metrics.jsonl"
+    out: dict[str, Any] = {"run": str(run_dir), "placement": placement_of(run_dir),
+                           "reached": False, "step": None, "elapsed_s": None}
+    if not path.is_file():
+        return out | {"error": "no metrics.jsonl"}
+    last: dict[str, Any] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written by a running job
+        last = rec
+        acc = rec.get("accuracy", {}).get(split)
+        if acc is not None and acc >= threshold:
+            return out | {"reached": True, "step": rec["step"], "elapsed_s": rec.get("elapsed_s"),
+                          "accuracy": acc}
+    return out | {"last_step": last.get("step"), "last_elapsed_s": last.get("elapsed_s")}
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["placement"], []).append(r)
+    out = {}
+    for name, rs in groups.items():
+        hit = [r for r in rs if r["reached"]]
+        secs = [r["elapsed_s"] for r in hit if r["elapsed_s"] is not None]
+        out[name] = {
+            "runs": len(rs), "reached": len(hit),
+            "median_step": statistics.median([r["step"] for r in hit]) if hit else None,
+            "median_elapsed_s": statistics.median(secs) if secs else None,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders")
+    parser.add_argument("--threshold", type=float, default=0.99)
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    rows = [first_reach(r, args.threshold, args.split) for r in args.runs]
+    groups = summarise(rows)
+    print(f"first evaluation with accuracy.{args.split} >= {args.threshold}\n")
+    print("| run | placement | step | elapsed s |\n|---|---|---|---|")
+    for r in rows:
+        if r["reached"]:
+            print(f"| {r['run']} | {r['placement']} | {r['step']} | {r['elapsed_s']:.1f} |")
+        else:
+            note = r.get("error") or f"not reached (last step {r.get('last_step')})"
+            print(f"| {r['run']} | {r['placement']} | {note} | — |")
+    print("\n| placement | reached / runs | median step | median elapsed s |\n|---|---|---|---|")
+    for name, g in groups.items():
+        sec = "—" if g["median_elapsed_s"] is None else f"{g['median_elapsed_s']:.1f}"
+        step = "—" if g["median_step"] is None else f"{g['median_step']:g}"
+        print(f"| {name} | {g['reached']} / {g['runs']} | {step} | {sec} |")
+    if args.json:
+        args.json.write_text(json.dumps({"threshold": args.threshold, "split": args.split,
+                                         "runs": rows, "by_placement": groups}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
