@@ -158,7 +158,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    for i, (p, by) in enumerate(runs.items()):
+    for i, by in enumerate(runs.values()):
         vals = [r["norms"]["summary"]["all"] for r in by.values()
                 if r["norms"] and r["norms"]["summary"]["all"].get("h90") is not None]
         if vals:

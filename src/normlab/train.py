@@ -31,7 +31,6 @@ from normlab.io import atomic_write_text, provenance, write_json
 from normlab.model import Model, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
-
 DONE = "train_done.json"  # written once training has finished (all steps or early stop)
 
 
