@@ -36,6 +36,7 @@ from common import (
     paired_timing,
     ratio_stats,
     repeats_for,
+    rf,
     setup_threads,
     summary,
 )
@@ -172,12 +173,12 @@ def to_markdown(res: dict[str, Any]) -> str:
         return f"### Collapse sweep\n\nskipped: {res['skipped']}"
     rows = [
         ["naive loop (batch 1 per example per draw)", res["naive"]["median_s"],
-         res["naive_row_draws_per_s"], 1.0],
+         res["naive_row_draws_per_s"], rf(1.0)],
         ["measure_collapse, perturbed forwards (sweep_seconds)",
          res["vectorised_sweep"]["median_s"], res["vectorised_sweep_row_draws_per_s"],
-         res["speedup_sweep"]["median"]],
+         rf(res["speedup_sweep"]["median"])],
         ["measure_collapse, whole call (rows + theory)", res["vectorised_call"]["median_s"],
-         res["vectorised_call_row_draws_per_s"], res["speedup_call"]["median"]],
+         res["vectorised_call_row_draws_per_s"], rf(res["speedup_call"]["median"])],
     ]
     return "\n\n".join([
         header("Collapse sweep: vectorised vs naive loop", res["info"], res["load_note"]),

@@ -29,6 +29,7 @@ from common import (
     paired_timing,
     ratio_stats,
     repeats_for,
+    rf,
     setup_threads,
     summary,
 )
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(res: dict[str, Any]) -> str:
     rows = [[r["placement"], r["cell"], r["batch"], r["prompt_len"], r["max_new"],
              1e3 * r["cached"]["median_s"], 1e3 * r["uncached"]["median_s"],
-             r["speedup"]["median"], "yes" if r["identical_outputs"] else "NO"]
+             rf(r["speedup"]["median"]), "yes" if r["identical_outputs"] else "NO"]
             for r in res["results"]]
     return "\n\n".join([
         header("Greedy decoding: KV cache vs none", res["info"], res["load_note"]),

@@ -29,6 +29,7 @@ from common import (
     paired_timing,
     ratio_stats,
     repeats_for,
+    rf,
     setup_threads,
     summary,
 )
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def to_markdown(res: dict[str, Any]) -> str:
     rows = [[r["placement"], r["batch"], r["hook_points"], 1e3 * r["hooks"]["median_s"],
-             1e3 * r["bypassed"]["median_s"], r["ratio"]["median"], r["us_per_hook_call"]]
+             1e3 * r["bypassed"]["median_s"], rf(r["ratio"]["median"]),
+             f"{r['us_per_hook_call']:.2f}"]
             for r in res["results"]]
     return "\n\n".join([
         header("Hook overhead (forward, no hooks attached)", res["info"], res["load_note"]),

@@ -50,6 +50,7 @@ from common import (
     md_table,
     paired_timing,
     repeats_for,
+    rf,
     setup_threads,
     summary,
 )
@@ -264,8 +265,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         for name, r in rows.items():
             s, m = r["shape"], r["memory"]
             table.append([name, s["seq_len"], s["d_model"], s["batch"], 1e3 * r["median_s"],
-                          r["time_ratio"], r["flop_ratio"], m.get("peak_delta_mb"),
-                          r["memory_ratio"]])
+                          rf(r["time_ratio"]), rf(r["flop_ratio"]), m.get("peak_delta_mb"),
+                          rf(r["memory_ratio"])])
         parts.append(f"**{titles[kind]}**\n\n" + md_table(
             ["config", "T", "d", "B", "ms", "time x", "FLOPs x", "peak MB", "memory x"], table))
     if res.get("skipped"):

@@ -30,6 +30,7 @@ from common import (
     paired_timing,
     ratio_stats,
     repeats_for,
+    rf,
     setup_threads,
     summary,
 )
@@ -191,7 +192,7 @@ def to_markdown(res: dict[str, Any]) -> str:
              f"per-repeat ratios, > 1 means slower). {res['x_transformers']}."]
     for d, w in res["widths"].items():
         rows = [[name, c["params"], 1e3 * c["median_s"], c["tokens_per_s"],
-                 c["vs_nanogpt"]["median"], c["vs_fastest_ref"]["median"]]
+                 rf(c["vs_nanogpt"]["median"]), rf(c["vs_fastest_ref"]["median"])]
                 for name, c in w["contenders"].items()]
         parts.append(f"**d_model {d}** (fastest reference: {w['fastest_reference']}; "
                      f"qkv/pre = {w['qkv_over_pre']['median']:.3f}, pre/fastest reference = "

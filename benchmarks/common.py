@@ -142,6 +142,11 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:,.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
+def rf(x: float | None) -> str:
+    """A ratio for a table: two decimals."""
+    return "—" if x is None else f"{x:.2f}"
+
+
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(v: Any) -> str:
         if isinstance(v, bool) or not isinstance(v, int | float):

@@ -25,7 +25,7 @@ import bench_hooks
 import bench_mfu
 import bench_scaling
 import bench_train_step
-from common import ROOT, load_note, machine_info, md_table, setup_threads
+from common import ROOT, load_note, machine_info, md_table, rf, setup_threads
 
 ORDER = ("train_step", "mfu", "decode", "collapse", "scaling", "hooks")
 MODULES: dict[str, Any] = {
@@ -58,6 +58,7 @@ def headlines(results: dict[str, Any]) -> str:
     for r in results.get("hooks", {}).get("results", []):
         rows.append([f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)",
                      r["ratio"]["median"]])
+    rows = [[q, f"{v:.1f}" if "%" in q else rf(v)] for q, v in rows]
     return "### Headlines\n\n" + md_table(["quantity", "value"], rows) if rows else ""
 
 

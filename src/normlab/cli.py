@@ -137,7 +137,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if args.hf:
         from normlab.interop.analyze import analyze_hf
 
-        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=Path(args.out), **kwargs)
+        out = Path(args.out) if args.out else None
+        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
         print(f"wrote analysis to {args.out}")
         return 0
     if not args.run_dir:

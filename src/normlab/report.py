@@ -33,6 +33,12 @@ CLAIMS = {
 }
 
 
+def verdict_rules() -> list[str]:
+    """The rules of the module docstring, one Markdown bullet per claim."""
+    text = (__doc__ or "").split("\n- ", 1)[1]
+    return ["- " + " ".join(item.split()) for item in text.split("\n- ")]
+
+
 def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -208,8 +214,8 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
             f"{_fmt(c['ci95'][1], c['unit'])}]")
         md.append(f"| **{c['id']}** {c['claim']} ({c['unit']}) | {c['paper']} | {ours} | "
                   f"{c['n_seeds']} | **{c['verdict']}** |")
-    md += ["", "Verdict rules (computed by `normlab.report`):", "",
-           *[ln.strip() for ln in (__doc__ or "").splitlines()[3:] if ln.strip()], "",
+    md += ["", "Verdict rules (computed by `normlab.report`, not set by hand):", "",
+           *verdict_rules(), "",
            "## Exact-match accuracy per split (%, mean [95% CI over seeds])", ""]
     table = summary["splits"]
     md += ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
@@ -272,6 +278,8 @@ def _html(md: str, base: Path) -> str:
                 body.append(f'<figure><img alt="{html.escape(alt)}" '
                             f'src="data:image/png;base64,{data}"><figcaption>'
                             f"{html.escape(alt)}</figcaption></figure>")
+        elif line.startswith("- "):
+            body.append(f"<li>{_inline(line[2:])}</li>")
         elif line.strip():
             body.append(f"<p>{_inline(line)}</p>")
     if in_table:

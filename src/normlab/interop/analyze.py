@@ -1,0 +1,284 @@
+"""`analyze_hf`: norm spread and circuit collapse of a local Hugging Face causal LM.
+
+The same measurements `analyze_run` makes on a normlab run, on a `save_pretrained` folder
+converted with `from_hf_pretrained`. The input is either a file of whitespace-separated token
+ids or a text file tokenised with the folder's own tokenizer; the ids are cut into rows of
+`seq_len` (the last row right-padded and masked out, which a causal model never attends to).
+There is no task, so there is no accuracy under noise: `collapse.json` says so.
+
+Files in `out`: `norms.json` + `norms.png`, `collapse.json` + `collapse.png` and
+`collapse_rows.npz`, with the schema of `analyze_run`, plus `hf` (class, config, weight
+hashes) and `input` (file, hash, token counts). The unembedding is skipped while measuring:
+no analysis reads the logits, and at a 50k-150k vocabulary they would dominate time and memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from normlab.analysis.collapse import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SIGMAS,
+    MODES,
+    NOISES,
+    _check_choice,
+    check_sigmas,
+    check_targets,
+    check_threshold,
+    measure_collapse,
+    plot_collapse,
+)
+from normlab.analysis.data import EvalData, _check_positive_int
+from normlab.analysis.norms import norm_spread, plot_norm_spread
+from normlab.interop.hf import CONVERTERS, from_hf_pretrained
+from normlab.io import provenance, write_json
+from normlab.model import DecoderLM
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+"""Any of these in the folder means a tokenizer was saved there (transformers 5 otherwise
+returns an empty tokenizer instead of failing)."""
+
+SCORE_BUDGET = 1 << 27
+"""Attention-score floats per layer in one perturbed forward (512 MiB); bounds the chunking."""
+
+ACCURACY_NOTE = ("no task: a Hugging Face model analysed on free-form tokens has no exact-match "
+                 "answer, so accuracy under noise is not measured (None)")
+
+
+def analyze_hf(
+    folder: Path,
+    *,
+    tokens: str | Path | None = None,
+    text: str | Path | None = None,
+    out: Path | None = None,
+    sigmas: Sequence[float] = DEFAULT_SIGMAS,
+    n_draws: int = 32,
+    threshold: float = 0.9,
+    mode: str = "token",
+    targets: Sequence[str] | str = ("q", "k", "v"),
+    noise: str = "normal",
+    n_examples: int = 32,
+    seed: int = 0,
+    seq_len: int = 128,
+    figures: bool = True,
+) -> dict[str, Any]:
+    """Norm spread and collapse of the HF model in `folder` on the `tokens` or `text` file.
+
+    `n_examples` is the number of rows of `seq_len` tokens analysed (the first ones; fewer if
+    the input is shorter). Every bad input is a one-line ValueError, raised before the model is
+    loaded where possible. Returns both JSON documents plus `out`, `files` and `seconds`.
+    """
+    sigmas = check_sigmas(sigmas)
+    threshold = check_threshold(threshold)
+    targets = check_targets(targets)
+    _check_choice(mode, MODES, "mode")
+    _check_choice(noise, NOISES, "noise")
+    _check_positive_int(n_draws, "n_draws")
+    _check_positive_int(n_examples, "n_examples")
+    _check_positive_int(seq_len, "seq_len")
+    if out is None:
+        raise ValueError("analyze --hf: --out OUT (the output folder) is required")
+    if (tokens is None) == (text is None):
+        raise ValueError("analyze --hf: give exactly one of --tokens FILE or --text FILE")
+    folder, out = Path(folder), Path(out)
+    kind, path = ("tokens", Path(tokens)) if tokens is not None else ("text", Path(text))
+    seconds: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    config, hf_class = _hf_config(folder)
+    if not path.is_file():
+        raise ValueError(f"--{kind} file {str(path)!r} does not exist")
+    vocab = int(config.vocab_size)
+    if kind == "tokens":
+        ids, tok_name = _read_token_ids(path), None
+    else:
+        ids, tok_name = _tokenize(folder, path)
+    _check_vocab(ids, vocab, path, folder)
+    data, n_used = _rows(ids, seq_len, n_examples)
+    model = from_hf_pretrained(folder)
+    if data.lengths["tokens"] > model.cfg.max_len:
+        raise ValueError(f"rows of {data.lengths['tokens']} tokens exceed the model's context "
+                         f"of {model.cfg.max_len} positions; lower seq_len")
+    seconds["load"] = time.perf_counter() - t0
+
+    max_tokens = max(1, min(DEFAULT_MAX_TOKENS,
+                            SCORE_BUDGET // (model.cfg.n_heads * data.lengths["tokens"])))
+    params = {"sigmas": sigmas, "n_draws": n_draws, "threshold": threshold, "mode": mode,
+              "targets": list(targets), "noise": noise, "n_examples": n_examples,
+              "n_examples_used": data.n_examples, "seq_len": seq_len,
+              "max_tokens": max_tokens, "unembedding": "skipped (logits are not used)"}
+    common = {
+        "hf_dir": str(folder),
+        "hf": _hf_meta(folder, config, hf_class),
+        "input": {"kind": kind, "file": str(path), "sha256": _sha256(path),
+                  "tokenizer": tok_name, "n_tokens": len(ids), "n_tokens_used": n_used,
+                  "n_rows": data.n_examples, "row_length": data.lengths["tokens"]},
+        "seed": seed,
+        "params": params,
+        "config": model.cfg.to_dict(),
+    }
+    files: list[str] = []
+    with _skip_unembed(model):
+        t0 = time.perf_counter()
+        norms = norm_spread(model, data) | common | {"provenance": provenance()}
+        write_json(out / "norms.json", norms)
+        files.append(str(out / "norms.json"))
+        seconds["norms"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws,
+                                    threshold=threshold, mode=mode, targets=targets, noise=noise,
+                                    seed=seed, max_tokens=max_tokens)
+        seconds["collapse"] = time.perf_counter() - t0
+    rows = collapse.pop("rows")
+    collapse |= {"accuracy": None, "accuracy_by_split": None, "accuracy_unperturbed": None,
+                 "accuracy_unperturbed_by_split": None, "accuracy_examples": 0,
+                 "accuracy_note": ACCURACY_NOTE, "seconds": seconds}
+    collapse |= common | {"provenance": provenance()}
+    write_json(out / "collapse.json", collapse)
+    np.savez_compressed(out / "collapse_rows.npz", sites=np.array(collapse["sites"]),
+                        sigmas=np.array(sigmas), **{k: v.numpy() for k, v in rows.items()})
+    files += [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
+
+    if figures:
+        name = f"{folder.name} ({hf_class})"
+        plot_norm_spread(norms, out / "norms.png", f"{name}: scale / layer median, 5-95%")
+        plot_collapse(collapse, out / "collapse.png", f"{name}: circuit collapse")
+        files += [str(out / "norms.png"), str(out / "collapse.png")]
+    return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
+            "collapse": collapse}
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _hf_config(folder: Path) -> tuple[Any, str]:
+    """The folder's config and the causal-LM class it loads as; unsupported ones refused."""
+    if not (folder / "config.json").is_file():
+        what = "has no config.json" if folder.is_dir() else "does not exist"
+        raise ValueError(f"--hf folder {str(folder)!r} {what}; expected a Hugging Face "
+                         "save_pretrained folder")
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"--hf folder {str(folder)!r}: cannot read config.json: "
+                         f"{_first_line(err)}") from err
+    try:
+        name = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
+    except KeyError:
+        name = (config.architectures or [type(config).__name__])[0]
+    if name not in CONVERTERS:
+        raise ValueError(f"architecture {name!r} is not supported; expected one of "
+                         f"{', '.join(CONVERTERS)}")
+    return config, name
+
+
+def _hf_meta(folder: Path, config: Any, hf_class: str) -> dict[str, Any]:
+    import transformers
+
+    weights = sorted(p for p in folder.iterdir()
+                     if p.suffix in (".safetensors", ".bin") and p.is_file())
+    return {"class": hf_class, "model_type": config.model_type,
+            "config": json.loads(config.to_json_string()),
+            "weights": [{"file": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)}
+                        for p in weights],
+            "transformers": transformers.__version__}
+
+
+@contextlib.contextmanager
+def _skip_unembed(model: DecoderLM) -> Iterator[None]:
+    """Forward passes return an empty tensor instead of logits (hooks still fire)."""
+    model.unembed = lambda x: x[..., :0]  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.unembed
+
+
+# --------------------------------------------------------------------------- input
+
+
+def _read_token_ids(path: Path) -> list[int]:
+    ids = []
+    for k, item in enumerate(path.read_text().split()):
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise ValueError(f"--tokens file {str(path)!r}: item {k} ({item[:20]!r}) is not an "
+                             "integer token id") from None
+    if not ids:
+        raise ValueError(f"--tokens file {str(path)!r} holds no token ids")
+    return ids
+
+
+def _tokenize(folder: Path, path: Path) -> tuple[list[int], str]:
+    """Token ids of the whole text with the folder's tokenizer (its default special tokens)."""
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"--text: folder {str(folder)!r} has no tokenizer (none of "
+                         f"{', '.join(TOKENIZER_FILES)}); save one there with "
+                         "tokenizer.save_pretrained(DIR), or pass --tokens")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as err:  # transformers raises many kinds; report one line
+        raise ValueError(f"--text: cannot load the tokenizer in {str(folder)!r}: "
+                         f"{_first_line(err)}") from err
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--text file {str(path)!r} is not UTF-8 text: {err}") from None
+    ids = list(tok(text, verbose=False)["input_ids"]) if text.strip() else []
+    if not ids:
+        raise ValueError(f"--text file {str(path)!r} gives no tokens with "
+                         f"{type(tok).__name__} from {str(folder)!r}")
+    return ids, type(tok).__name__
+
+
+def _check_vocab(ids: list[int], vocab: int, path: Path, folder: Path) -> None:
+    arr = np.asarray(ids, dtype=np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+    if bad.size:
+        k = int(bad[0])
+        raise ValueError(f"token id {ids[k]} (item {k} of {str(path)!r}) is outside the "
+                         f"vocabulary of {str(folder)!r}: vocab_size {vocab}, ids 0..{vocab - 1}"
+                         f" ({bad.size} such ids)")
+
+
+def _rows(ids: list[int], seq_len: int, n_examples: int) -> tuple[EvalData, int]:
+    """The first `n_examples` rows of `seq_len` ids; the last row is right-padded and masked."""
+    used = ids[:n_examples * seq_len]
+    n_rows, width = math.ceil(len(used) / seq_len), min(seq_len, len(used))
+    tokens = torch.zeros(n_rows * width, dtype=torch.long)
+    valid = torch.zeros(n_rows * width, dtype=torch.bool)
+    tokens[:len(used)] = torch.tensor(used, dtype=torch.long)
+    valid[:len(used)] = True
+    return EvalData.from_tokens(tokens.view(n_rows, width), valid.view(n_rows, width)), len(used)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

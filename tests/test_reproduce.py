@@ -1,0 +1,54 @@
+"""`normlab reproduce --profile smoke`: the study's plumbing end to end, restartable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from normlab.cli import main
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("repro") / "smoke"
+    assert main(["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "2"]) == 0
+    return out
+
+
+def test_report_files_and_claims(smoke: Path) -> None:
+    for name in ("report.md", "report.html", "summary.json", "manifest.json"):
+        assert (smoke / name).is_file(), name
+    summary = json.loads((smoke / "summary.json").read_text())
+    claims = {c["id"]: c for c in summary["claims"]}
+    assert set(claims) == {"H1", "H2", "H3", "H4"}
+    for c in claims.values():
+        assert c["verdict"] in ("agrees", "disagrees", "inconclusive")
+        assert isinstance(c["ours"], float) and c["n_seeds"] == 2
+    md = (smoke / "report.md").read_text()
+    assert "| **H1**" in md and "Verdict rules" in md
+    html = (smoke / "report.html").read_text()
+    assert "data:image/png;base64," in html and "<table>" in html  # self-contained
+    runs = summary["runs"]
+    assert {(r["placement"], r["seed"]) for r in runs} == {("pre", 0), ("pre", 1), ("qkv", 0),
+                                                           ("qkv", 1)}
+    assert all(r["provenance"]["torch"] and r["config"]["model"] for r in runs)
+    for r in runs:
+        d = smoke / "runs" / r["run"]
+        for f in ("eval.json", "analysis/norms.json", "analysis/collapse.json"):
+            assert (d / f).is_file()
+
+
+def test_rerun_skips_finished_runs(smoke: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = {p: p.stat().st_mtime_ns for p in smoke.glob("runs/*/eval.json")}
+    assert main(["reproduce", "--profile", "smoke", "--out", str(smoke), "--jobs", "1"]) == 0
+    after = {p: p.stat().st_mtime_ns for p in smoke.glob("runs/*/eval.json")}
+    assert before == after  # nothing recomputed
+    assert "already done" in capsys.readouterr().err
+
+
+def test_unknown_profile_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--profile", "huge", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--profile: expected one of smoke, quick, paper" in err and "\n" not in err
