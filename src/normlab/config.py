@@ -152,6 +152,14 @@ class RunConfig:
                 f"model.vocab_size: expected {VOCAB_SIZE} for the addition task; "
                 f"got {self.model.vocab_size}"
             )
+        if task.digit_positions:
+            places = max(task.max_lengths()[1], max(max(c.digits) for c in task.all_cells)) + 1
+            if self.model.n_aux_positions < places:
+                raise ValueError(f"model.n_aux_positions: expected >= {places} for "
+                                 f"task.digit_positions; got {self.model.n_aux_positions}")
+        elif self.model.n_aux_positions:
+            raise ValueError("model.n_aux_positions: set, but task.digit_positions is false; "
+                             "the task would supply no aux positions")
         need = task.max_seq_len(self.model.arch)
         if self.model.pos_encoding in ("learned", "sinusoidal") and self.model.max_len < need:
             raise ValueError(

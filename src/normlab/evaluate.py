@@ -11,7 +11,14 @@ import torch
 
 from normlab.model import Model
 from normlab.model.generate import greedy_decode
-from normlab.tasks.addition import EOS, Cell, ResolvedTask, make_prompts, parse_answer
+from normlab.tasks.addition import (
+    EOS,
+    Cell,
+    ResolvedTask,
+    aux_positions,
+    make_prompts,
+    parse_answer,
+)
 
 
 def wilson_ci(correct: int, count: int, z: float = 1.96) -> tuple[float, float]:
@@ -32,12 +39,17 @@ def predict(
     reverse_answer: bool,
     max_new: int,
     batch_size: int = 1024,
+    digit_positions: bool = False,
+    use_cache: bool = True,
 ) -> list[str]:
     """The model's greedy answers, as strings comparable with the true answers."""
     out: list[str] = []
+    aux_fn = aux_positions if digit_positions else None
     for i in range(0, len(questions), batch_size):
         prompts = make_prompts(questions[i : i + batch_size], arch)
-        for ids in greedy_decode(model, prompts, max_new=max_new, eos=EOS):
+        for ids in greedy_decode(
+            model, prompts, max_new=max_new, eos=EOS, aux_fn=aux_fn, use_cache=use_cache
+        ):
             try:
                 out.append(parse_answer(ids, reverse_answer))
             except ValueError:
@@ -58,7 +70,9 @@ def evaluate(
     arch = model.cfg.arch
     max_new = task.max_lengths()[1] + 2
     predictor = predictor or (
-        lambda qs: predict(model, qs, arch, task.reverse_answer, max_new, batch_size)
+        lambda qs: predict(
+            model, qs, arch, task.reverse_answer, max_new, batch_size, task.digit_positions
+        )
     )
     splits: dict[str, Any] = {}
     cells: list[dict[str, Any]] = []

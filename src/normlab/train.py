@@ -76,10 +76,11 @@ def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
 def loss_on(model: Model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Cross-entropy on answer tokens only; returns (loss, number of real tokens)."""
     if "tokens" in batch:
-        logits, targets = model(batch["tokens"]), batch["targets"]
+        logits, targets = model(batch["tokens"], aux=batch.get("aux")), batch["targets"]
         n_tok = int((batch["tokens"] != 0).sum())
     else:
-        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"])
+        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch.get("src_aux"),
+                       batch.get("tgt_aux"))
         targets = batch["tgt_out"]
         n_tok = int(batch["src_mask"].sum() + (batch["tgt_out"] != IGNORE_INDEX).sum())
     loss = F.cross_entropy(
@@ -183,6 +184,7 @@ def train(
         arch=cfg.model.arch,
         reverse_answer=task.reverse_answer,
         weights=task.train_weights,
+        digit_positions=task.digit_positions,
     )
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"

@@ -53,7 +53,14 @@ from normlab.analysis.data import (
 from normlab.analysis.theory import predict_collapse
 from normlab.model import EncoderDecoderLM, Model
 from normlab.model.generate import greedy_decode
-from normlab.tasks.addition import EOS, Cell, ResolvedTask, make_prompts, parse_answer
+from normlab.tasks.addition import (
+    EOS,
+    Cell,
+    ResolvedTask,
+    aux_positions,
+    make_prompts,
+    parse_answer,
+)
 
 MODES = ("token", "vector")
 TARGETS = ("q", "k", "v")
@@ -505,7 +512,8 @@ def perturbed_predictor(
                 lengths = {"tokens": width + max_new}
             tables = perturbation.draw(sigma, len(prompts), lengths, gen)
             with model.hooks(perturbation.hooks(tables)):
-                ids = greedy_decode(model, prompts, max_new=max_new, eos=EOS, use_cache=False)
+                ids = greedy_decode(model, prompts, max_new=max_new, eos=EOS, use_cache=False,
+                                    aux_fn=aux_positions if task.digit_positions else None)
             for row in ids:
                 try:
                     out.append(parse_answer(row, task.reverse_answer))

@@ -63,9 +63,7 @@ class EvalData:
     def forward(self, model: Model, copies: int = 1) -> torch.Tensor:
         """Run the model teacher-forced, exactly as training does (no extra masks)."""
         x = self.repeated(copies) if copies != 1 else self.inputs
-        if self.arch == "decoder":
-            return model(x["tokens"])
-        return model(x["src"], x["tgt_in"], x["src_mask"])
+        return model(**model_kwargs(self.arch, x))
 
     @classmethod
     def from_problems(
@@ -74,22 +72,24 @@ class EvalData:
         arch: str,
         reverse_answer: bool = False,
         cells: Sequence[str] = (),
+        digit_positions: bool = False,
     ) -> EvalData:
         """Correct (question, answer) pairs as `make_batch` lays them out for `arch`."""
-        batch = make_batch(problems, arch, reverse_answer)
+        batch = make_batch(problems, arch, reverse_answer, digit_positions)
+        aux = {k: batch[k] for k in ("aux", "src_aux", "tgt_aux") if k in batch}
         if arch == "decoder":
             tokens = batch["tokens"]
             valid = tokens != PAD
             q_len = torch.tensor([len(encode(q)) + 2 for q, _ in problems])  # B question E
             pos = torch.arange(tokens.shape[1])[None, :]
             classes = torch.where(pos < q_len[:, None], 0, 1).masked_fill(~valid, -1)
-            return cls(arch, {"tokens": tokens}, {"tokens": valid}, {"tokens": classes},
+            return cls(arch, {"tokens": tokens, **aux}, {"tokens": valid}, {"tokens": classes},
                        DECODER_CLASSES, list(problems), list(cells))
         src_valid = batch["src_mask"].bool()
         tgt_valid = batch["tgt_in"] != PAD
         return cls(
             arch,
-            {"src": batch["src"], "src_mask": src_valid, "tgt_in": batch["tgt_in"]},
+            {"src": batch["src"], "src_mask": src_valid, "tgt_in": batch["tgt_in"], **aux},
             {"src": src_valid, "tgt": tgt_valid},
             {"src": torch.zeros_like(batch["src"]).masked_fill(~src_valid, -1),
              "tgt": torch.ones_like(batch["tgt_in"]).masked_fill(~tgt_valid, -1)},
@@ -103,6 +103,14 @@ class EvalData:
         classes = torch.zeros_like(tokens).masked_fill(~valid, -1)
         return cls("decoder", {"tokens": tokens}, {"tokens": valid}, {"tokens": classes},
                    ("tokens",))
+
+
+def model_kwargs(arch: str, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """Keyword arguments of a model call for a teacher-forced batch (aux positions included)."""
+    if arch == "decoder":
+        return {"tokens": x["tokens"], "aux": x.get("aux")}
+    return {"src": x["src"], "tgt": x["tgt_in"], "src_mask": x["src_mask"],
+            "src_aux": x.get("src_aux"), "tgt_aux": x.get("tgt_aux")}
 
 
 def select_problems(
@@ -131,7 +139,8 @@ def select_problems(
 
 
 def data_from_sets(
-    sets: dict[str, dict[Cell, list[tuple[str, str]]]], arch: str, reverse_answer: bool = False
+    sets: dict[str, dict[Cell, list[tuple[str, str]]]], arch: str, reverse_answer: bool = False,
+    digit_positions: bool = False,
 ) -> EvalData:
     """All problems of (already reduced) eval sets as one teacher-forced batch."""
     problems, cells = [], []
@@ -139,7 +148,7 @@ def data_from_sets(
         for cell, probs in by_cell.items():
             problems += probs
             cells += [cell.label] * len(probs)
-    return EvalData.from_problems(problems, arch, reverse_answer, cells)
+    return EvalData.from_problems(problems, arch, reverse_answer, cells, digit_positions)
 
 
 # --------------------------------------------------------------------------- sites

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from normlab.analysis.data import EvalData, evaluating, stream_of
+from normlab.analysis.data import EvalData, evaluating, model_kwargs, stream_of
 from normlab.model import Model
 
 PERCENTILES = (5.0, 95.0)
@@ -69,10 +69,7 @@ def norm_scales(
 
 def _kwargs(data: EvalData) -> dict[str, Any]:
     """run_with_cache arguments for a teacher-forced batch (same call as `EvalData.forward`)."""
-    x = data.inputs
-    if data.arch == "decoder":
-        return {"tokens": x["tokens"]}
-    return {"src": x["src"], "tgt": x["tgt_in"], "src_mask": x["src_mask"]}
+    return model_kwargs(data.arch, data.inputs)
 
 
 def spread_stats(ratio: np.ndarray) -> dict[str, Any]:

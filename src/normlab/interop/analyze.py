@@ -255,7 +255,7 @@ def _check_vocab(ids: list[int], vocab: int, path: Path, folder: Path) -> None:
         k = int(bad[0])
         raise ValueError(f"token id {ids[k]} (item {k} of {str(path)!r}) is outside the "
                          f"vocabulary of {str(folder)!r}: vocab_size {vocab}, ids 0..{vocab - 1}"
-                         f" ({bad.size} such ids)")
+                         f" ({bad.size} out-of-range ids in all)")
 
 
 def _rows(ids: list[int], seq_len: int, n_examples: int) -> tuple[EvalData, int]:

@@ -49,6 +49,9 @@ class ModelConfig:
     n_kv_heads: int | None = None  # grouped-query attention; default n_heads
     norm_gain_offset: bool = False  # gain stored as w and applied as (1 + w), Gemma style
     tie_embeddings: bool = False
+    # A second, task-supplied position index with its own learned table, added to the
+    # embedding: e.g. digit significance (Abacus embeddings, McLeish et al. 2024). 0 = off.
+    n_aux_positions: int = 0
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -105,6 +108,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.d_head: expected an even number with pos_encoding='rope'; "
                 f"got {self.d_head}"
+            )
+        n_aux = self.n_aux_positions
+        if isinstance(n_aux, bool) or not isinstance(n_aux, int) or n_aux < 0:
+            raise ValueError(
+                f"ModelConfig.n_aux_positions: expected an integer >= 0; got {n_aux!r}"
             )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from normlab.model.transformer import DecoderLM, EncoderDecoderLM, Model
+
+#: `aux_fn(ids, part)` -> task-supplied positions for a token row; `part` is "sequence" (a
+#: decoder-only row), "question" (an encoder source) or "answer" (a decoder target row).
+AuxFn = Callable[[list[int], str], list[int]]
 
 
 def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,6 +24,10 @@ def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, tor
     return tokens, mask
 
 
+def _next_aux(aux_fn: AuxFn, rows: list[list[int]], part: str) -> torch.Tensor:
+    return torch.tensor([[aux_fn(r, part)[-1]] for r in rows], dtype=torch.long)
+
+
 @torch.no_grad()
 def greedy_decode(
     model: Model,
@@ -28,11 +38,13 @@ def greedy_decode(
     pad: int = 0,
     bos: int = 1,
     use_cache: bool = True,
+    aux_fn: AuxFn | None = None,
 ) -> list[list[int]]:
     """Generate up to `max_new` tokens per prompt; returns the new tokens, cut after `eos`.
 
     Decoder-only prompts are left-padded (positions count real tokens only); for an
-    encoder-decoder the prompt is the source and the decoder starts from `bos`.
+    encoder-decoder the prompt is the source and the decoder starts from `bos`. Models with
+    task-supplied positions (`n_aux_positions > 0`) need `aux_fn`.
     """
     if not prompts:
         return []
@@ -41,31 +53,53 @@ def greedy_decode(
     model.eval()
     b = len(prompts)
     out = torch.empty(b, 0, dtype=torch.long, device=device)
+    rows = [list(p) for p in prompts]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     cache = model.new_cache() if use_cache else None
     if isinstance(model, EncoderDecoderLM):
         src, src_mask = (t.to(device) for t in _pad(prompts, pad, left=False))
-        memory = model.encode(src, src_mask)
+        src_aux = None
+        if aux_fn is not None:
+            src_aux = _pad([aux_fn(p, "question") for p in prompts], 0, left=False)[0].to(device)
+        memory = model.encode(src, src_mask, src_aux)
         seq = torch.full((b, 1), bos, dtype=torch.long, device=device)
+        tgt_rows = [[bos] for _ in range(b)]
+        aux = None if aux_fn is None else _next_aux(aux_fn, tgt_rows, "answer").to(device)
         for _ in range(max_new):
-            step_in = seq[:, -1:] if use_cache and out.shape[1] else seq
-            logits = model.decode(step_in, memory, src_mask, cache=cache)
+            cached = use_cache and out.shape[1] > 0
+            step_in = seq[:, -1:] if cached else seq
+            step_aux = None if aux is None else (aux[:, -1:] if cached else aux)
+            logits = model.decode(step_in, memory, src_mask, cache=cache, aux=step_aux)
             nxt = logits[:, -1].argmax(-1)
             out, seq = torch.cat([out, nxt[:, None]], 1), torch.cat([seq, nxt[:, None]], 1)
+            if aux is not None:
+                for r, t in zip(tgt_rows, nxt.tolist(), strict=True):
+                    r.append(t)
+                aux = torch.cat([aux, _next_aux(aux_fn, tgt_rows, "answer").to(device)], 1)
             done |= nxt == eos
             if done.all():
                 break
     else:
         assert isinstance(model, DecoderLM)
         seq, mask = (t.to(device) for t in _pad(prompts, pad, left=True))
-        step_in = seq
+        aux = None
+        if aux_fn is not None:
+            aux = _pad([aux_fn(p, "sequence") for p in prompts], 0, left=True)[0].to(device)
+        step_in, step_aux = seq, aux
         for _ in range(max_new):
-            logits = model(step_in, attention_mask=mask, cache=cache)
+            logits = model(step_in, attention_mask=mask, cache=cache, aux=step_aux)
             nxt = logits[:, -1].argmax(-1)
             out = torch.cat([out, nxt[:, None]], 1)
             seq = torch.cat([seq, nxt[:, None]], 1)
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.bool, device=device)], 1)
+            if aux is not None:
+                for r, t in zip(rows, nxt.tolist(), strict=True):
+                    r.append(t)
+                new_aux = _next_aux(aux_fn, rows, "sequence").to(device)
+                aux = torch.cat([aux, new_aux], 1)
             step_in = nxt[:, None] if use_cache else seq
+            if aux is not None:
+                step_aux = new_aux if use_cache else aux
             done |= nxt == eos
             if done.all():
                 break

@@ -53,6 +53,11 @@ class Stack(nn.Module):
         if self.pos_embed is not None:
             self.hook_pos_embed = HookPoint()
         self.rotary = Rotary(cfg.d_head, cfg.rope_theta) if cfg.pos_encoding == "rope" else None
+        if cfg.n_aux_positions:
+            self.W_aux = nn.Parameter(torch.empty(cfg.n_aux_positions, cfg.d_model))
+            self.hook_aux_embed = HookPoint()
+        else:
+            self.W_aux = None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, causal=causal, cross=cross) for _ in range(n_layers))
         self.ln_final = (
@@ -68,10 +73,12 @@ class Stack(nn.Module):
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [batch, pos] -> residual [batch, pos, d_model] after the final norm.
 
         key_mask [batch, past + pos] marks real (non-pad) tokens, cached ones included.
+        aux [batch, pos]: the task-supplied positions, needed iff `n_aux_positions > 0`.
         """
         b, p = tokens.shape
         past = cache.length if cache is not None else 0
@@ -83,6 +90,13 @@ class Stack(nn.Module):
         x = self.hook_embed(self.embed(tokens))
         if self.pos_embed is not None:
             x = x + self.hook_pos_embed(self.pos_embed(positions))
+        if self.W_aux is not None:
+            if aux is None:
+                raise ValueError(
+                    "this model has ModelConfig.n_aux_positions > 0: pass `aux` positions "
+                    "[batch, pos] (see normlab.tasks.addition.aux_positions)"
+                )
+            x = x + self.hook_aux_embed(self.W_aux[aux])
         rope = self.rotary(positions) if self.rotary is not None else None
         x = self.drop(x)
         mask = self._self_mask(b, p, past, key_mask, tokens.device)
@@ -150,8 +164,9 @@ class DecoderLM(Stack, HookedModule):
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.run(tokens, key_mask=attention_mask, positions=positions, cache=cache)
+        x = self.run(tokens, key_mask=attention_mask, positions=positions, cache=cache, aux=aux)
         return self.unembed(x)
 
     def new_cache(self) -> KVCache:
@@ -172,8 +187,11 @@ class EncoderDecoderLM(HookedModule):
         _init_weights(self, cfg, cfg.n_encoder_layers + cfg.n_decoder_layers)
         self.setup_hooks()
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.encoder.run(src, key_mask=src_mask)
+    def encode(
+        self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
+        aux: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.encoder.run(src, key_mask=src_mask, aux=aux)
 
     def decode(
         self,
@@ -181,14 +199,20 @@ class EncoderDecoderLM(HookedModule):
         memory: torch.Tensor,
         src_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.decoder.run(tgt, memory=memory, memory_mask=src_mask, cache=cache)
+        x = self.decoder.run(tgt, memory=memory, memory_mask=src_mask, cache=cache, aux=aux)
         return x @ (self.decoder.embed.W_E.T if self.W_U is None else self.W_U)
 
     def forward(
-        self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None
+        self,
+        src: torch.Tensor,
+        tgt: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        src_aux: torch.Tensor | None = None,
+        tgt_aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.decode(tgt, self.encode(src, src_mask), src_mask)
+        return self.decode(tgt, self.encode(src, src_mask, src_aux), src_mask, aux=tgt_aux)
 
     def new_cache(self) -> KVCache:
         return KVCache.empty(len(self.decoder.blocks))

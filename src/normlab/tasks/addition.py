@@ -38,6 +38,7 @@ __all__ = [
     "Rng",
     "TaskConfig",
     "TrainStream",
+    "aux_positions",
     "cell_weights",
     "decode",
     "encode",
@@ -60,6 +61,7 @@ VOCAB_SIZE = len(VOCAB)
 PAD, BOS, EOS, NEG = 0, 1, 2, 3
 IGNORE_INDEX = -100
 """Target id that ``torch.nn.functional.cross_entropy`` skips by default."""
+_ZERO = 4  # id of "0"; digits are ids 4..13
 ARCHS = ("decoder", "encoder_decoder")
 TRAIN_WEIGHTS = ("uniform", "length")
 
@@ -349,6 +351,7 @@ class ResolvedTask:
     eval_seed: int = 1234
     reverse_answer: bool = False
     train_weights: str = "uniform"
+    digit_positions: bool = False
 
     @property
     def all_cells(self) -> list[Cell]:
@@ -381,6 +384,10 @@ class TaskConfig:
     eval_seed: int = 1234
     reverse_answer: bool = False
     train_weights: str = "uniform"
+    # Feed each digit's significance as a second position index (Abacus embeddings, McLeish
+    # et al. 2024): our extension, not the paper's. Needs reverse_answer and a model with
+    # n_aux_positions > max digits + 1.
+    digit_positions: bool = False
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> TaskConfig:
@@ -414,6 +421,9 @@ class TaskConfig:
                 f"(allowed: {', '.join(TRAIN_WEIGHTS)})"
             )
 
+        if self.digit_positions and not self.reverse_answer:
+            raise ValueError("task.digit_positions: needs task.reverse_answer = true (answer "
+                             "digits must come least significant first to know their place)")
         train = _cells_from(self.train, "task.train") if self.train else grid_train
         if not train:
             raise ValueError("task.train: no train cells")
@@ -446,6 +456,7 @@ class TaskConfig:
             eval_seed=self.eval_seed,
             reverse_answer=self.reverse_answer,
             train_weights=self.train_weights,
+            digit_positions=self.digit_positions,
         )
 
 
@@ -478,8 +489,51 @@ def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def aux_positions(ids: Sequence[int], part: str) -> list[int]:
+    """Digit significance of each token (units 1, tens 2, ...; 0 for non-digits).
+
+    `part` says what `ids` is: "question" (digits count back from the end of their number),
+    "answer" (a reversed answer: digits count forward, so it stays causal while decoding) or
+    "sequence" (a decoder row: question up to the first E, answer after it). Digits of the
+    same place line up across numbers and the answer, which is what addition needs.
+    """
+    if part not in ("question", "answer", "sequence"):
+        raise ValueError(f"aux_positions: part must be question, answer or sequence; got {part!r}")
+    ids = list(ids)
+    split = len(ids)
+    if part == "answer":
+        split = 0
+    elif part == "sequence" and EOS in ids:
+        split = ids.index(EOS) + 1
+    is_digit = [_ZERO <= t <= _ZERO + 9 for t in ids]
+    out = [0] * len(ids)
+    i = 0
+    while i < split:  # question: count back from each number's last digit
+        if is_digit[i]:
+            j = i
+            while j < split and is_digit[j]:
+                j += 1
+            for k in range(i, j):
+                out[k] = j - k
+            i = j
+        else:
+            i += 1
+    run = 0
+    for k in range(split, len(ids)):  # answer: count forward
+        run = run + 1 if is_digit[k] else 0
+        out[k] = run
+    return out
+
+
+def _aux_rows(rows: list[list[int]], part: str) -> torch.Tensor:
+    return _pad([aux_positions(r, part) for r in rows], 0)
+
+
 def make_batch(
-    problems: Sequence[tuple[str, str]], arch: str, reverse_answer: bool = False
+    problems: Sequence[tuple[str, str]],
+    arch: str,
+    reverse_answer: bool = False,
+    digit_positions: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Turn ``(question, answer)`` pairs into right-padded id tensors for ``arch``.
 
@@ -500,14 +554,21 @@ def make_batch(
             [IGNORE_INDEX] * (len(q) + 1) + [*a, EOS] + [IGNORE_INDEX]
             for q, a in zip(qs, ans, strict=True)
         ]
-        return {"tokens": _pad(seqs, PAD), "targets": _pad(tgts, IGNORE_INDEX)}
-    src = _pad([[BOS, *q, EOS] for q in qs], PAD)
-    return {
-        "src": src,
+        batch = {"tokens": _pad(seqs, PAD), "targets": _pad(tgts, IGNORE_INDEX)}
+        if digit_positions:
+            batch["aux"] = _aux_rows(seqs, "sequence")
+        return batch
+    srcs, tgts_in = [[BOS, *q, EOS] for q in qs], [[BOS, *a] for a in ans]
+    batch = {
+        "src": _pad(srcs, PAD),
         "src_mask": _pad([[1] * (len(q) + 2) for q in qs], 0).bool(),
-        "tgt_in": _pad([[BOS, *a] for a in ans], PAD),
+        "tgt_in": _pad(tgts_in, PAD),
         "tgt_out": _pad([[*a, EOS] for a in ans], IGNORE_INDEX),
     }
+    if digit_positions:
+        batch["src_aux"] = _aux_rows(srcs, "question")
+        batch["tgt_aux"] = _aux_rows(tgts_in, "answer")
+    return batch
 
 
 def make_prompts(questions: Sequence[str], arch: str) -> list[list[int]]:
@@ -572,6 +633,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         arch: str,
         reverse_answer: bool = False,
         weights: str = "uniform",
+        digit_positions: bool = False,
     ) -> None:
         _check_arch(arch)
         if batch_size < 1:
@@ -582,6 +644,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         self.arch = arch
         self.reverse_answer = reverse_answer
         self.weights = weights
+        self.digit_positions = digit_positions
         self._rng = np.random.Generator(np.random.PCG64(seed))
 
     def problems(self, count: int) -> list[tuple[str, str]]:
@@ -590,7 +653,8 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         return [self.cells[i].sample(self._rng) for i in idx.tolist()]
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        return make_batch(self.problems(self.batch_size), self.arch, self.reverse_answer)
+        return make_batch(self.problems(self.batch_size), self.arch, self.reverse_answer,
+                          self.digit_positions)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position in the stream (plus what it was built from, to check)."""

@@ -1,0 +1,164 @@
+"""`normlab analyze --hf`: tiny HF models saved locally, analysed through the CLI (no hub)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from normlab.cli import main  # noqa: E402
+from normlab.interop.analyze import _rows  # noqa: E402
+
+VOCAB = 50
+WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
+NORMS_KEYS = {"classes", "percentiles", "n_examples", "entries", "summary", "note", "seed",
+              "params", "config", "provenance", "hf", "hf_dir", "input"}
+COLLAPSE_KEYS = {"threshold", "sigmas", "collapse_rate", "collapse_ci95", "predicted_rate",
+                 "n_sparse_rows", "per_head", "per_site", "seed", "params", "config",
+                 "provenance", "hf", "input", "accuracy", "accuracy_note"}
+
+
+def _gpt2() -> Any:
+    cfg = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=VOCAB,
+                                  n_positions=128, initializer_range=0.2, bos_token_id=0,
+                                  eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _qwen3() -> Any:
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   vocab_size=VOCAB, max_position_embeddings=128,
+                                   initializer_range=0.2)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    out = {k: root / k for k in ("gpt2", "qwen3", "gpt2_tok", "qwen2")}
+    out["tokens"] = root / "tokens.txt"
+    _gpt2().save_pretrained(out["gpt2"])
+    _qwen3().save_pretrained(out["qwen3"])
+    _gpt2().save_pretrained(out["gpt2_tok"])
+    _tokenizer().save_pretrained(out["gpt2_tok"])
+    cfg = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=VOCAB, max_position_embeddings=128)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out["qwen2"])
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(1))
+    out["tokens"].write_text(" ".join(map(str, ids.tolist())) + "\n")
+    return out
+
+
+FAST = ["--sigmas", "0,0.2", "--draws", "4", "--examples", "3"]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_tokens_file(family: str, folders: dict[str, Path], tmp_path: Path,
+                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    rc = main(["analyze", "--hf", str(folders[family]), "--tokens", str(folders["tokens"]),
+               "--out", str(out), *FAST])
+    assert rc == 0, capsys.readouterr().err
+    assert {p.name for p in out.iterdir()} == {"norms.json", "norms.png", "collapse.json",
+                                               "collapse.png", "collapse_rows.npz"}
+    norms = json.loads((out / "norms.json").read_text())
+    collapse = json.loads((out / "collapse.json").read_text())
+    assert set(norms) >= NORMS_KEYS and set(collapse) >= COLLAPSE_KEYS
+    cls = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM"}[family]
+    for doc in (norms, collapse):
+        assert doc["hf"]["class"] == cls and doc["hf"]["config"]["vocab_size"] == VOCAB
+        assert doc["hf"]["weights"][0]["sha256"] and doc["provenance"]["torch"]
+        assert doc["seed"] == 0 and doc["config"]["vocab_size"] == VOCAB
+    # 300 ids in rows of 128: 128 + 128 + 44 real tokens; the 84 pads are never counted
+    assert norms["input"] | {"sha256": None} == {
+        "kind": "tokens", "file": str(folders["tokens"]), "sha256": None, "tokenizer": None,
+        "n_tokens": 300, "n_tokens_used": 300, "n_rows": 3, "row_length": 128}
+    assert all(e["classes"]["all"]["n"] == 300 for e in norms["entries"] if e["head"] is None)
+    hooks = {e["hook"] for e in norms["entries"]}
+    assert ("blocks.1.attn.q_norm.hook_scale" in hooks) == (family == "qwen3")
+    # sigma = 0 is the unperturbed model: nothing collapses; no task, so no accuracy
+    assert collapse["sigmas"] == [0.0, 0.2] and collapse["collapse_rate"][0] == 0.0
+    assert 0.0 <= collapse["collapse_rate"][1] <= 1.0 and collapse["n_sparse_rows"] > 0
+    assert collapse["accuracy"] is None and "no task" in collapse["accuracy_note"]
+    assert collapse["params"]["n_draws"] == 4 and collapse["draws_per_sigma"] == [1, 4]
+
+
+def test_text_with_tokenizer(folders: dict[str, Path], tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat\na dog ran on the mat zebra\n")
+    out = tmp_path / "out"
+    assert main(["analyze", "--hf", str(folders["gpt2_tok"]), "--text", str(text),
+                 "--out", str(out), "--sigmas", "0", "--draws", "2"]) == 0
+    collapse = json.loads((out / "collapse.json").read_text())
+    assert collapse["input"]["kind"] == "text" and collapse["input"]["tokenizer"]
+    assert collapse["input"]["n_tokens"] == 13 and collapse["input"]["row_length"] == 13
+    assert collapse["collapse_rate"] == [0.0]
+
+
+def test_rows_pad_and_mask() -> None:
+    data, used = _rows(list(range(1, 11)), 4, 8)
+    assert used == 10 and data.inputs["tokens"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8],
+                                                              [9, 10, 0, 0]]
+    assert data.valid["tokens"].sum() == 10 and not data.valid["tokens"][2, 2:].any()
+    data, used = _rows(list(range(10)), 4, 2)  # n_examples caps the rows
+    assert used == 8 and data.inputs["tokens"].shape == (2, 4)
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("normlab: error: "), lines
+    return lines[0]
+
+
+def test_errors(folders: dict[str, Path], tmp_path: Path,
+                capsys: pytest.CaptureFixture[str]) -> None:
+    g, toks, out = str(folders["gpt2"]), str(folders["tokens"]), str(tmp_path / "out")
+    text = tmp_path / "t.txt"
+    text.write_text("the cat\n")
+    oov = tmp_path / "oov.txt"
+    oov.write_text("1 2 3\n4 77 5 -1\n")
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1 2 x3\n")
+    base = ["analyze", "--hf"]
+    msg = _error([*base, str(tmp_path / "nope"), "--tokens", toks, "--out", out], capsys)
+    assert "does not exist" in msg and "nope" in msg
+    assert "has no config.json" in _error([*base, str(tmp_path), "--tokens", toks, "--out",
+                                           out], capsys)
+    assert "exactly one of --tokens FILE or --text FILE" in _error(
+        [*base, g, "--tokens", toks, "--text", str(text), "--out", out], capsys)
+    assert "exactly one of" in _error([*base, g, "--out", out], capsys)
+    assert "--out" in _error([*base, g, "--tokens", toks], capsys)
+    assert "has no tokenizer" in _error([*base, g, "--text", str(text), "--out", out], capsys)
+    msg = _error([*base, g, "--tokens", str(oov), "--out", out], capsys)
+    assert "token id 77" in msg and "vocab_size 50" in msg and "2 out-of-range" in msg
+    assert "holds no token ids" in _error([*base, g, "--tokens", str(empty), "--out", out],
+                                          capsys)
+    assert "('x3') is not an integer" in _error([*base, g, "--tokens", str(bad), "--out", out],
+                                              capsys)
+    assert "does not exist" in _error([*base, g, "--tokens", str(tmp_path / "no.txt"),
+                                       "--out", out], capsys)
+    msg = _error([*base, str(folders["qwen2"]), "--tokens", toks, "--out", out], capsys)
+    assert "'Qwen2ForCausalLM' is not supported" in msg and "GPT2LMHeadModel" in msg
+    assert "threshold" in _error([*base, g, "--tokens", toks, "--out", out, "--threshold",
+                                  "1.5"], capsys)
+    assert not (tmp_path / "out").exists()
