@@ -32,6 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/run_all.py
 
 clean:

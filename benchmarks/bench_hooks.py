@@ -50,6 +50,26 @@ def _inner_for(fn: Callable[[], Any], target_s: float) -> int:
     return max(1, int(target_s / max(time.perf_counter() - t0, 1e-6)))
 
 
+def call_cost(repeats: int, calls: int) -> dict[str, Any]:
+    """Nanoseconds per call of an unhooked HookPoint vs the bare `return x` (tight loop)."""
+    hp, x = HookPoint(), torch.zeros(1)
+
+    def loop(call: Any) -> Callable[[], None]:
+        def fn() -> None:
+            HookPoint.__call__ = call
+            for _ in range(calls):
+                hp(x)
+        return fn
+
+    try:
+        times = paired_timing({"hooks": loop(ORIGINAL_CALL), "bypassed": loop(_bare)},
+                              repeats=repeats, inner=1, warmup=1)
+    finally:
+        HookPoint.__call__ = ORIGINAL_CALL
+    ns = {k: 1e9 * summary(v)["median_s"] / calls for k, v in times.items()}
+    return {"calls": calls, "ns_per_call": ns, "extra_ns_per_call": ns["hooks"] - ns["bypassed"]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = setup_threads(args.threads)
     info = machine_info(threads)
@@ -85,22 +105,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 })
     finally:
         HookPoint.__call__ = ORIGINAL_CALL
+    micro = call_cost(repeats, 20_000 if args.quick else 200_000)
+    for r in results:  # the overhead the micro-benchmark predicts for one forward
+        extra = r["hook_points"] * micro["extra_ns_per_call"] * 1e-9
+        r["predicted_overhead_pct"] = 100 * extra / r["bypassed"]["median_s"]
     return {"benchmark": "hooks", "info": info, "repeats": repeats, "results": results,
+            "call_cost": micro,
             "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"])}
 
 
 def to_markdown(res: dict[str, Any]) -> str:
     rows = [[r["placement"], r["batch"], r["hook_points"], 1e3 * r["hooks"]["median_s"],
              1e3 * r["bypassed"]["median_s"], rf(r["ratio"]["median"]),
-             f"{r['us_per_hook_call']:.2f}"]
+             f"{r['us_per_hook_call']:.2f}", f"{r['predicted_overhead_pct']:.2f}"]
             for r in res["results"]]
+    c = res["call_cost"]
     return "\n\n".join([
         header("Hook overhead (forward, no hooks attached)", res["info"], res["load_note"]),
         f"d_model 64, 4 layers, seq len {res['results'][0]['seq_len']}; median of "
         f"{res['repeats']} repeats; ratio = with HookPoint calls / bypassed (median of "
-        "per-repeat ratios); µs/call = time difference / hook points (may be negative: noise).",
+        "per-repeat ratios); µs/call = time difference / hook points (noise-dominated, may be "
+        "negative). Tight loop of "
+        f"{c['calls']:,} calls: unhooked HookPoint {c['ns_per_call']['hooks']:.0f} ns/call, "
+        f"bare `return x` {c['ns_per_call']['bypassed']:.0f} ns/call; predicted % = hook points "
+        "x the difference / bypassed forward time.",
         md_table(["placement", "batch", "hook points", "ms (hooks)", "ms (bypassed)", "ratio",
-                  "µs/call"], rows),
+                  "µs/call", "predicted %"], rows),
     ])
 
 

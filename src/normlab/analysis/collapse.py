@@ -240,7 +240,12 @@ def find_sparse_rows(
     sites: Sequence[str] | None = None,
     heads: Sequence[int] | None = None,
 ) -> SparseRows:
-    """Rows with max weight >= threshold at real query positions of the chosen sites/heads."""
+    """Rows with max weight >= threshold at real query positions of the chosen sites/heads.
+
+    Rows with fewer than two attendable keys (the first token under a causal mask) are left
+    out everywhere: they are trivially "sparse" and can never collapse, so counting them
+    would only dilute the collapse rate.
+    """
     threshold = check_threshold(threshold)
     chosen, head_sel = resolve_sites(model, sites, heads)
     names = [f"{s.name}.hook_{k}" for s in chosen for k in ("attn_scores", "pattern")]
@@ -264,6 +269,7 @@ def find_sparse_rows(
         keep = torch.zeros(site.n_heads, dtype=torch.bool)
         keep[hs] = True
         qvalid &= keep[None, :, None]
+        qvalid &= torch.isfinite(scores).sum(-1) >= 2
         weight, key = pattern.max(-1)
         for h in hs:
             w = weight[:, h][qvalid[:, h]]
