@@ -212,7 +212,7 @@ def test_paper_grid_matches_spec() -> None:
     assert task.eval_splits["train"] == task.train_cells
 
 
-@pytest.mark.parametrize("grid", ["paper", "quick", "smoke"])
+@pytest.mark.parametrize("grid", ["paper", "quick", "quick_square", "smoke"])
 def test_grids_are_disjoint(grid: str) -> None:
     task = TaskConfig(grid=grid).resolve()
     seen: set[Cell] = set()
@@ -220,7 +220,7 @@ def test_grids_are_disjoint(grid: str) -> None:
         assert len(set(cells)) == len(cells)
         assert not seen & set(cells)
         seen |= set(cells)
-    assert set(A.GRIDS) == {"paper", "quick", "smoke"}
+    assert set(A.GRIDS) == {"paper", "quick", "quick_square", "smoke"}
 
 
 def test_default_config_is_quick_and_plain() -> None:
@@ -228,8 +228,12 @@ def test_default_config_is_quick_and_plain() -> None:
     assert cfg.grid == "quick" and cfg.eval_size == 256 and cfg.reverse_answer is False
     json.dumps(dataclasses.asdict(cfg))  # plain types only
     task = cfg.resolve()
-    assert set(task.train_cells) == cellset([(n, d) for n in (1, 2, 4) for d in (1, 2)])
-    assert set(task.eval_splits["extrapolation"]) == cellset([(5, 1), (5, 2), (1, 3), (2, 3)])
+    assert set(task.train_cells) == cellset([(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+    assert set(task.eval_splits["interpolation"]) == cellset([(3, 1)])
+    assert set(task.eval_splits["extrapolation"]) == cellset([(5, 1), (1, 3), (2, 3)])
+    square = TaskConfig(grid="quick_square").resolve()
+    assert set(square.train_cells) == cellset([(n, d) for n in (1, 2, 4) for d in (1, 2)])
+    assert set(square.eval_splits["extrapolation"]) == cellset([(5, 1), (5, 2), (1, 3), (2, 3)])
 
 
 def test_custom_cells_and_mixed_digits() -> None:
@@ -244,7 +248,10 @@ def test_custom_cells_and_mixed_digits() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"grid": "nope"}, r"^task\.grid: unknown grid 'nope' \(allowed: paper, quick, smoke\)$"),
+        (
+            {"grid": "nope"},
+            r"^task\.grid: unknown grid 'nope' \(allowed: paper, quick, quick_square, smoke\)$",
+        ),
         (
             {"train": [[2, 1]], "splits": {"interpolation": [[3, 1], [2, 1]]}},
             r"^task\.splits\.interpolation: cell n2d1 is also a train cell$",
