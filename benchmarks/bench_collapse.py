@@ -54,6 +54,7 @@ def naive_sweep(
 ) -> torch.Tensor:
     """Flip count per sparse row: for each draw, for each example, one batch-1 forward."""
     tokens = data.inputs["tokens"]
+    aux = data.inputs.get("aux")  # digit positions, when the model uses them
     B, R = data.n_examples, len(rows)
     flips = torch.zeros(R, dtype=torch.float64)
     per_example = []
@@ -86,7 +87,7 @@ def naive_sweep(
                              for s in site_names for t in pert.targets]
                     hooks += [(f"{s}.hook_pattern", grab) for s in rows.sites]
                     with model.hooks(hooks):
-                        model(tokens[b:b + 1])
+                        model(tokens[b:b + 1], aux=None if aux is None else aux[b:b + 1])
                     for i, site, head, qpos, key in per_example[b]:
                         if int(argmax[site][head, qpos]) != key:
                             flips[i] += 1
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_draws = 4 if args.quick else 16
     repeats = repeats_for(args, quick=2, full=3)
     sets, _ = select_problems(task, eval_sets(task), n_examples)
-    data = data_from_sets(sets, "decoder", task.reverse_answer)
+    data = data_from_sets(sets, "decoder", task.reverse_answer, task.digit_positions)
     model.eval()
     rows = find_sparse_rows(model, data, threshold=0.9)
     pert = Perturbation(model)

@@ -2,7 +2,9 @@
 
 A decoder of the quick-grid size (configs/addition/{pre,qkv}.toml; random weights, which cost
 the same as trained ones) answers the fixed eval questions of the longest quick-grid
-extrapolation cells, n=5 d=2 and n=2 d=3, in one batch each (as `normlab eval` batches them).
+extrapolation cells (the one with the longest prompt and the one with the longest answer:
+n=5 d=1 and n=2 d=3 on the current quick grid), in one batch each (as `normlab eval` batches
+them), with the digit positions (`aux_fn`) when the config uses them.
 Generation length is forced to the cell's longest answer plus the closing E (`max_new`) with
 an end token that never matches, so both paths generate exactly `max_new` tokens for every
 question. The two paths are timed side by side, alternating per repeat, and their outputs are
@@ -35,9 +37,8 @@ from common import (
 )
 from normlab import build_model
 from normlab.model.generate import greedy_decode
-from normlab.tasks.addition import Cell, eval_sets, make_prompts, max_lengths
+from normlab.tasks.addition import Cell, aux_positions, eval_sets, make_prompts, max_lengths
 
-CELLS = (Cell(5, 2), Cell(2, 3))
 NEVER = -1  # an end-of-sequence id no token has: generation runs to max_new
 
 
@@ -48,6 +49,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     task = run_cfg.validate()
     sets = eval_sets(task)
     by_cell = {c: probs for split in sets.values() for c, probs in split.items()}
+    extra = list(sets["extrapolation"])
+    longest_prompt = max(extra, key=lambda c: (max_lengths([c])[0], max_lengths([c])[1]))
+    longest_answer = max(extra, key=lambda c: (max_lengths([c])[1], max_lengths([c])[0]))
+    cells: list[Cell] = list(dict.fromkeys([longest_prompt, longest_answer]))
+    aux_fn = aux_positions if task.digit_positions else None
     n_questions = 64 if args.quick else task.eval_size
     repeats = repeats_for(args, quick=3, full=7)
     placements = ("pre",) if args.quick else ("pre", "qkv")
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for placement in placements:
         torch.manual_seed(0)
         model = build_model(model_config(run_cfg, run_cfg.model.d_model, placement)).eval()
-        for cell in CELLS:
+        for cell in cells:
             questions = [q for q, _ in by_cell[cell][:n_questions]]
             prompts = make_prompts(questions, "decoder")
             max_new = max_lengths([cell])[1] + 1
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         max_new: int = max_new, outs: dict = outs, model: Any = model) -> Any:
                 def fn() -> None:
                     outs[key] = greedy_decode(model, prompts, max_new=max_new, eos=NEVER,
-                                              use_cache=cached)
+                                              aux_fn=aux_fn, use_cache=cached)
                 return fn
 
             times = paired_timing({"cached": decoder(True, "cached"),

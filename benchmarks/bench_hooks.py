@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = setup_threads(args.threads)
     info = machine_info(threads)
     run_cfg = base_config()
-    batch = real_batch(run_cfg)["tokens"]
+    full = real_batch(run_cfg)
+    batch, aux_all = full["tokens"], full.get("aux")  # aux: digit positions, if used
     repeats = repeats_for(args, quick=3, full=9)
     target = 0.05 if args.quick else 0.3
     results = []
@@ -85,12 +86,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n_points = len(model.hook_points())
             for b in (128, 1):
                 tokens = batch[:b]
+                aux = None if aux_all is None else aux_all[:b]
 
-                def forward(call: Any, tokens: torch.Tensor = tokens, model: Any = model) -> Any:
+                def forward(call: Any, tokens: torch.Tensor = tokens, aux: Any = aux,
+                            model: Any = model) -> Any:
                     def fn() -> None:
                         HookPoint.__call__ = call
                         with torch.no_grad():
-                            model(tokens)
+                            model(tokens, aux=aux)
                     return fn
 
                 contenders = {"hooks": forward(ORIGINAL_CALL), "bypassed": forward(_bare)}

@@ -4,7 +4,9 @@ One step = forward, cross-entropy on the answer tokens, backward, gradient clipp
 (`normlab.train.make_optimizer`, identical for every contender). All contenders see the same
 real training batch of the quick grid (`TrainStream`, seed 0) and are timed side by side,
 alternating per repeat. tokens/s counts every position of the padded batch (batch x seq len),
-which is what the model computes on.
+which is what the model computes on. The batch carries the digit positions (`aux`) when the
+config uses them; the references are built with the config's sizes and, when it uses RoPE,
+RoPE too (no absolute position table); they have no digit-position table.
 
     python benchmarks/bench_train_step.py [--quick] [--threads N] [--widths 64,128]
 """
@@ -61,7 +63,8 @@ def model_config(run: RunConfig, d_model: int, placement: str) -> ModelConfig:
 def real_batch(run: RunConfig, batch_size: int | None = None) -> dict[str, torch.Tensor]:
     task = run.validate()
     stream = TrainStream(task.train_cells, seed=0, batch_size=batch_size or run.train.batch_size,
-                         arch="decoder", reverse_answer=task.reverse_answer)
+                         arch="decoder", reverse_answer=task.reverse_answer,
+                         weights=task.train_weights, digit_positions=task.digit_positions)
     return next(stream)
 
 
@@ -93,7 +96,7 @@ def build_contender(
             return loss_on(model, batch)[0]  # the training loop's own loss
     elif kind == "nanogpt":
         model = NanoGPT(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_mlp,
-                        cfg.max_len)
+                        cfg.max_len, rope=cfg.pos_encoding == "rope")
 
         def loss_fn() -> torch.Tensor:
             return _ce(model(tokens), targets)
@@ -107,6 +110,9 @@ def build_contender(
                 dim=cfg.d_model, depth=cfg.n_layers, heads=cfg.n_heads,
                 attn_dim_head=cfg.d_head, ff_mult=cfg.d_mlp / cfg.d_model, ff_no_bias=True,
                 attn_flash=True,  # SDPA, like normlab's fast path and the nanoGPT reference
+                # RoPE over the whole head (no absolute table) when normlab uses RoPE
+                rotary_pos_emb=cfg.pos_encoding == "rope", rotary_emb_dim=cfg.d_head,
+                verbose=False,
             ),
         )
 

@@ -131,6 +131,15 @@ def _fmt(v: float | None, unit: str) -> str:
     return f"{100 * v:.2f}%" if "rate" in unit or "accuracy" in unit else f"{v:.3f}"
 
 
+def _seed_mean(cols: list[dict[str, Any]], key: str) -> list[float]:
+    """Mean over seeds per sigma; None entries (no sparse rows) are skipped, all-None is NaN."""
+    out = []
+    for i in range(len(cols[0]["sigmas"])):
+        vals = [c[key][i] for c in cols if c.get(key) and c[key][i] is not None]
+        out.append(sum(vals) / len(vals) if vals else math.nan)
+    return out
+
+
 def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[str, Path]:
     """Collapse and accuracy vs sigma per placement (mean over seeds) and the norm spread."""
     import matplotlib
@@ -146,9 +155,8 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
         if not cols:
             continue
         sig = cols[0]["sigmas"]
-        mean = [sum(c["collapse_rate"][i] for c in cols) / len(cols) for i in range(len(sig))]
-        pred = [sum(c["predicted_rate"][i] for c in cols) / len(cols) for i in range(len(sig))]
-        acc = [sum(c["accuracy"][i] for c in cols) / len(cols) for i in range(len(sig))]
+        mean, pred, acc = (_seed_mean(cols, k) for k in ("collapse_rate", "predicted_rate",
+                                                          "accuracy"))
         line = ax1.plot(sig, mean, "o-", label=f"{p} measured")[0]
         ax1.plot(sig, pred, "--", color=line.get_color(), label=f"{p} predicted")
         ax2.plot(sig, acc, "o-", color=line.get_color(), label=p)
