@@ -166,3 +166,20 @@ def test_left_padding_does_not_change_a_decoder_prompt() -> None:
     alone = greedy_decode(model, [[1, 7, 2]], max_new=6, eos=2)
     batched = greedy_decode(model, [[1, 7, 2], [1, 4, 4, 4, 9, 3, 2]], max_new=6, eos=2)
     assert batched[0] == alone[0]
+
+
+@pytest.mark.parametrize("placement", ["post", "pre", "qkv", "pre_qk"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_fused_norms_give_the_same_numbers(placement: str, kind: str) -> None:
+    """Unhooked norms use torch's fused kernels; a hook on hook_scale forces the explicit path."""
+    model = build_model(cfg(norm_placement=placement, norm_type=kind, norm_gain_offset=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".w", ".b")):
+                p.add_(0.3 * torch.randn_like(p))
+    tokens = torch.randint(0, 16, (2, 9))
+    fused = model(tokens)
+    explicit = model.run_with_hooks(
+        tokens, fwd_hooks=[(lambda n: n.endswith("hook_scale"), lambda x, h: None)]
+    )
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)

@@ -97,7 +97,8 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
         W, b = getattr(self, f"W_{name.upper()}"), getattr(self, f"b_{name.upper()}")
-        y = torch.einsum("bpd,hde->bphe", x, W)
+        h, d, e = W.shape
+        y = (x @ W.transpose(0, 1).reshape(d, h * e)).unflatten(-1, (h, e))  # one matmul
         if b is not None:
             y = y + b
         norm = getattr(self, f"{name}_norm")
@@ -158,5 +159,5 @@ class Attention(nn.Module):
                 pattern = F.dropout(pattern, p_drop)
             z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
         z = self.hook_z(z)
-        out = torch.einsum("bqhe,hed->bqd", z, self.W_O)
+        out = z.flatten(-2) @ self.W_O.flatten(0, 1)
         return out if self.b_O is None else out + self.b_O
