@@ -20,7 +20,6 @@ Throughput = sparse rows x draws / second. The naive loop gets its sparse rows f
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 
 from bench_train_step import base_config
 from common import (
-    add_common_args,
+    bench_main,
     header,
     load_note,
     machine_info,
@@ -194,15 +193,10 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--run", default=None, help="a trained decoder run folder")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    res = run(args)
-    print(to_markdown(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--run", default=None, help="a trained decoder run folder")
+
+    bench_main(__doc__, run, to_markdown, extra=extra)
 
 
 if __name__ == "__main__":

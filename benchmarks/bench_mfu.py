@@ -21,7 +21,6 @@ the same process with the same thread count, before and after the training timin
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -34,7 +33,7 @@ from bench_train_step import (
     real_batch,
 )
 from common import (
-    add_common_args,
+    bench_main,
     header,
     load_note,
     machine_info,
@@ -134,14 +133,7 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    res = run(args)
-    print(to_markdown(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    bench_main(__doc__, run, to_markdown)
 
 
 if __name__ == "__main__":

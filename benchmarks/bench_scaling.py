@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from common import (
-    add_common_args,
+    bench_main,
     header,
     load_note,
     machine_info,
@@ -275,18 +275,15 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps([child(spec) for spec in json.loads(args.child)]))
-        return
-    res = run(args)
-    print(to_markdown(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+    def early(args: argparse.Namespace) -> bool:
+        if args.child:  # a measurement subprocess
+            print(json.dumps([child(spec) for spec in json.loads(args.child)]))
+        return bool(args.child)
+
+    bench_main(__doc__, run, to_markdown, extra=extra, early=early)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 from common import (
     ROOT,
-    add_common_args,
+    bench_main,
     header,
     load_note,
     machine_info,
@@ -209,15 +208,10 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--widths", default=None, help="comma-separated d_model values")
-    parser.add_argument("--out", default=None, help="write the JSON result here")
-    args = parser.parse_args()
-    res = run(args)
-    print(to_markdown(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--widths", default=None, help="comma-separated d_model values")
+
+    bench_main(__doc__, run, to_markdown, extra=extra)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import json
 import os
 import platform
 import statistics
@@ -162,3 +163,29 @@ def header(title: str, info: Mapping[str, Any], extra: str = "") -> str:
     line = (f"torch {info['torch']}, {info['threads']} thread(s), {info['cpu']} "
             f"({info['cpu_count']} CPUs), {info['date']}")
     return f"### {title}\n\n{line}" + (f"\n\n{extra}" if extra else "")
+
+
+def bench_main(
+    doc: str,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    to_markdown: Callable[[dict[str, Any]], str],
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    early: Callable[[argparse.Namespace], bool] | None = None,
+) -> None:
+    """The command line every `bench_*.py` shares: common flags, run, print, optional JSON.
+
+    `extra` adds a benchmark's own flags; `early(args)` may handle the call itself (and
+    return True), e.g. a subprocess child mode.
+    """
+    parser = add_common_args(argparse.ArgumentParser(description=doc.splitlines()[0]))
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args()
+    if early is not None and early(args):
+        return
+    res = run(args)
+    print(to_markdown(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
