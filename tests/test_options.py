@@ -1,0 +1,133 @@
+"""Options added beyond the paper each change behaviour (a test fails if one did nothing)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from normlab import ModelConfig, build_model
+from normlab.config import load_config
+from normlab.model.generate import greedy_decode
+from normlab.model.norms import Norm
+from normlab.tasks.addition import (
+    BOS,
+    EOS,
+    aux_positions,
+    encode,
+    make_batch,
+    reverse_digits,
+)
+from normlab.train import lr_at, train
+
+# ---- digit-significance positions ------------------------------------------------------------
+
+
+def test_aux_positions_hand_computed() -> None:
+    q = encode("N674-N71+5814")
+    assert aux_positions(q, "question") == [0, 3, 2, 1, 0, 0, 2, 1, 0, 4, 3, 2, 1]
+    a = encode(reverse_digits("N1043"))  # N3401: units first
+    assert aux_positions([BOS, *a], "answer") == [0, 0, 1, 2, 3, 4]
+    seq = [BOS, *q, EOS, *a, EOS]
+    assert aux_positions(seq, "sequence") == [0, *aux_positions(q, "question"), 0,
+                                              0, 1, 2, 3, 4, 0]
+    with pytest.raises(ValueError, match="part must be question, answer or sequence"):
+        aux_positions(q, "middle")
+
+
+def test_make_batch_carries_aux_only_when_asked() -> None:
+    probs = [("12+N3", "9"), ("N45-67", "N112")]
+    assert "aux" not in make_batch(probs, "decoder", True)
+    dec = make_batch(probs, "decoder", True, digit_positions=True)
+    assert dec["aux"].shape == dec["tokens"].shape
+    assert dec["aux"][1].tolist()[: len("BN45-67E") + 4] == [0, 0, 2, 1, 0, 2, 1, 0, 0, 1, 2, 3]
+    ed = make_batch(probs, "encoder_decoder", True, digit_positions=True)
+    assert ed["src_aux"].shape == ed["src"].shape and ed["tgt_aux"].shape == ed["tgt_in"].shape
+
+
+def _aux_model(arch: str = "decoder") -> torch.nn.Module:
+    return build_model(ModelConfig(arch=arch, d_model=32, n_heads=4, n_layers=1,
+                                   n_encoder_layers=1, n_decoder_layers=1, max_len=32,
+                                   n_aux_positions=6, pos_encoding="rope", init_std=0.3))
+
+
+def test_aux_positions_change_the_model_and_are_required() -> None:
+    model = _aux_model()
+    batch = make_batch([("N45-67", "N112")], "decoder", True, digit_positions=True)
+    a = model(batch["tokens"], aux=batch["aux"])
+    b = model(batch["tokens"], aux=torch.zeros_like(batch["aux"]))
+    assert (a - b).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="n_aux_positions > 0: pass `aux`"):
+        model(batch["tokens"])
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_kv_cache_with_aux_equals_uncached(arch: str) -> None:
+    model = _aux_model(arch)
+    prompts = [[BOS, *encode(q), EOS] for q in ("12+N3", "N45-67", "5")]
+    a = greedy_decode(model, prompts, max_new=6, eos=EOS, aux_fn=aux_positions)
+    b = greedy_decode(model, prompts, max_new=6, eos=EOS, aux_fn=aux_positions,
+                      use_cache=False)
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["task.digit_positions=true", "model.n_aux_positions=8"],
+         "task.digit_positions: needs task.reverse_answer = true"),
+        (["task.digit_positions=true", "task.reverse_answer=true", "model.n_aux_positions=2"],
+         "model.n_aux_positions: expected >= "),
+        (["model.n_aux_positions=8"], "model.n_aux_positions: set, but task.digit_positions"),
+    ],
+)
+def test_digit_position_config_errors(sets: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        load_config(None, ["task.grid='smoke'", *sets])
+    assert "\n" not in str(err.value)
+
+
+# ---- norm gain offset (Gemma-style 1 + w) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_gain_offset_applies_one_plus_w(kind: str) -> None:
+    x = torch.randn(3, 8)
+    plain, offset = Norm(8, kind), Norm(8, kind, gain_offset=True)
+    torch.testing.assert_close(offset(x), plain(x))  # w = 0 acts as gain 1
+    w = torch.randn(8)
+    with torch.no_grad():
+        offset.w.copy_(w)
+        plain.w.copy_(1 + w)
+    torch.testing.assert_close(offset(x), plain(x))
+    assert (offset(x) - Norm(8, kind)(x)).abs().max() > 1e-3
+
+
+# ---- training options -------------------------------------------------------------------------
+
+
+def test_lr_schedules() -> None:
+    c = load_config(None, ["train.steps=110", "train.warmup_steps=10", "train.lr=1.0",
+                           "train.min_lr_ratio=0.0", "train.schedule='cosine'"]).train
+    assert lr_at(60, c) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, c) == pytest.approx(0.0)
+    c.schedule = "constant"
+    assert lr_at(60, c) == lr_at(109, c) == 1.0
+
+
+def test_early_stopping(tmp_path: Path) -> None:
+    base = ["task.grid='smoke'", "model.d_model=16", "model.n_layers=1", "train.steps=40",
+            "train.eval_every=10", "train.checkpoint_every=10", "train.eval_examples=4",
+            "task.eval_size=4", "train.log_every=10"]
+    last = train(load_config(None, [*base, "train.early_stop_accuracy=0.0"]), tmp_path / "a",
+                 progress=False)
+    assert last["early_stopped"] and last["step"] == 10
+    done = json.loads((tmp_path / "a" / "train_done.json").read_text())
+    assert done["step"] == 10
+    last = train(load_config(None, [*base, "train.patience=1", "train.lr=1e-9"]),
+                 tmp_path / "b", progress=False)
+    assert last["early_stopped"] and last["step"] == 20  # no improvement at the second eval
+    assert train(load_config(None, base), tmp_path / "c", progress=False)["step"] == 40
