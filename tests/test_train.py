@@ -229,3 +229,21 @@ def test_cli_train_eval_compare(tmp_path: Path, capsys) -> None:
     assert main(["compare", "--markdown", str(tmp_path / "pre"), str(tmp_path / "qkv")]) == 0
     table = capsys.readouterr().out
     assert "| pre | pre | 3 |" in table and "| qkv | qkv | 3 |" in table
+
+
+def test_eval_and_analyze_never_overwrite_without_force(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    train(cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5"), run,
+          progress=False)
+    assert main(["eval", str(run), "--limit", "4"]) == 0
+    before = (run / "eval.json").read_text()
+    capsys.readouterr()
+    code, err = _cli(capsys, "eval", str(run), "--limit", "4")
+    assert code == 2 and "eval.json' already exists; pass --force" in err and "\n" not in err
+    assert (run / "eval.json").read_text() == before
+    assert main(["eval", str(run), "--limit", "4", "--force"]) == 0
+    (run / "analysis").mkdir()
+    (run / "analysis" / "collapse.json").write_text("{}")
+    code, err = _cli(capsys, "analyze", str(run))
+    assert code == 2 and "already exists; pass --force" in err
+    assert (run / "analysis" / "collapse.json").read_text() == "{}"

@@ -22,7 +22,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = True) -> dict[str, Any]:
+def _refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
+    """Results already written stay unless the user asks (`--force`)."""
+    found = sorted(Path(folder).glob(pattern)) if Path(folder).is_dir() else []
+    if found and not force:
+        raise ValueError(f"{str(found[0])!r} already exists; pass --force to overwrite it")
+
+
+def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) -> dict[str, Any]:
     """Evaluate a run's newest checkpoint on every split; write eval.json and heatmap.png."""
     import torch
 
@@ -31,6 +38,7 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = True) -> 
     from normlab.tasks.addition import eval_sets
     from normlab.train import load_run
 
+    _refuse_overwrite(Path(run_dir), "eval.json", force)
     cfg, model, meta = load_run(run_dir)
     torch.set_num_threads(cfg.train.threads)
     task = cfg.task.resolve()
@@ -59,7 +67,7 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = True) -> 
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    result = eval_run(Path(args.run_dir), limit=args.limit)
+    result = eval_run(Path(args.run_dir), limit=args.limit, force=args.force)
     for split, r in result["splits"].items():
         lo, hi = r["ci95"]
         print(
@@ -138,11 +146,14 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         from normlab.interop.analyze import analyze_hf
 
         out = Path(args.out) if args.out else None
+        if out is not None:
+            _refuse_overwrite(out, "*.json", args.force)
         analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
         print(f"wrote analysis to {args.out}")
         return 0
     if not args.run_dir:
         raise ValueError("analyze: give RUN_DIR, or --hf DIR with --tokens/--text and --out")
+    _refuse_overwrite(Path(args.run_dir) / "analysis", "*.json", args.force)
     out = analyze_run(Path(args.run_dir), **kwargs)
     print(
         f"wrote {Path(args.run_dir) / 'analysis'}: "
@@ -197,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a run on every split; writes eval.json")
     e.add_argument("run_dir")
     e.add_argument("--limit", type=int, help="at most this many examples per cell")
+    e.add_argument("--force", action="store_true", help="overwrite an existing eval.json")
     e.set_defaults(fn=_cmd_eval)
 
     c = sub.add_parser("compare", help="table of split accuracies across evaluated runs")
@@ -218,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tokens", help="with --hf: a file of whitespace-separated token ids")
     a.add_argument("--text", help="with --hf: a text file, tokenised with the folder's tokenizer")
     a.add_argument("--out", help="with --hf: output folder")
+    a.add_argument("--force", action="store_true", help="overwrite existing analysis files")
     a.set_defaults(fn=_cmd_analyze)
 
     r = sub.add_parser("reproduce", help="train, evaluate, analyse and report a whole profile")
