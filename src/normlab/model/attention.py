@@ -141,13 +141,17 @@ class Attention(nn.Module):
         scale = self.scale.to(q.dtype)
         p_drop = self.dropout if self.training else 0.0
         if self.fused and not (self.hook_attn_scores.fns or self.hook_pattern.fns):
+            if isinstance(self.scale, nn.Parameter):  # a scale per head: fold it into q
+                q, sdpa_scale = q * scale[:, None], 1.0
+            else:  # one fixed scale: SDPA applies it in its kernel, no extra pass over q
+                sdpa_scale = 1.0 / math.sqrt(self.d_head)
             z = F.scaled_dot_product_attention(
-                (q * scale[:, None]).transpose(1, 2),
+                q.transpose(1, 2),
                 k.transpose(1, 2),
                 v.transpose(1, 2),
                 attn_mask=mask,
                 dropout_p=p_drop,
-                scale=1.0,
+                scale=sdpa_scale,
             ).transpose(1, 2)
         else:
             scores = torch.einsum("bqhe,bkhe->bhqk", q, k) * scale[:, None, None]

@@ -11,21 +11,32 @@ from normlab.model.transformer import DecoderLM, EncoderDecoderLM, Model
 #: `aux_fn(ids, part)` -> task-supplied positions for a token row; `part` is "sequence" (a
 #: decoder-only row), "question" (an encoder source) or "answer" (a decoder target row).
 AuxFn = Callable[[list[int], str], list[int]]
+#: `aux_next(prev_aux [batch], new_token [batch])` -> the position of each newly generated
+#: token from the one before it: the same numbers as `aux_fn` on the grown rows, without
+#: re-reading every row in Python at every step (which cost ~1/4 of a cached decode).
+AuxNext = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in seqs)
-    tokens = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        sl = slice(width - len(s), width) if left else slice(0, len(s))
-        tokens[i, sl] = torch.tensor(s, dtype=torch.long)
-        mask[i, sl] = True
-    return tokens, mask
+    fill = [[pad] * (width - len(s)) for s in seqs]
+    rows = [f + s if left else s + f for f, s in zip(fill, seqs, strict=True)]
+    real = [[False] * len(f) + [True] * len(s) if left else [True] * len(s) + [False] * len(f)
+            for f, s in zip(fill, seqs, strict=True)]
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(real, dtype=torch.bool)
 
 
-def _next_aux(aux_fn: AuxFn, rows: list[list[int]], part: str) -> torch.Tensor:
-    return torch.tensor([[aux_fn(r, part)[-1]] for r in rows], dtype=torch.long)
+def _next_aux(
+    aux_fn: AuxFn, aux_next: AuxNext | None, rows: list[list[int]], part: str,
+    prev: torch.Tensor, nxt: torch.Tensor,
+) -> torch.Tensor:
+    """[batch, 1] positions of the tokens `nxt` just appended to `rows` (after `prev`)."""
+    if aux_next is not None:
+        return aux_next(prev, nxt)[:, None]
+    for r, t in zip(rows, nxt.tolist(), strict=True):
+        r.append(t)
+    return torch.tensor([[aux_fn(r, part)[-1]] for r in rows], dtype=torch.long,
+                        device=nxt.device)
 
 
 @torch.no_grad()
@@ -39,12 +50,15 @@ def greedy_decode(
     bos: int = 1,
     use_cache: bool = True,
     aux_fn: AuxFn | None = None,
+    aux_next: AuxNext | None = None,
 ) -> list[list[int]]:
     """Generate up to `max_new` tokens per prompt; returns the new tokens, cut after `eos`.
 
     Decoder-only prompts are left-padded (positions count real tokens only); for an
     encoder-decoder the prompt is the source and the decoder starts from `bos`. Models with
-    task-supplied positions (`n_aux_positions > 0`) need `aux_fn`.
+    task-supplied positions (`n_aux_positions > 0`) need `aux_fn`; with `aux_next` too, the
+    positions of generated tokens are computed incrementally (tensor ops) instead of by
+    calling `aux_fn` on every row at every step.
     """
     if not prompts:
         return []
@@ -64,7 +78,9 @@ def greedy_decode(
         memory = model.encode(src, src_mask, src_aux)
         seq = torch.full((b, 1), bos, dtype=torch.long, device=device)
         tgt_rows = [[bos] for _ in range(b)]
-        aux = None if aux_fn is None else _next_aux(aux_fn, tgt_rows, "answer").to(device)
+        aux = None
+        if aux_fn is not None:
+            aux = torch.tensor([aux_fn(r, "answer") for r in tgt_rows], device=device)
         for _ in range(max_new):
             cached = use_cache and out.shape[1] > 0
             step_in = seq[:, -1:] if cached else seq
@@ -73,9 +89,8 @@ def greedy_decode(
             nxt = logits[:, -1].argmax(-1)
             out, seq = torch.cat([out, nxt[:, None]], 1), torch.cat([seq, nxt[:, None]], 1)
             if aux is not None:
-                for r, t in zip(tgt_rows, nxt.tolist(), strict=True):
-                    r.append(t)
-                aux = torch.cat([aux, _next_aux(aux_fn, tgt_rows, "answer").to(device)], 1)
+                new_aux = _next_aux(aux_fn, aux_next, tgt_rows, "answer", aux[:, -1], nxt)
+                aux = torch.cat([aux, new_aux], 1)
             done |= nxt == eos
             if done.all():
                 break
@@ -93,9 +108,7 @@ def greedy_decode(
             seq = torch.cat([seq, nxt[:, None]], 1)
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.bool, device=device)], 1)
             if aux is not None:
-                for r, t in zip(rows, nxt.tolist(), strict=True):
-                    r.append(t)
-                new_aux = _next_aux(aux_fn, rows, "sequence").to(device)
+                new_aux = _next_aux(aux_fn, aux_next, rows, "sequence", aux[:, -1], nxt)
                 aux = torch.cat([aux, new_aux], 1)
             step_in = nxt[:, None] if use_cache else seq
             if aux is not None:

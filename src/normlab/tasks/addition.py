@@ -536,6 +536,18 @@ def aux_positions(ids: Sequence[int], part: str) -> list[int]:
     return out
 
 
+def next_aux_position(prev: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """`aux_positions` of a token appended to an answer, from the position before it.
+
+    In the answer part positions count forward (a digit is one more than the token before
+    it, anything else is 0), so a decoder can extend them with tensor ops instead of
+    re-reading whole rows (`greedy_decode(..., aux_next=next_aux_position)`). Valid for
+    tokens after the question's E, which is where decoding starts.
+    """
+    is_digit = (token >= _ZERO) & (token <= _ZERO + 9)
+    return torch.where(is_digit, prev + 1, torch.zeros_like(prev))
+
+
 def _aux_rows(rows: list[list[int]], part: str) -> torch.Tensor:
     return _pad([aux_positions(r, part) for r in rows], 0)
 
