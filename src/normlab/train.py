@@ -76,7 +76,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         fused=fused,
-        foreach=False if not fused else None,
+        foreach=None if fused else False,
     )
 
 
