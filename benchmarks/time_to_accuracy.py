@@ -5,7 +5,8 @@ steps, `accuracy.{split}`) and prints, per run, the first evaluation at which
 `accuracy[split] >= threshold`, then the median over runs of each placement (read from the
 run's `config.toml`, `model.norm_placement`). `elapsed_s` is the training loop's wall time: it
 excludes the periodic evaluations but includes checkpoint writes. The resolution is
-`train.eval_every` steps. Runs that never reach the threshold are listed and left out of the
+`train.eval_every` steps; each run's versions and git commit come from its newest checkpoint
+sidecar. Runs that never reach the threshold are listed and left out of the
 medians (the table says how many reached it).
 
     python benchmarks/time_to_accuracy.py RUN_DIR [RUN_DIR ...] [--threshold 0.99]
@@ -33,10 +34,22 @@ def placement_of(run_dir: Path) -> str:
     return "?"
 
 
+def provenance_of(run_dir: Path) -> dict[str, Any] | None:
+    """Versions, git commit and machine from the newest checkpoint's sidecar, if any."""
+    sidecars = sorted((run_dir / "checkpoints").glob("step_*.json"))
+    if not sidecars:
+        return None
+    try:
+        return json.loads(sidecars[-1].read_text()).get("provenance")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def first_reach(run_dir: Path, threshold: float, split: str) -> dict[str, Any]:
     path = run_dir / "metrics.jsonl"
     out: dict[str, Any] = {"run": str(run_dir), "placement": placement_of(run_dir),
-                           "reached": False, "step": None, "elapsed_s": None}
+                           "reached": False, "step": None, "elapsed_s": None,
+                           "provenance": provenance_of(run_dir)}
     if not path.is_file():
         return out | {"error": "no metrics.jsonl"}
     last: dict[str, Any] = {}

@@ -19,4 +19,4 @@ train() {  # placement seed
 for seed in 0 1 2; do
   train pre "$seed" & train qkv "$seed" & wait
 done
-"$bin/python" benchmarks/time_to_accuracy.py "$out"/pre-s* "$out"/qkv-s* --json "$out/tta.json"
+"$bin/python" benchmarks/time_to_accuracy.py "$out"/pre-s*/ "$out"/qkv-s*/ --json "$out/tta.json"

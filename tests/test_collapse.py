@@ -17,7 +17,7 @@ from normlab.analysis.collapse import (
     perturbed_accuracy,
     perturbed_predictor,
 )
-from normlab.analysis.data import EvalData
+from normlab.analysis.data import EvalData, collect
 from normlab.analysis.theory import predict_collapse
 from normlab.evaluate import predict
 from normlab.tasks.addition import Cell, TaskConfig
@@ -211,3 +211,30 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     assert {"entries", "summary"} <= set(docs["norms"])
     assert {"probe", "synthetic"} <= set(docs["interference"])
     assert res["collapse"]["n_examples"] == docs["norms"]["n_examples"] >= 16
+
+
+def test_collect_equals_the_full_forward_and_stops_after_the_last_name() -> None:
+    model = small(n_layers=3)
+    data = EvalData.from_problems(problems(6), "decoder")
+    names = ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_q"]
+    _, full = model.run_with_cache(data.inputs["tokens"], names_filter=lambda n: n in names)
+    fired: list[str] = []
+
+    def spy(x: torch.Tensor, hook) -> None:
+        fired.append(hook.name)
+
+    later = [("blocks.1.hook_mlp_out", spy), ("blocks.2.hook_resid_pre", spy)]
+    got = collect(model, data, {n: torch.Tensor.clone for n in names}, hooks=later)
+    for n in names:
+        torch.testing.assert_close(got[n], full[n])
+    assert fired == []  # nothing after blocks.1.attn.hook_q ran
+
+
+def test_collect_sees_its_hooks_first() -> None:
+    """A perturbation on the very hook point that is taken is applied before the take."""
+    model = small()
+    data = EvalData.from_problems(problems(4), "decoder")
+    name = "blocks.1.attn.hook_k"
+    plain = collect(model, data, {name: torch.Tensor.clone})[name]
+    doubled = collect(model, data, {name: torch.Tensor.clone}, hooks=[(name, lambda x, h: 2 * x)])
+    torch.testing.assert_close(doubled[name], 2 * plain)

@@ -160,6 +160,23 @@ def test_kv_cache_decoding_equals_uncached(pos: str, arch: str) -> None:
     assert all(len(x) >= 1 for x in a)
 
 
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_kv_cache_steps_give_the_full_forward_logits(placement: str, kv_heads: int) -> None:
+    """Prefill then one token at a time: every step's logits equal the uncached forward's."""
+    model = build_model(cfg(norm_placement=placement, n_kv_heads=kv_heads, pos_encoding="rope"))
+    model.eval()
+    tokens = torch.randint(0, 16, (3, 9))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache()
+        steps = [model(tokens[:, :4], cache=cache)]
+        steps += [model(tokens[:, t : t + 1], cache=cache) for t in range(4, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    k = cache.layers[0]["self"]["k"]
+    assert k.shape == (3, kv_heads, 9, 32 // 4) and k.is_contiguous()  # head-major
+
+
 def test_left_padding_does_not_change_a_decoder_prompt() -> None:
     """A prompt decodes the same alone or in a batch with longer (left-padded) prompts."""
     model = build_model(cfg(pos_encoding="learned"))

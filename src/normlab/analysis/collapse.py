@@ -47,6 +47,7 @@ from normlab.analysis.data import (
     Site,
     _check_positive_int,
     chunk_copies,
+    collect,
     evaluating,
     resolve_sites,
 )
@@ -68,8 +69,10 @@ TARGETS = ("q", "k", "v")
 NOISES = ("normal", "uniform")
 THRESHOLDS = (0.5, 0.8, 0.9, 0.99)
 DEFAULT_SIGMAS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
-DEFAULT_MAX_TOKENS = 1 << 15
-"""Positions per forward in the batched sweep; bounds memory (MLP activations dominate)."""
+DEFAULT_MAX_TOKENS = 1 << 13
+"""Positions per forward in the batched sweep; bounds memory (MLP activations dominate). On
+CPU, chunks of ~8k positions ran the sweep ~15% faster than 32k ones (activations closer to
+cache size; `benchmarks/probes/collapse_prof.py`)."""
 
 CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): draws and rows "
              "of one example are correlated, so examples, not row-draws, are resampled")
@@ -250,14 +253,7 @@ def find_sparse_rows(
     threshold = check_threshold(threshold)
     chosen, head_sel = resolve_sites(model, sites, heads)
     names = [f"{s.name}.hook_{k}" for s in chosen for k in ("attn_scores", "pattern")]
-    with evaluating(model):
-        cache: dict[str, torch.Tensor] = {}
-
-        def save(x: torch.Tensor, hook: Any) -> None:
-            cache[hook.name] = x.detach()
-
-        with model.hooks([(n, save) for n in names]):
-            data.forward(model)
+    cache = collect(model, data, {n: torch.Tensor.detach for n in names})
     thetas = sorted(set(THRESHOLDS) | {threshold})
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in
                                            ("site", "head", "example", "qpos", "key", "weight")}
@@ -287,6 +283,10 @@ def find_sparse_rows(
 
 
 # --------------------------------------------------------------------------- sweep
+
+
+def _argmax(pattern: torch.Tensor) -> torch.Tensor:
+    return pattern.argmax(-1)
 
 
 def _cluster_ci(
@@ -348,14 +348,9 @@ def measure_collapse(
         while done < total:
             c = min(chunk, total - done)
             tables = pert.draw(sigma, c * B, data.lengths, gen)
-            argmax: dict[str, torch.Tensor] = {}
-
-            def grab(x: torch.Tensor, hook: Any, _store: dict = argmax) -> None:
-                _store[hook.name.removesuffix(".hook_pattern")] = x.argmax(-1)
-
-            hooks = pert.hooks(tables) + [(f"{n}.hook_pattern", grab) for n in rows.sites]
-            with evaluating(model), model.hooks(hooks):
-                data.forward(model, copies=c)
+            grabbed = collect(model, data, {f"{n}.hook_pattern": _argmax for n in rows.sites},
+                              hooks=pert.hooks(tables), copies=c)
+            argmax = {n.removesuffix(".hook_pattern"): a for n, a in grabbed.items()}
             for name, idx in by_site.items():
                 if idx.numel() == 0:
                     continue

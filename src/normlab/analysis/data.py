@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -252,6 +252,42 @@ def evaluating(model: Model) -> Iterator[None]:
             yield
     finally:
         model.train(was)
+
+
+class _Collected(Exception):
+    """Raised by `collect` once every activation it waits for is in hand."""
+
+
+def collect(
+    model: Model,
+    data: EvalData,
+    take: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    *,
+    hooks: Sequence[tuple[str, Callable[..., torch.Tensor | None]]] = (),
+    copies: int = 1,
+) -> dict[str, torch.Tensor]:
+    """`take[name](activation)` for each hook name, with `hooks` attached, in eval mode.
+
+    The forward stops as soon as the last of them has fired: nothing computed later can
+    change them, and skipping the rest (the last MLP, the unembedding, the layers after the
+    last site asked for) is what keeps a sweep over many noise draws cheap. `hooks` are
+    attached first, so a name both perturbed and taken is seen after the perturbation.
+    """
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(x: torch.Tensor, hook: object) -> None:
+        name = hook.name  # type: ignore[attr-defined]
+        got[name] = take[name](x)
+        if len(got) == len(take):
+            raise _Collected
+
+    attached = [*hooks, *((n, keep) for n in take)]
+    with evaluating(model), model.hooks(attached), contextlib.suppress(_Collected):
+        data.forward(model, copies=copies)
+    missing = sorted(set(take) - set(got))
+    if missing:
+        raise ValueError(f"hook point(s) {', '.join(missing)} did not fire in the forward")
+    return got
 
 
 def _check_positive_int(value: object, name: str) -> int:

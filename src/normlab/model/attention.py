@@ -119,7 +119,8 @@ class Attention(nn.Module):
 
         `memory` makes this cross-attention (keys/values from the encoder output).
         `mask` is boolean, True where a query may attend, broadcastable to
-        [batch, head, qpos, kpos]. `cache` holds keys/values of earlier steps (decoding).
+        [batch, head, qpos, kpos]. `cache` holds keys/values of earlier steps (decoding),
+        head-major: [batch, head, kpos, d_head].
         """
         q = self._project(x, "q")
         if memory is not None and cache is not None and "k" in cache:
@@ -129,39 +130,41 @@ class Attention(nn.Module):
             k, v = self._project(source, "k"), self._project(source, "v")
             if rope is not None:
                 k = self.hook_rot_k(apply_rope(k, *rope))
+            # Keys/values go head-major, [batch, head, kpos, d_head], as the kernels read them;
+            # the cache keeps them contiguous in that layout, so a decoding step appends to
+            # it and reads it with no transposed copy.
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
             if cache is not None:
                 if memory is None and "k" in cache:
-                    k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+                    k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+                k, v = k.contiguous(), v.contiguous()
                 cache["k"], cache["v"] = k, v
         if rope is not None:
             q = self.hook_rot_q(apply_rope(q, *rope))
+        q = q.transpose(1, 2)  # [batch, head, qpos, d_head]
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scale = self.scale.to(q.dtype)
         p_drop = self.dropout if self.training else 0.0
         if self.fused and not (self.hook_attn_scores.fns or self.hook_pattern.fns):
             if isinstance(self.scale, nn.Parameter):  # a scale per head: fold it into q
-                q, sdpa_scale = q * scale[:, None], 1.0
+                q, sdpa_scale = q * scale[:, None, None], 1.0
             else:  # one fixed scale: SDPA applies it in its kernel, no extra pass over q
                 sdpa_scale = 1.0 / math.sqrt(self.d_head)
             z = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=mask,
-                dropout_p=p_drop,
-                scale=sdpa_scale,
-            ).transpose(1, 2)
+                q, k, v, attn_mask=mask, dropout_p=p_drop, scale=sdpa_scale
+            )
         else:
-            scores = torch.einsum("bqhe,bkhe->bhqk", q, k) * scale[:, None, None]
+            scores = (q @ k.transpose(-1, -2)) * scale[:, None, None]
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             scores = self.hook_attn_scores(scores)
             pattern = self.hook_pattern(scores.softmax(-1))
             if p_drop:
                 pattern = F.dropout(pattern, p_drop)
-            z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
+            z = pattern @ v
+        z = z.transpose(1, 2)  # [batch, qpos, head, d_head]
         z = self.hook_z(z)
         out = z.flatten(-2) @ self.W_O.flatten(0, 1)
         return out if self.b_O is None else out + self.b_O

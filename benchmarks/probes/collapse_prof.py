@@ -1,0 +1,52 @@
+"""One-off probe behind a number in docs/performance.md (third session); not part of make bench.
+
+Profiles the perturbed forwards of `measure_collapse` on the bench_collapse setup (qkv, random
+weights, init_std 0.2, 64 examples, 16 draws, sigma 0.3, one thread):
+
+    .venv/bin/python benchmarks/probes/collapse_prof.py [--table]
+"""
+import statistics as st
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_train_step import base_config  # noqa: E402
+
+from normlab import build_model  # noqa: E402
+from normlab.analysis.collapse import measure_collapse  # noqa: E402
+from normlab.analysis.data import data_from_sets, select_problems  # noqa: E402
+from normlab.tasks.addition import eval_sets  # noqa: E402
+
+torch.set_num_threads(1)
+run = base_config()
+run.model.norm_placement = "qkv"
+run.model.init_std = 0.2
+torch.manual_seed(0)
+model = build_model(run.model).eval()
+task = run.task.resolve()
+sets, _ = select_problems(task, eval_sets(task), 64)
+data = data_from_sets(sets, "decoder", task.reverse_answer, task.digit_positions)
+
+
+def sweep(max_tokens: int = 1 << 15) -> float:
+    res = measure_collapse(model, data, sigmas=[0.3], n_draws=16, threshold=0.9, theory_draws=1,
+                           max_tokens=max_tokens)
+    return res["sweep_seconds"]
+
+
+sweep()
+for mt in (1 << 15, 1 << 13, 1 << 12, 1 << 11):
+    times, calls = [], []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        times.append(sweep(mt))
+        calls.append(time.perf_counter() - t0)
+    print(f"max_tokens {mt}: sweep {1e3 * st.median(times):.1f} ms, "
+          f"call {1e3 * st.median(calls):.1f} ms")
+if "--table" in sys.argv:
+    with torch.profiler.profile() as prof:
+        sweep()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
