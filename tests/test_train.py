@@ -163,6 +163,12 @@ def test_eval_json_schema(tmp_path: Path) -> None:
     assert saved["config"]["model"]["norm_placement"] == "pre"
     assert saved["checkpoint"]["step"] == 5 and result["splits"] == saved["splits"]
     assert (tmp_path / "run/heatmap.png").stat().st_size > 1000
+    tokens = {(t["cell"], t["split"]): t for t in saved["answer_tokens"]}
+    assert tokens.keys() == {(c["cell"], c["split"]) for c in saved["cells"]}
+    for t in tokens.values():  # teacher forcing: exact match needs every position right
+        pairs = zip(t["by_position"], t["position_counts"], strict=True)
+        full = [a for a, c in pairs if c == t["count"]]
+        assert t["count"] == 8 and full and t["exact"] <= min(full)
 
 
 # ---- the command line ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     """Evaluate a run's newest checkpoint on every split; write eval.json and heatmap.png."""
     import torch
 
-    from normlab.evaluate import evaluate, heatmap
+    from normlab.evaluate import answer_token_accuracy, evaluate, heatmap
     from normlab.io import provenance, write_json
     from normlab.tasks.addition import eval_sets
     from normlab.train import load_run
@@ -42,7 +42,16 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     cfg, model, meta = load_run(run_dir)
     torch.set_num_threads(cfg.train.threads)
     task = cfg.task.resolve()
-    result = evaluate(model, task, eval_sets(task), limit=limit)
+    sets = eval_sets(task)
+    result = evaluate(model, task, sets, limit=limit)
+    # Where in the answer each cell fails (teacher-forced; same questions as above).
+    result["answer_tokens"] = [
+        {"cell": str(cell), "split": split}
+        | answer_token_accuracy(model, probs[:limit], reverse_answer=task.reverse_answer,
+                                digit_positions=task.digit_positions)
+        for split, by_cell in sets.items()
+        for cell, probs in by_cell.items()
+    ]
     result.update(
         {
             "config": cfg.to_dict(),

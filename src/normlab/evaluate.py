@@ -13,9 +13,11 @@ from normlab.model import Model
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import (
     EOS,
+    IGNORE_INDEX,
     Cell,
     ResolvedTask,
     aux_positions,
+    make_batch,
     make_prompts,
     next_aux_position,
     parse_answer,
@@ -57,6 +59,80 @@ def predict(
             except ValueError:
                 out.append("?")
     return out
+
+
+def forward_batch(
+    model: Model, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Teacher-forced `(logits, targets, n_real_tokens)` of a `make_batch` batch, either arch.
+
+    `targets` is `IGNORE_INDEX` except where the next token is part of the answer.
+    """
+    if "tokens" in batch:
+        logits, targets = model(batch["tokens"], aux=batch.get("aux")), batch["targets"]
+        n_tok = int((batch["tokens"] != 0).sum())
+    else:
+        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch.get("src_aux"),
+                       batch.get("tgt_aux"))
+        targets = batch["tgt_out"]
+        n_tok = int(batch["src_mask"].sum() + (batch["tgt_out"] != IGNORE_INDEX).sum())
+    return logits, targets, n_tok
+
+
+@torch.no_grad()
+def answer_token_accuracy(
+    model: Model,
+    problems: list[tuple[str, str]],
+    *,
+    reverse_answer: bool,
+    digit_positions: bool = False,
+    batch_size: int = 1024,
+) -> dict[str, Any]:
+    """Teacher-forced accuracy of each answer token, to see *where* in the answer a model fails.
+
+    Position 0 is the first answer token: the sign `N` for a negative result, else the first
+    digit; the final position counts the closing `E`. `exact` is the share of answers with every
+    token right under teacher forcing (an upper bound on greedy exact match, which can also
+    derail after a mistake). `first_token` splits position 0 by the sign of the true result.
+    """
+    if not problems:
+        raise ValueError("answer_token_accuracy needs at least one problem")
+    was = model.training
+    model.eval()
+    hits: list[torch.Tensor] = []
+    real: list[torch.Tensor] = []
+    exact = 0
+    try:
+        for i in range(0, len(problems), batch_size):
+            chunk = problems[i : i + batch_size]
+            batch = make_batch(chunk, model.cfg.arch, reverse_answer, digit_positions)
+            logits, targets, _ = forward_batch(model, batch)
+            is_real = targets != IGNORE_INDEX
+            ok = (logits.argmax(-1) == targets) & is_real
+            exact += int((ok | ~is_real).all(1).sum())
+            # Answer tokens packed to the left: column j is the j-th answer token of each row.
+            order = torch.argsort((~is_real).int(), dim=1, stable=True)
+            width = int(is_real.sum(1).max())
+            hits.append(ok.gather(1, order)[:, :width])
+            real.append(is_real.gather(1, order)[:, :width])
+    finally:
+        model.train(was)
+    width = max(h.shape[1] for h in hits)
+    ok = torch.cat([torch.nn.functional.pad(h, (0, width - h.shape[1])) for h in hits])
+    rl = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in real])
+    counts = rl.sum(0)
+    neg = torch.tensor([a.startswith("N") for _, a in problems])
+    first = ok[:, 0].float()
+    return {
+        "count": len(problems),
+        "exact": exact / len(problems),
+        "by_position": [float(ok[:, j].sum() / counts[j]) for j in range(width)],
+        "position_counts": [int(c) for c in counts],
+        "first_token": {
+            "negative": float(first[neg].mean()) if neg.any() else None,
+            "positive": float(first[~neg].mean()) if (~neg).any() else None,
+        },
+    }
 
 
 def evaluate(

@@ -26,7 +26,7 @@ from normlab.checkpoint import (
     torch_rng,
 )
 from normlab.config import RunConfig, dump_toml
-from normlab.evaluate import evaluate
+from normlab.evaluate import evaluate, forward_batch
 from normlab.io import atomic_write_text, provenance, write_json
 from normlab.model import Model, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
@@ -82,14 +82,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
 
 def loss_on(model: Model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Cross-entropy on answer tokens only; returns (loss, number of real tokens)."""
-    if "tokens" in batch:
-        logits, targets = model(batch["tokens"], aux=batch.get("aux")), batch["targets"]
-        n_tok = int((batch["tokens"] != 0).sum())
-    else:
-        logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch.get("src_aux"),
-                       batch.get("tgt_aux"))
-        targets = batch["tgt_out"]
-        n_tok = int(batch["src_mask"].sum() + (batch["tgt_out"] != IGNORE_INDEX).sum())
+    logits, targets, n_tok = forward_batch(model, batch)
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX
     )

@@ -1,0 +1,76 @@
+"""Teacher-forced answer-token accuracy against oracle models whose answers are known."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from normlab import ModelConfig, build_model
+from normlab.evaluate import answer_token_accuracy, predict
+from normlab.tasks.addition import EOS, VOCAB, Cell
+
+
+class PeekingDecoder(nn.Module):
+    """Predicts every next token by reading it; `miss_first` gets each first answer token wrong."""
+
+    def __init__(self, miss_first: bool = False) -> None:
+        super().__init__()
+        self.cfg = ModelConfig(arch="decoder")
+        self.miss_first = miss_first
+
+    def forward(self, tokens: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
+        nxt = tokens.roll(-1, dims=1)
+        if self.miss_first:  # the token after the first E (the separator) is the first answer
+            sep = (tokens == EOS).int().argmax(1)
+            rows = torch.arange(len(tokens))
+            nxt[rows, sep] = (nxt[rows, sep] + 1) % len(VOCAB)
+        return nn.functional.one_hot(nxt, len(VOCAB)).float()
+
+
+def problems(n: int = 40, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [Cell(2, 2).sample(rng) for _ in range(n)] + [Cell(1, 1).sample(rng) for _ in range(n)]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_model_that_reads_the_answer_is_right_everywhere(reverse: bool) -> None:
+    probs = problems()
+    res = answer_token_accuracy(PeekingDecoder(), probs, reverse_answer=reverse, batch_size=16)
+    assert res["count"] == len(probs) and res["exact"] == 1.0
+    assert res["by_position"] == [1.0] * len(res["by_position"])
+    longest = max(len(a) for _, a in probs) + 1  # answer tokens + the closing E
+    assert len(res["by_position"]) == longest
+    assert res["position_counts"][0] == len(probs)
+    assert res["position_counts"][-1] == sum(len(a) + 1 == longest for _, a in probs)
+
+
+def test_a_wrong_first_token_shows_at_position_zero_only() -> None:
+    probs = problems()
+    res = answer_token_accuracy(PeekingDecoder(miss_first=True), probs, reverse_answer=True)
+    assert res["by_position"][0] == 0.0 and res["by_position"][1:] == [1.0] * (
+        len(res["by_position"]) - 1)
+    assert res["exact"] == 0.0
+    assert res["first_token"] == {"negative": 0.0, "positive": 0.0}
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_greedy_exact_match_never_beats_teacher_forced(arch: str) -> None:
+    """A greedy answer that is right saw right prefixes, so teacher forcing gets it right too."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, d_model=32, n_heads=4, n_layers=2, d_mlp=64,
+                                    n_encoder_layers=1, n_decoder_layers=1, init_std=0.3))
+    probs = [(q, a) for q, a in problems(30) if len(a) <= 2]
+    tf = answer_token_accuracy(model, probs, reverse_answer=False)
+    greedy = predict(model, [q for q, _ in probs], arch, False, max_new=6)
+    greedy_exact = sum(g == a for g, (_, a) in zip(greedy, probs, strict=True)) / len(probs)
+    pairs = zip(tf["by_position"], tf["position_counts"], strict=True)
+    full = [a for a, c in pairs if c == len(probs)]
+    assert greedy_exact <= tf["exact"] <= min(full)
+
+
+def test_no_problems_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least one problem"):
+        answer_token_accuracy(PeekingDecoder(), [], reverse_answer=False)
