@@ -23,6 +23,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from normlab.io import read_metrics
+
 
 def placement_of(run_dir: Path) -> str:
     cfg = run_dir / "config.toml"
@@ -46,25 +48,19 @@ def provenance_of(run_dir: Path) -> dict[str, Any] | None:
 
 
 def first_reach(run_dir: Path, threshold: float, split: str) -> dict[str, Any]:
-    path = run_dir / "metrics.jsonl"
     out: dict[str, Any] = {"run": str(run_dir), "placement": placement_of(run_dir),
                            "reached": False, "step": None, "elapsed_s": None,
                            "provenance": provenance_of(run_dir)}
-    if not path.is_file():
-        return out | {"error": "no metrics.jsonl"}
-    last: dict[str, Any] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written by a running job
-        last = rec
+    try:
+        records = read_metrics(run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        return out | {"error": str(err)}
+    for rec in records:
         acc = rec.get("accuracy", {}).get(split)
         if acc is not None and acc >= threshold:
             return out | {"reached": True, "step": rec["step"], "elapsed_s": rec.get("elapsed_s"),
                           "accuracy": acc}
+    last = records[-1] if records else {}
     return out | {"last_step": last.get("step"), "last_elapsed_s": last.get("elapsed_s")}
 
 

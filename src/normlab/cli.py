@@ -119,14 +119,27 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    header, rows = compare_rows([Path(d) for d in args.run_dirs])
+    if args.curve:
+        from normlab.curves import curve_table, learning_curve, plot_curves
+
+        curves = [learning_curve(Path(d), args.curve) for d in args.run_dirs]
+        header, rows = curve_table(curves)
+        title = f"exact match % on {args.curve} (training seconds)"
+        if args.plot:
+            _refuse_overwrite(Path(args.plot).parent, Path(args.plot).name, args.force)
+            plot_curves(curves, Path(args.plot), args.curve)
+    else:
+        if args.plot:
+            raise ValueError("--plot: needs --curve SPLIT (it plots learning curves)")
+        header, rows = compare_rows([Path(d) for d in args.run_dirs])
+        title = "exact match % [95% CI]"
     if args.markdown or not sys.stdout.isatty():
         print(markdown_table(header, rows))
     else:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="exact match % [95% CI]")
+        table = Table(title=title)
         for h in header:
             table.add_column(h)
         for r in rows:
@@ -220,9 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true", help="overwrite an existing eval.json")
     e.set_defaults(fn=_cmd_eval)
 
-    c = sub.add_parser("compare", help="table of split accuracies across evaluated runs")
+    c = sub.add_parser("compare", help="table of split accuracies (or learning curves) across runs")
     c.add_argument("run_dirs", nargs="+")
     c.add_argument("--markdown", action="store_true")
+    c.add_argument("--curve", metavar="SPLIT",
+                   help="learning curves of SPLIT from metrics.jsonl instead of eval.json")
+    c.add_argument("--plot", metavar="PNG", help="with --curve: also plot them to this file")
+    c.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
     c.set_defaults(fn=_cmd_compare)
 
     a = sub.add_parser("analyze", help="norm spread, sparse heads, circuit collapse, interference")

@@ -43,6 +43,30 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
 
 
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run's `metrics.jsonl`, in order.
+
+    A last line that does not parse is skipped (a running job may be writing it); a bad line
+    anywhere else is a one-line error naming the file and line, since it means a damaged log.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} not found: is {str(run_dir)!r} a run folder?")
+    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
+    records = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if k == len(lines) - 1:
+                break
+            raise ValueError(f"{str(path)!r} line {i}: not valid JSON") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise ValueError(f"{str(path)!r} line {i}: expected an object with an int 'step'")
+        records.append(rec)
+    return records
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()

@@ -1,0 +1,82 @@
+"""Learning curves of several runs side by side, read from their `metrics.jsonl`.
+
+What a recipe comparison needs: accuracy of one split at every periodic evaluation, with the
+training wall time it took (`elapsed_s`, the training loop only), as a table or a plot. Runs
+need not be finished or evaluated; a run still writing its log is read up to its last full line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from normlab.io import read_metrics
+
+
+@dataclass
+class Curve:
+    """One run's evaluations of one split: `steps[i]`, `elapsed_s[i]`, `accuracy[i]`."""
+
+    name: str
+    steps: list[int]
+    elapsed_s: list[float | None]
+    accuracy: list[float]
+
+
+def learning_curve(run_dir: Path, split: str = "train") -> Curve:
+    """The periodic evaluations of `split` in one run; a split it never logged is an error."""
+    records = [r for r in read_metrics(run_dir) if "accuracy" in r]
+    if records and not any(split in r["accuracy"] for r in records):
+        logged = ", ".join(sorted({s for r in records for s in r["accuracy"]}))
+        raise ValueError(f"{str(run_dir)!r}: no split {split!r} in metrics.jsonl "
+                         f"(logged: {logged})")
+    rows = [r for r in records if split in r["accuracy"]]
+    return Curve(Path(run_dir).name, [r["step"] for r in rows],
+                 [r.get("elapsed_s") for r in rows], [float(r["accuracy"][split]) for r in rows])
+
+
+def curve_table(curves: Sequence[Curve]) -> tuple[list[str], list[list[str]]]:
+    """Rows per evaluated step (union over runs): `accuracy % (elapsed s)` per run, `-` if none."""
+    header = ["step", *(c.name for c in curves)]
+    steps = sorted({s for c in curves for s in c.steps})
+    rows = []
+    for s in steps:
+        row = [str(s)]
+        for c in curves:
+            if s not in c.steps:
+                row.append("-")
+                continue
+            i = c.steps.index(s)
+            t = c.elapsed_s[i]
+            row.append(f"{100 * c.accuracy[i]:.1f}" + ("" if t is None else f" ({t:.0f} s)"))
+        rows.append(row)
+    return header, rows
+
+
+def plot_curves(curves: Sequence[Curve], path: Path, split: str = "train") -> None:
+    """Accuracy against step and against wall time, one line per run (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for c in curves:
+        acc = [100 * a for a in c.accuracy]
+        line = ax1.plot(c.steps, acc, "o-", ms=3, label=c.name)[0]
+        timed = [(t, a) for t, a in zip(c.elapsed_s, acc, strict=True) if t is not None]
+        if timed:
+            ax2.plot([t / 60 for t, _ in timed], [a for _, a in timed], "o-", ms=3,
+                     color=line.get_color())
+    ax1.set_xlabel("step")
+    ax1.set_ylabel(f"exact match on {split} (%)")
+    ax2.set_xlabel("training wall time (min)")
+    for ax in (ax1, ax2):
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

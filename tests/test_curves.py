@@ -1,0 +1,77 @@
+"""Learning curves from metrics.jsonl: hand-written logs with known values, and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from normlab.cli import main
+from normlab.curves import curve_table, learning_curve
+from normlab.io import read_metrics
+
+
+def _run(folder: Path, records: list[dict], tail: str = "") -> Path:
+    folder.mkdir(parents=True)
+    lines = [json.dumps(r) for r in records]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n" + tail)
+    return folder
+
+
+def _logs(tmp_path: Path) -> tuple[Path, Path]:
+    a = _run(tmp_path / "a", [
+        {"step": 50, "loss": 2.0, "elapsed_s": 5.0},
+        {"step": 100, "loss": 1.0, "elapsed_s": 10.0,
+         "accuracy": {"train": 0.25, "interpolation": 0.125}},
+        {"step": 200, "loss": 0.5, "elapsed_s": 20.4, "accuracy": {"train": 0.5}},
+    ], tail='{"step": 250, "lo')  # a job still writing its last line
+    b = _run(tmp_path / "b", [{"step": 200, "elapsed_s": 30.0, "accuracy": {"train": 0.75}}])
+    return a, b
+
+
+def test_curve_reads_evaluations_only_and_skips_a_partial_last_line(tmp_path: Path) -> None:
+    a, _ = _logs(tmp_path)
+    assert [r["step"] for r in read_metrics(a)] == [50, 100, 200]
+    c = learning_curve(a, "train")
+    assert (c.steps, c.elapsed_s, c.accuracy) == ([100, 200], [10.0, 20.4], [0.25, 0.5])
+    assert learning_curve(a, "interpolation").steps == [100]
+
+
+def test_curve_table_is_the_union_of_steps(tmp_path: Path) -> None:
+    a, b = _logs(tmp_path)
+    header, rows = curve_table([learning_curve(a), learning_curve(b)])
+    assert header == ["step", "a", "b"]
+    assert rows == [["100", "25.0 (10 s)", "-"], ["200", "50.0 (20 s)", "75.0 (30 s)"]]
+
+
+def test_bad_logs_give_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl' not found"):
+        read_metrics(tmp_path / "nothing")
+    broken = _run(tmp_path / "broken", [{"step": 1}], tail='oops\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        read_metrics(broken)
+    nostep = _run(tmp_path / "nostep", [{"loss": 1.0}, {"step": 2}])
+    with pytest.raises(ValueError, match="line 1: expected an object with an int 'step'"):
+        read_metrics(nostep)
+    a, _ = _logs(tmp_path)
+    with pytest.raises(ValueError, match="no split 'extrapolation'.*logged: interpolation, train"):
+        learning_curve(a, "extrapolation")
+
+
+def test_cli_curve_table_and_plot(tmp_path: Path, capsys) -> None:
+    a, b = _logs(tmp_path)
+    png = tmp_path / "fig" / "curves.png"
+    assert main(["compare", "--curve", "train", "--markdown", "--plot", str(png), str(a),
+                 str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "| 200 | 50.0 (20 s) | 75.0 (30 s) |" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # never overwritten without --force; --plot alone is a usage error
+    assert main(["compare", "--curve", "train", "--plot", str(png), str(a)]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert main(["compare", "--curve", "train", "--plot", str(png), "--force", str(a)]) == 0
+    assert main(["compare", "--plot", str(png), str(a)]) == 2
+    assert "--plot: needs --curve SPLIT" in capsys.readouterr().err
+    assert main(["compare", "--curve", "nope", str(a)]) == 2
+    assert "no split 'nope'" in capsys.readouterr().err
