@@ -1,7 +1,7 @@
 """Run every benchmark (what `make bench` runs), write one JSON and print Markdown tables.
 
     python benchmarks/run_all.py [--quick] [--threads N] [--out benchmarks/results.json]
-        [--only train_step,mfu,decode,collapse,scaling,hooks]
+        [--only train_step,mfu,packing,decode,collapse,scaling,hooks]
 
 A benchmark that fails or cannot run (e.g. the collapse API is missing) is reported as such
 and the others still run. Timings are side-by-side ratios within one process; nothing here is
@@ -23,13 +23,15 @@ import bench_collapse
 import bench_decode
 import bench_hooks
 import bench_mfu
+import bench_packing
 import bench_scaling
 import bench_train_step
 from common import ROOT, load_note, machine_info, md_table, rf, setup_threads
 
-ORDER = ("train_step", "mfu", "decode", "collapse", "scaling", "hooks")
+ORDER = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
 MODULES: dict[str, Any] = {
-    "train_step": bench_train_step, "mfu": bench_mfu, "decode": bench_decode,
+    "train_step": bench_train_step, "mfu": bench_mfu, "packing": bench_packing,
+    "decode": bench_decode,
     "collapse": bench_collapse, "scaling": bench_scaling, "hooks": bench_hooks,
 }
 
@@ -46,6 +48,9 @@ def headlines(results: dict[str, Any]) -> str:
         for name in ("normlab-pre", "normlab-qkv"):
             if name in w["contenders"]:
                 rows.append([f"MFU d{d} {name} (%)", 100 * w["contenders"][name]["mfu"]])
+    for r in results.get("packing", {}).get("results", []):
+        rows.append([f"packing {r['grid']} grid: padded / packed step (time)",
+                     r["speedup"]["median"]])
     for r in results.get("decode", {}).get("results", []):
         rows.append([f"decode {r['placement']} {r['cell']}: uncached / cached (time)",
                      r["speedup"]["median"]])

@@ -46,7 +46,7 @@ def test_curve_table_is_the_union_of_steps(tmp_path: Path) -> None:
 
 
 def test_bad_logs_give_one_line_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl' not found"):
+    with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl' not found"):
         read_metrics(tmp_path / "nothing")
     broken = _run(tmp_path / "broken", [{"step": 1}], tail='oops\n{"step": 2}\n')
     with pytest.raises(ValueError, match="line 2: not valid JSON"):
@@ -55,7 +55,7 @@ def test_bad_logs_give_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="line 1: expected an object with an int 'step'"):
         read_metrics(nostep)
     a, _ = _logs(tmp_path)
-    with pytest.raises(ValueError, match="no split 'extrapolation'.*logged: interpolation, train"):
+    with pytest.raises(ValueError, match=r"no split 'extrapolation'.*logged: interpolation, train"):
         learning_curve(a, "extrapolation")
 
 

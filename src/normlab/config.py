@@ -160,6 +160,8 @@ class RunConfig:
         elif self.model.n_aux_positions:
             raise ValueError("model.n_aux_positions: set, but task.digit_positions is false; "
                              "the task would supply no aux positions")
+        if task.pack and self.model.arch != "decoder":
+            raise ValueError(f"task.pack: needs model.arch = 'decoder'; got {self.model.arch!r}")
         need = task.max_seq_len(self.model.arch)
         if self.model.pos_encoding in ("learned", "sinusoidal") and self.model.max_len < need:
             raise ValueError(

@@ -69,7 +69,8 @@ def forward_batch(
     `targets` is `IGNORE_INDEX` except where the next token is part of the answer.
     """
     if "tokens" in batch:
-        logits, targets = model(batch["tokens"], aux=batch.get("aux")), batch["targets"]
+        packed = {"segments": batch["segments"]} if "segments" in batch else {}
+        logits, targets = model(batch["tokens"], aux=batch.get("aux"), **packed), batch["targets"]
         n_tok = int((batch["tokens"] != 0).sum())
     else:
         logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch.get("src_aux"),

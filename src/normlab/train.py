@@ -185,6 +185,7 @@ def train(
         reverse_answer=task.reverse_answer,
         weights=task.train_weights,
         digit_positions=task.digit_positions,
+        pack=task.pack,
     )
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"

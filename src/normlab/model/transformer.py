@@ -74,14 +74,25 @@ class Stack(nn.Module):
         memory_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         aux: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [batch, pos] -> residual [batch, pos, d_model] after the final norm.
 
         key_mask [batch, past + pos] marks real (non-pad) tokens, cached ones included.
         aux [batch, pos]: the task-supplied positions, needed iff `n_aux_positions > 0`.
+        segments [batch, pos]: packed rows (see `tasks.addition.make_batch(pack=True)`); a
+        token attends only within its segment and positions restart at each segment's start.
         """
         b, p = tokens.shape
         past = cache.length if cache is not None else 0
+        if segments is not None:
+            if cache is not None or key_mask is not None or not self.causal:
+                raise ValueError("segments: only for a causal forward without cache or key_mask")
+            if segments.shape != tokens.shape:
+                raise ValueError(f"segments: expected shape {tuple(tokens.shape)}, "
+                                 f"got {tuple(segments.shape)}")
+            if positions is None:
+                positions = _segment_positions(segments)
         if positions is None:
             if key_mask is not None and self.causal:
                 positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
@@ -100,6 +111,8 @@ class Stack(nn.Module):
         rope = self.rotary(positions) if self.rotary is not None else None
         x = self.drop(x)
         mask = self._self_mask(b, p, past, key_mask, tokens.device)
+        if segments is not None:  # block-diagonal: causal within each packed problem
+            mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
         mem_mask = None if memory_mask is None else memory_mask[:, None, None, :]
         for i, block in enumerate(self.blocks):
             x = block(
@@ -130,6 +143,14 @@ class Stack(nn.Module):
             allowed = allowed & key_mask[:, None, None, :].bool()
             allowed = allowed | (kj == qi)[None, None]
         return allowed
+
+
+def _segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """[batch, pos] index of each token within its segment (0 at every segment start)."""
+    idx = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values
 
 
 def _init_weights(model: nn.Module, cfg: ModelConfig, n_layers: int) -> None:
@@ -165,8 +186,10 @@ class DecoderLM(Stack, HookedModule):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         aux: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.run(tokens, key_mask=attention_mask, positions=positions, cache=cache, aux=aux)
+        x = self.run(tokens, key_mask=attention_mask, positions=positions, cache=cache, aux=aux,
+                     segments=segments)
         return self.unembed(x)
 
     def new_cache(self) -> KVCache:

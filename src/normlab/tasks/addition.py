@@ -363,6 +363,7 @@ class ResolvedTask:
     reverse_answer: bool = False
     train_weights: str = "uniform"
     digit_positions: bool = False
+    pack: bool = False
 
     @property
     def all_cells(self) -> list[Cell]:
@@ -399,6 +400,10 @@ class TaskConfig:
     # et al. 2024): our extension, not the paper's. Needs reverse_answer and a model with
     # n_aux_positions > max digits + 1.
     digit_positions: bool = False
+    # Pack several training problems into each row (decoder only; attention and positions
+    # restart per problem), so a batch carries almost no padding: same problems per step,
+    # fewer positions. Our option; training only, evaluation is unchanged.
+    pack: bool = False
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> TaskConfig:
@@ -422,6 +427,8 @@ class TaskConfig:
             raise ValueError(f"task.eval_size: must be >= 1, got {self.eval_size}")
         if self.eval_seed < 0:
             raise ValueError(f"task.eval_seed: must be >= 0, got {self.eval_seed}")
+        if not isinstance(self.pack, bool):
+            raise ValueError(f"task.pack: must be true or false, got {self.pack!r}")
         if not isinstance(self.reverse_answer, bool):
             raise ValueError(
                 f"task.reverse_answer: must be true or false, got {self.reverse_answer!r}"
@@ -468,6 +475,7 @@ class TaskConfig:
             reverse_answer=self.reverse_answer,
             train_weights=self.train_weights,
             digit_positions=self.digit_positions,
+            pack=self.pack,
         )
 
 
@@ -552,23 +560,50 @@ def _aux_rows(rows: list[list[int]], part: str) -> torch.Tensor:
     return _pad([aux_positions(r, part) for r in rows], 0)
 
 
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """First-fit decreasing: indices of sequences per row, each row's total length <= width.
+
+    Deterministic (ties keep the input order), so a packed stream resumes bit for bit.
+    """
+    if any(n > width for n in lengths):
+        raise ValueError(f"pack_rows: a sequence of {max(lengths)} tokens is wider than {width}")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
 def make_batch(
     problems: Sequence[tuple[str, str]],
     arch: str,
     reverse_answer: bool = False,
     digit_positions: bool = False,
+    pack: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Turn ``(question, answer)`` pairs into right-padded id tensors for ``arch``.
 
     ``decoder``: ``tokens`` = ``B question E answer E`` (the first ``E`` plays ``=``), and
     ``targets`` holds the next token only where that token is an answer digit/sign or the final
     ``E``, ``IGNORE_INDEX`` elsewhere, so the loss never rewards predicting the random question.
+    With ``pack``, problems are concatenated into as few rows as fit the longest one
+    (`pack_rows`) and ``segments`` numbers them per row (1, 2, ...; 0 on padding), which the
+    decoder uses to keep attention and positions inside each problem.
     ``encoder_decoder``: ``src`` = ``B question E`` with ``src_mask`` (True on real tokens),
     ``tgt_in`` = ``B answer`` (PAD-padded) and ``tgt_out`` = ``answer E`` (IGNORE_INDEX-padded).
     """
     _check_arch(arch)
     if not problems:
         raise ValueError("make_batch needs at least one problem")
+    if pack and arch != "decoder":
+        raise ValueError("make_batch: pack needs arch 'decoder'")
     qs = [encode(q) for q, _ in problems]
     ans = [encode(reverse_digits(a) if reverse_answer else a) for _, a in problems]
     if arch == "decoder":
@@ -577,9 +612,21 @@ def make_batch(
             [IGNORE_INDEX] * (len(q) + 1) + [*a, EOS] + [IGNORE_INDEX]
             for q, a in zip(qs, ans, strict=True)
         ]
+        auxs = [aux_positions(r, "sequence") for r in seqs] if digit_positions else None
+        if pack:
+            rows = pack_rows([len(r) for r in seqs], max(len(r) for r in seqs))
+
+            def joined(parts: list[list[int]]) -> list[list[int]]:
+                return [[t for i in row for t in parts[i]] for row in rows]
+
+            segs = [[k + 1 for k, i in enumerate(row) for _ in seqs[i]] for row in rows]
+            seqs, tgts = joined(seqs), joined(tgts)
+            auxs = None if auxs is None else joined(auxs)
         batch = {"tokens": _pad(seqs, PAD), "targets": _pad(tgts, IGNORE_INDEX)}
-        if digit_positions:
-            batch["aux"] = _aux_rows(seqs, "sequence")
+        if auxs is not None:
+            batch["aux"] = _pad(auxs, 0)
+        if pack:
+            batch["segments"] = _pad(segs, 0)
         return batch
     srcs, tgts_in = [[BOS, *q, EOS] for q in qs], [[BOS, *a] for a in ans]
     batch = {
@@ -657,6 +704,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         reverse_answer: bool = False,
         weights: str = "uniform",
         digit_positions: bool = False,
+        pack: bool = False,
     ) -> None:
         _check_arch(arch)
         if batch_size < 1:
@@ -668,6 +716,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         self.reverse_answer = reverse_answer
         self.weights = weights
         self.digit_positions = digit_positions
+        self.pack = pack
         self._rng = np.random.Generator(np.random.PCG64(seed))
 
     def problems(self, count: int) -> list[tuple[str, str]]:
@@ -677,7 +726,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
 
     def __next__(self) -> dict[str, torch.Tensor]:
         return make_batch(self.problems(self.batch_size), self.arch, self.reverse_answer,
-                          self.digit_positions)
+                          self.digit_positions, self.pack)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position in the stream (plus what it was built from, to check)."""
