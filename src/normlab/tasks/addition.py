@@ -693,6 +693,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
 
     One numpy ``PCG64(seed)`` drives everything (cell choice, then the problem), so saving
     ``state_dict()`` with a checkpoint and loading it continues the exact same stream.
+    ``batch_size`` counts problems; with ``pack`` they fill fewer rows (the same problems).
     """
 
     def __init__(
