@@ -6,8 +6,11 @@ cells, as `normlab analyze` does) and the same sparse rows (max weight >= 0.9), 
 number of noise draws, and count rows whose argmax key changes.
 
 - vectorised: `measure_collapse(model, data, sigmas=[sigma], n_draws, theory_draws=1)`: the
-  batch is repeated across draws and run in a few large forwards. We report its whole call and
-  its own `sweep_seconds` (the perturbed forwards only, without finding rows and theory).
+  batch is repeated across draws and run in a few large forwards, one per group of examples
+  of similar length (`length_buckets`). We report its whole call and its own `sweep_seconds`
+  (the perturbed forwards only, without finding rows and theory).
+- vectorised, one width (`bucket=False`): the same, every example padded to the longest one,
+  as before length bucketing (fifth session); its counts must equal the bucketed ones.
 - naive (`naive_sweep`, below): one forward per example per draw, batch size 1, with hooks
   that scale q/k/v by the very same eps tables (drawn through `Perturbation.draw` in the same
   order), so the flip counts must agree row for row (up to float ties); we report agreement.
@@ -104,7 +107,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             find_sparse_rows,
             measure_collapse,
         )
-        from normlab.analysis.data import chunk_copies, data_from_sets, select_problems
+        from normlab.analysis.data import (
+            FORWARD_COST_POSITIONS,
+            chunk_copies,
+            data_from_sets,
+            length_buckets,
+            select_problems,
+        )
     except ImportError as err:
         return {"benchmark": "collapse", "info": info, "skipped": f"collapse API missing: {err}"}
     if args.run:
@@ -134,32 +143,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     chunk = chunk_copies(data, DEFAULT_MAX_TOKENS, n_draws)
     results: dict[str, Any] = {}
 
-    def vectorised() -> None:
+    def vectorised(bucket: bool = True) -> None:
         res = measure_collapse(model, data, sigmas=[SIGMA], n_draws=n_draws, threshold=0.9,
-                               theory_draws=1, seed=SEED)
-        results.setdefault("sweep_s", []).append(res["sweep_seconds"])
-        results["flips"] = res["rows"]["rate"][:, 0] * n_draws
+                               theory_draws=1, seed=SEED, bucket=bucket)
+        key = "" if bucket else "_one_width"
+        results.setdefault(f"sweep_s{key}", []).append(res["sweep_seconds"])
+        results[f"flips{key}"] = res["rows"]["rate"][:, 0] * n_draws
         results["n_rows"] = res["n_sparse_rows"]
 
     def naive() -> None:
         results["naive_flips"] = naive_sweep(model, data, rows, pert, SIGMA, n_draws, chunk)
 
-    times = paired_timing({"vectorised": vectorised, "naive": naive}, repeats=repeats,
-                          inner=1, warmup=0)
+    times = paired_timing({"vectorised": vectorised, "one_width": lambda: vectorised(False),
+                           "naive": naive}, repeats=repeats, inner=1, warmup=0)
     R = len(rows)
     work = R * n_draws
-    sweep_s = results["sweep_s"]
+    sweep_s, sweep_one = results["sweep_s"], results["sweep_s_one_width"]
     agree = float((results["flips"].round() == results["naive_flips"]).double().mean()) if R else 1
+    same = bool(torch.equal(results["flips"], results["flips_one_width"]))
+    groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk)
     return {
         "benchmark": "collapse", "info": info, "model": source, "sigma": SIGMA,
         "n_examples": data.n_examples, "seq_len": data.lengths["tokens"], "n_draws": n_draws,
         "sparse_rows": R, "chunk_copies": chunk, "repeats": repeats,
         "naive": summary(times["naive"]), "vectorised_call": summary(times["vectorised"]),
         "vectorised_sweep": summary(sweep_s),
+        "one_width_sweep": summary(sweep_one),
+        "length_groups": [[len(g), data.subset(g).lengths["tokens"]] for g in groups],
+        "real_position_fraction": float(data.valid["tokens"].double().mean()),
         "naive_row_draws_per_s": work / summary(times["naive"])["median_s"],
         "vectorised_call_row_draws_per_s": work / summary(times["vectorised"])["median_s"],
         "vectorised_sweep_row_draws_per_s": work / summary(sweep_s)["median_s"],
         "speedup_sweep": ratio_stats(times["naive"], sweep_s),
+        "speedup_one_width_sweep": ratio_stats(times["naive"], sweep_one),
+        "bucketing_gain": ratio_stats(sweep_one, sweep_s),
+        "bucketed_equals_one_width": same,
         "speedup_call": ratio_stats(times["naive"], times["vectorised"]),
         "flip_agreement": agree,
         "flips_total": {"vectorised": float(results["flips"].sum()),
@@ -179,6 +197,10 @@ def to_markdown(res: dict[str, Any]) -> str:
          rf(res["speedup_sweep"]["median"])],
         ["measure_collapse, whole call (rows + theory)", res["vectorised_call"]["median_s"],
          res["vectorised_call_row_draws_per_s"], rf(res["speedup_call"]["median"])],
+        ["measure_collapse(bucket=False), perturbed forwards (one width)",
+         res["one_width_sweep"]["median_s"],
+         res["sparse_rows"] * res["n_draws"] / res["one_width_sweep"]["median_s"],
+         rf(res["speedup_one_width_sweep"]["median"])],
     ]
     return "\n\n".join([
         header("Collapse sweep: vectorised vs naive loop", res["info"], res["load_note"]),
@@ -187,7 +209,11 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"{res['n_draws']} draws ({res['chunk_copies']} copies per forward); median of "
         f"{res['repeats']} repeats. Flip counts agree on {100 * res['flip_agreement']:.2f}% "
         f"of rows (totals {res['flips_total']['vectorised']:.0f} vs "
-        f"{res['flips_total']['naive']:.0f}).",
+        f"{res['flips_total']['naive']:.0f}). Length groups (examples, width): "
+        f"{', '.join(f'{n} x {w}' for n, w in res['length_groups'])} "
+        f"({100 * res['real_position_fraction']:.0f}% of one-width positions are real); "
+        f"bucketing gain {res['bucketing_gain']['median']:.2f}x, counts identical to one "
+        f"width: {res['bucketed_equals_one_width']}.",
         md_table(["contender", "seconds", "row-draws/s", "speed-up vs naive"], rows),
     ])
 

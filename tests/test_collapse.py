@@ -238,3 +238,81 @@ def test_collect_sees_its_hooks_first() -> None:
     plain = collect(model, data, {name: torch.Tensor.clone})[name]
     doubled = collect(model, data, {name: torch.Tensor.clone}, hooks=[(name, lambda x, h: 2 * x)])
     torch.testing.assert_close(doubled[name], 2 * plain)
+
+
+def mixed_problems(seed: int = 0) -> list[tuple[str, str]]:
+    """Short and long problems interleaved, so one-width batches are mostly padding."""
+    rng = random.Random(seed)
+    cells = [Cell(1, 1), Cell(4, 2), Cell(2, 1), Cell(1, 2)]
+    return [cells[i % 4].sample(rng) for i in range(24)]
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_subset_cuts_trailing_pads_and_keeps_activations(arch: str) -> None:
+    model = small(arch, "qkv")
+    data = EvalData.from_problems(mixed_problems(), arch)
+    idx = torch.tensor([8, 0, 4])  # n = 1 x 1 digit problems only
+    sub = data.subset(idx)
+    for s, v in data.valid.items():
+        assert sub.lengths[s] == int(v[idx].sum(1).max()) < data.lengths[s]
+        torch.testing.assert_close(sub.valid[s], v[idx, : sub.lengths[s]])
+    assert sub.problems == [data.problems[i] for i in idx.tolist()]
+    name = ("blocks.1.hook_resid_post" if arch == "decoder"
+            else "decoder.blocks.0.hook_resid_post")
+    full = collect(model, data, {name: torch.Tensor.clone})[name][idx]
+    part = collect(model, sub, {name: torch.Tensor.clone})[name]
+    stream = "tokens" if arch == "decoder" else "tgt"
+    keep = sub.valid[stream]
+    torch.testing.assert_close(part[keep], full[:, : sub.lengths[stream]][keep])
+
+
+def _brute_force_cost(widths: list[int], overhead: float) -> float:
+    """Cheapest split of the sorted widths into contiguous groups, by trying every split."""
+    w = sorted(widths)
+    best = math.inf
+    for mask in range(1 << (len(w) - 1)):
+        cost, start = 0.0, 0
+        for i in range(len(w)):
+            if i == len(w) - 1 or mask >> i & 1:
+                cost += (i + 1 - start) * w[i] + overhead
+                start = i + 1
+        best = min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("overhead", [0.0, 3.0, 12.0, 1e6])
+def test_length_buckets_is_the_cheapest_split(overhead: float) -> None:
+    from normlab.analysis.data import length_buckets
+
+    rng = random.Random(int(overhead))
+    widths = [rng.choice([2, 3, 3, 5, 9, 10, 12]) for _ in range(9)]
+    T = max(widths)
+    valid = torch.arange(T)[None, :] < torch.tensor(widths)[:, None]
+    data = EvalData.from_tokens(torch.ones(len(widths), T, dtype=torch.long), valid)
+    groups = length_buckets(data, overhead)
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(widths)))  # a partition
+    cost = sum(len(g) * max(widths[i] for i in g.tolist()) + overhead for g in groups)
+    assert cost == _brute_force_cost(widths, overhead)
+    if overhead == 0:
+        assert len(groups) == len(set(widths))  # no padding at all
+    if overhead == 1e6:
+        assert len(groups) == 1
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("decoder", "token"), ("decoder", "vector"),
+                                            ("encoder_decoder", "token")])
+def test_length_bucketed_sweep_counts_equal_one_width(arch: str, mode: str) -> None:
+    """Bucketing changes widths, not the eps each (draw, example, position) receives."""
+    from normlab.analysis.collapse import DEFAULT_MAX_TOKENS
+    from normlab.analysis.data import FORWARD_COST_POSITIONS, chunk_copies, length_buckets
+
+    model = small(arch, "qkv")
+    data = EvalData.from_problems(mixed_problems(), arch)
+    chunk = chunk_copies(data, DEFAULT_MAX_TOKENS, 6)
+    assert len(length_buckets(data, FORWARD_COST_POSITIONS / chunk)) > 1  # really bucketed
+    kw = dict(sigmas=[0.0, 0.2, 0.5], n_draws=6, threshold=0.5, mode=mode, theory_draws=4)
+    one = measure_collapse(model, data, bucket=False, **kw)
+    many = measure_collapse(model, data, bucket=True, **kw)
+    assert one["n_sparse_rows"] > 20 and one["collapse_rate"][2] > 0
+    torch.testing.assert_close(many["rows"]["rate"], one["rows"]["rate"], rtol=0, atol=0)
+    assert many["collapse_rate"] == one["collapse_rate"]

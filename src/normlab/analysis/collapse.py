@@ -43,12 +43,14 @@ import numpy as np
 import torch
 
 from normlab.analysis.data import (
+    FORWARD_COST_POSITIONS,
     EvalData,
     Site,
     _check_positive_int,
     chunk_copies,
     collect,
     evaluating,
+    length_buckets,
     resolve_sites,
 )
 from normlab.analysis.theory import predict_collapse
@@ -318,12 +320,17 @@ def measure_collapse(
     seed: int = 0,
     theory_draws: int = 256,
     max_tokens: int = DEFAULT_MAX_TOKENS,
+    bucket: bool = True,
 ) -> dict[str, Any]:
     """Measured collapse rate per sigma with a 95% CI, per head, and the theory beside it.
 
     The batch is repeated `chunk` times along the batch dimension and run once per chunk with
     the perturbation hooks, each copy getting its own eps; the argmax key of every row is read
-    off `hook_pattern`. sigma = 0 is run once (every draw would be identical). Returns a
+    off `hook_pattern`. With `bucket`, the examples are split into groups of similar length
+    (`length_buckets`) and each group runs at its own width, so short problems do not pay
+    for the longest one's padding; the eps of every (draw, example, position) and hence the
+    counts are the same either way. sigma = 0 is run once (every draw would be identical).
+    Returns a
     JSON-ready dict; `rows` holds the per-row columns as tensors (pop it before writing JSON),
     with `rate` [R, n_sigmas] the per-row measured collapse frequency.
     """
@@ -339,6 +346,17 @@ def measure_collapse(
     draws_used = []
     sweep_s, row_draws = 0.0, 0
     chunk = chunk_copies(data, max_tokens, n_draws)
+    groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk) if bucket else []
+    if len(groups) <= 1:
+        groups = [torch.arange(B)]  # the batch as it is, no copy
+    parts = []  # (examples, their batch, {site: (row indices, local example index)})
+    for g in groups:
+        local = torch.full((B,), -1, dtype=torch.long)
+        local[g] = torch.arange(len(g))
+        sel = {name: idx[local[rows.example[idx]] >= 0] for name, idx in by_site.items()}
+        parts.append((g, data if len(groups) == 1 else data.subset(g),
+                      {name: (idx, local[rows.example[idx]]) for name, idx in sel.items()
+                       if idx.numel()}))
     for si, sigma in enumerate(sigmas):
         gen = torch.Generator().manual_seed(int(seed))
         total = 1 if sigma == 0 else n_draws
@@ -348,15 +366,18 @@ def measure_collapse(
         while done < total:
             c = min(chunk, total - done)
             tables = pert.draw(sigma, c * B, data.lengths, gen)
-            grabbed = collect(model, data, {f"{n}.hook_pattern": _argmax for n in rows.sites},
-                              hooks=pert.hooks(tables), copies=c)
-            argmax = {n.removesuffix(".hook_pattern"): a for n, a in grabbed.items()}
-            for name, idx in by_site.items():
-                if idx.numel() == 0:
+            for g, part, sel in parts:
+                if not sel:
                     continue
-                am = argmax[name].view(c, B, chosen[name].n_heads, -1)
-                got = am[:, rows.example[idx], rows.head[idx], rows.qpos[idx]]  # [c, R_site]
-                flips[idx, si] += (got != rows.key[idx]).sum(0).double()
+                pick = (torch.arange(c)[:, None] * B + g[None, :]).flatten()  # copy-major
+                picked: dict[int, torch.Tensor] = {}  # token mode shares k and v tables
+                sub = {key: picked.setdefault(id(t), t[pick]) for key, t in tables.items()}
+                grabbed = collect(model, part, {f"{n}.hook_pattern": _argmax for n in sel},
+                                  hooks=pert.hooks(sub), copies=c)
+                for name, (idx, ex) in sel.items():
+                    am = grabbed[f"{name}.hook_pattern"].view(c, len(g), chosen[name].n_heads, -1)
+                    got = am[:, ex, rows.head[idx], rows.qpos[idx]]  # [c, R_site]
+                    flips[idx, si] += (got != rows.key[idx]).sum(0).double()
             done += c
         if sigma > 0:
             sweep_s += time.perf_counter() - t0

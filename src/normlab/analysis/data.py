@@ -23,6 +23,12 @@ from normlab.tasks.addition import PAD, Cell, ResolvedTask, encode, make_batch
 
 DECODER_CLASSES = ("question", "answer")
 ENC_DEC_CLASSES = ("encoder", "decoder")
+INPUT_STREAMS = {"tokens": "tokens", "aux": "tokens", "src": "src", "src_mask": "src",
+                 "src_aux": "src", "tgt_in": "tgt", "tgt_aux": "tgt"}
+"""The stream whose positions each model input is laid along (what `subset` trims)."""
+FORWARD_COST_POSITIONS = 256
+"""A forward's fixed cost in positions of a batched one, for `length_buckets`: on this CPU a
+batch-1 forward of the d64 model takes ~2.8 ms, a batched one ~14 us per position."""
 
 
 @dataclass
@@ -59,6 +65,34 @@ class EvalData:
     def repeated(self, copies: int) -> dict[str, torch.Tensor]:
         """Inputs repeated `copies` times along the batch: row `c * B + b` is example b."""
         return {k: v.repeat(copies, *([1] * (v.dim() - 1))) for k, v in self.inputs.items()}
+
+    def widths(self) -> torch.Tensor:
+        """[B, streams] real length of every example in each stream (batches are right-padded)."""
+        cols = [torch.where(v.any(1), v.shape[1] - v.flip(1).long().argmax(1), 0)
+                for v in self.valid.values()]
+        return torch.stack(cols, 1)
+
+    def subset(self, idx: torch.Tensor) -> EvalData:
+        """Examples `idx` (in that order), each stream cut to the widest of them.
+
+        Cutting trailing pads is exact: pads come last and are masked (encoder) or only seen by
+        later positions (causal decoder), so real positions get the same activations.
+        """
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        width = dict(zip(self.valid, self.widths()[idx].amax(0).tolist(), strict=True))
+
+        def cut(t: torch.Tensor, stream: str) -> torch.Tensor:
+            return t[idx, : max(1, width[stream])]
+
+        return EvalData(
+            self.arch,
+            {k: cut(v, INPUT_STREAMS[k]) for k, v in self.inputs.items()},
+            {s: cut(v, s) for s, v in self.valid.items()},
+            {s: cut(v, s) for s, v in self.classes.items()},
+            self.class_names,
+            [self.problems[i] for i in idx.tolist()] if self.problems else [],
+            [self.cells[i] for i in idx.tolist()] if self.cells else [],
+        )
 
     def forward(self, model: Model, copies: int = 1) -> torch.Tensor:
         """Run the model teacher-forced, exactly as training does (no extra masks)."""
@@ -294,6 +328,41 @@ def _check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1; got {value!r}")
     return value
+
+
+def length_buckets(data: EvalData, overhead: float = FORWARD_COST_POSITIONS) -> list[torch.Tensor]:
+    """Split the examples into groups of similar length that are cheapest to run separately.
+
+    Each group is run at its own width, so the cost of a grouping is the padded positions
+    `sum(len(group) * width(group))` plus `overhead` (a forward's fixed cost, in positions)
+    per group. Examples are sorted by length and the best split into contiguous runs is found
+    exactly by dynamic programming over the distinct lengths. Returns example indices per
+    group, shortest first; one group when splitting does not pay.
+    """
+    w = [tuple(r) for r in data.widths().tolist()]
+    order = sorted(range(len(w)), key=lambda b: (sum(w[b]), w[b], b))
+    units: list[list[int]] = []  # runs of examples with the same widths
+    for b in order:
+        if units and w[units[-1][0]] == w[b]:
+            units[-1].append(b)
+        else:
+            units.append([b])
+    K = len(units)
+    best, cut = [0.0] + [math.inf] * K, [0] * (K + 1)
+    for j in range(1, K + 1):
+        count, top = 0, w[units[j - 1][0]]
+        for i in range(j - 1, -1, -1):  # group = units[i:j]
+            count += len(units[i])
+            top = tuple(map(max, top, w[units[i][0]]))
+            cost = best[i] + count * sum(top) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], K
+    while j > 0:
+        i = cut[j]
+        groups.append(torch.tensor([b for u in units[i:j] for b in u]))
+        j = i
+    return groups[::-1]
 
 
 def chunk_copies(data: EvalData, max_tokens: int, wanted: int) -> int:
