@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_draws = 4 if args.quick else 16
     repeats = repeats_for(args, quick=2, full=3)
     sets, _ = select_problems(task, eval_sets(task), n_examples)
-    data = data_from_sets(sets, "decoder", task.reverse_answer, task.digit_positions)
+    data = data_from_sets(sets, "decoder", task.answer_format, task.digit_positions)
     model.eval()
     rows = find_sparse_rows(model, data, threshold=0.9)
     pert = Perturbation(model)

@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = load_config(ROOT / path)
         task = cfg.validate()
         stream = TrainStream(task.train_cells, seed=0, batch_size=cfg.train.batch_size,
-                             arch="decoder", reverse_answer=task.reverse_answer,
+                             arch="decoder", answer_format=task.answer_format,
                              weights=task.train_weights)
         problems = stream.problems(cfg.train.batch_size)
-        batches = {p: make_batch(problems, "decoder", task.reverse_answer,
+        batches = {p: make_batch(problems, "decoder", task.answer_format,
                                  task.digit_positions, pack=p) for p in (False, True)}
         models, steps = {}, {}
         for p, b in batches.items():  # the training-step benchmark's own step, same init

@@ -62,7 +62,7 @@ def model_config(run: RunConfig, d_model: int, placement: str) -> ModelConfig:
 def real_batch(run: RunConfig, batch_size: int | None = None) -> dict[str, torch.Tensor]:
     task = run.validate()
     stream = TrainStream(task.train_cells, seed=0, batch_size=batch_size or run.train.batch_size,
-                         arch="decoder", reverse_answer=task.reverse_answer,
+                         arch="decoder", answer_format=task.answer_format,
                          weights=task.train_weights, digit_positions=task.digit_positions)
     return next(stream)
 

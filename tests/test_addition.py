@@ -327,15 +327,22 @@ def strip(row: torch.Tensor, fill: int) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_decoder_batch(reverse: bool) -> None:
-    b = A.make_batch(PROBLEMS, "decoder", reverse_answer=reverse)
+# What each answer of PROBLEMS looks like in each format, written out by hand.
+SHOWN = {
+    "msd": ["N7836", "633", "0"],
+    "lsd": ["N6387", "336", "0"],
+    "lsd_complement": ["4612N", "336", "0"],  # 10**4 - 7836 = 2164, units first, sign last
+}
+
+
+@pytest.mark.parametrize("fmt", A.ANSWER_FORMATS)
+def test_decoder_batch(fmt: str) -> None:
+    b = A.make_batch(PROBLEMS, "decoder", answer_format=fmt)
     assert set(b) == {"tokens", "targets"}
     tok, tgt = b["tokens"], b["targets"]
     longest = max(len(q) + len(a) + 3 for q, a in PROBLEMS)
     assert tok.shape == tgt.shape == (3, longest) and tok.dtype == tgt.dtype == torch.long
-    for i, (q, a) in enumerate(PROBLEMS):
-        shown = a if not reverse else (a[0] + a[:0:-1] if a[0] == "N" else a[::-1])
+    for i, ((q, _), shown) in enumerate(zip(PROBLEMS, SHOWN[fmt], strict=True)):
         seq = "B" + q + "E" + shown + "E"
         assert A.decode(strip(tok[i], A.PAD)) == seq
         positions = (tgt[i] != -100).nonzero().flatten().tolist()
@@ -347,20 +354,19 @@ def test_decoder_batch(reverse: bool) -> None:
     loss = F.cross_entropy(logits.view(-1, 16), tgt.view(-1), ignore_index=-100, reduction="sum")
     mask = tgt != -100
     by_hand = -logits.log_softmax(-1)[mask].gather(1, tgt[mask][:, None]).sum()
-    assert mask.sum() == sum(len(a) + 1 for _, a in PROBLEMS)
+    assert mask.sum() == sum(len(s) + 1 for s in SHOWN[fmt])
     assert torch.allclose(loss, by_hand)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_encoder_decoder_batch(reverse: bool) -> None:
-    b = A.make_batch(PROBLEMS, "encoder_decoder", reverse_answer=reverse)
+@pytest.mark.parametrize("fmt", A.ANSWER_FORMATS)
+def test_encoder_decoder_batch(fmt: str) -> None:
+    b = A.make_batch(PROBLEMS, "encoder_decoder", answer_format=fmt)
     assert set(b) == {"src", "src_mask", "tgt_in", "tgt_out"}
     s_len = max(len(q) for q, _ in PROBLEMS) + 2
     t_len = max(len(a) for _, a in PROBLEMS) + 1
     assert b["src"].shape == b["src_mask"].shape == (3, s_len) and b["src_mask"].dtype == torch.bool
     assert b["tgt_in"].shape == b["tgt_out"].shape == (3, t_len)
-    for i, (q, a) in enumerate(PROBLEMS):
-        shown = a if not reverse else (a[0] + a[:0:-1] if a[0] == "N" else a[::-1])
+    for i, ((q, _), shown) in enumerate(zip(PROBLEMS, SHOWN[fmt], strict=True)):
         assert A.decode(b["src"][i][b["src_mask"][i]]) == "B" + q + "E"
         assert (b["src"][i][~b["src_mask"][i]] == A.PAD).all()
         assert A.decode(strip(b["tgt_in"][i], A.PAD)) == "B" + shown
@@ -374,7 +380,7 @@ def test_encoder_decoder_batch(reverse: bool) -> None:
 
 def test_unknown_arch() -> None:
     for fn in (
-        lambda: A.make_batch(PROBLEMS, "gpt", False),
+        lambda: A.make_batch(PROBLEMS, "gpt"),
         lambda: A.make_prompts(["1+1"], "gpt"),
         lambda: A.TrainStream([Cell(1, 1)], 0, 2, "gpt"),
     ):
@@ -387,16 +393,61 @@ def test_prompts_and_parse_answer_round_trip() -> None:
     assert A.make_prompts(["86+594-47"], "encoder_decoder") == [A.encode("B86+594-47E")]
     rng = random.Random(1)
     problems = [A.sample_problem(4, (1, 3), rng) for _ in range(100)] + PROBLEMS
-    for reverse in (False, True):
-        b = A.make_batch(problems, "encoder_decoder", reverse)
+    for fmt in A.ANSWER_FORMATS:
+        b = A.make_batch(problems, "encoder_decoder", fmt)
         for i, (_, a) in enumerate(problems):
             out = b["tgt_out"][i]
             generated = [*out[out != -100].tolist(), A.PAD, 7]  # junk after E is ignored
-            assert A.parse_answer(generated, reverse) == a
-            assert A.parse_answer(torch.tensor([A.BOS, *generated]), reverse) == a
+            assert A.parse_answer(generated, fmt) == a
+            assert A.parse_answer(torch.tensor([A.BOS, *generated]), fmt) == a
     assert A.reverse_digits("N7836") == "N6387" and A.reverse_digits("120") == "021"
-    assert A.parse_answer(A.encode("N6387E"), reverse_answer=True) == "N7836"
-    assert A.parse_answer(A.encode("12"), reverse_answer=False) == "12"  # no E: take all
+    assert A.parse_answer(A.encode("N6387E"), "lsd") == "N7836"
+    assert A.parse_answer(A.encode("4612NE"), "lsd_complement") == "N7836"
+    assert A.parse_answer(A.encode("12"), "msd") == "12"  # no E: take all
+
+
+def complement_value(text: str) -> int:
+    """The integer a ten's-complement answer stands for, digit by digit (independent of A)."""
+    body = text.rstrip("N")
+    value = sum(int(ch) * 10**i for i, ch in enumerate(body))
+    return value - 10 ** len(body) if text.endswith("N") else value
+
+
+@pytest.mark.parametrize(
+    ("answer", "shown"),
+    [("N1", "9N"), ("N9", "1N"), ("N10", "0N"), ("N37", "36N"), ("N99", "10N"),
+     ("N100", "00N"), ("N101", "998N"), ("0", "0"), ("7", "7"), ("120", "021")],
+)
+def test_complement_answers_by_hand(answer: str, shown: str) -> None:
+    assert A.format_answer(answer, "lsd_complement") == shown
+    assert A.read_answer(shown, "lsd_complement") == answer
+
+
+def test_complement_is_the_shortest_ten_s_complement_and_a_bijection() -> None:
+    rng = random.Random(3)
+    problems = [A.sample_problem(n, d, rng) for n in (1, 2, 5) for d in (1, 3) for _ in range(200)]
+    for q, a in problems:
+        shown = A.format_answer(a, "lsd_complement")
+        v = complement_value(shown)
+        assert v == answer_value(a) == truth(q)
+        if v < 0:  # the fewest digits w with 10**w >= -v: one fewer would not reach
+            w = len(shown) - 1
+            assert 10**w >= -v and (w == 1 or 10 ** (w - 1) < -v)
+        assert A.read_answer(shown, "lsd_complement") == a
+
+
+@pytest.mark.parametrize("text", ["369N", "730", "N36", "", "N", "3N6", "12+"])
+def test_non_canonical_complement_text_never_matches(text: str) -> None:
+    """`369N` is -37 too, but not how -37 is written: exact match is on the canonical form."""
+    read = A.read_answer(text, "lsd_complement")
+    assert read.startswith("?") and read[1:] == text
+
+
+def test_unknown_answer_format() -> None:
+    for fn in (lambda: A.format_answer("1", "msb"), lambda: A.read_answer("1", "msb"),
+               lambda: A.TrainStream([Cell(1, 1)], 0, 2, "decoder", answer_format="msb")):
+        with pytest.raises(ValueError, match=r"^answer format must be one of msd, lsd, "):
+            fn()
 
 
 # --------------------------------------------------------------------------- train stream
@@ -429,7 +480,7 @@ def test_train_stream_problems_and_weights() -> None:
             assert answer_value(a) == truth(q)
         frac = sum(len(operands(q)) == 3 for q, _ in probs) / len(probs)
         assert abs(frac - p_long) < 0.04, (weights, frac)
-    batch = next(A.TrainStream(cells, 1, 5, "encoder_decoder", reverse_answer=True))
+    batch = next(A.TrainStream(cells, 1, 5, "encoder_decoder", answer_format="lsd"))
     assert batch["src"].shape[0] == 5
 
 

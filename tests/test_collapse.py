@@ -61,7 +61,7 @@ def test_sigma_zero_predictions_match_plain_decoding(arch: str) -> None:
     model = small(arch)
     task = TaskConfig(grid="smoke").resolve()
     qs = [q for q, _ in problems(12)]
-    plain = predict(model, qs, arch, False, task.max_lengths()[1] + 2)
+    plain = predict(model, qs, arch, task.answer_format, task.max_lengths()[1] + 2)
     pert = Perturbation(model)
     assert perturbed_predictor(model, task, pert, 0.0)(qs) == plain
     assert perturbed_predictor(model, task, pert, 0.5)(qs) != plain  # the hooks do act

@@ -35,10 +35,10 @@ def problems(n: int = 40, seed: int = 0) -> list[tuple[str, str]]:
     return [Cell(2, 2).sample(rng) for _ in range(n)] + [Cell(1, 1).sample(rng) for _ in range(n)]
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_a_model_that_reads_the_answer_is_right_everywhere(reverse: bool) -> None:
+@pytest.mark.parametrize("fmt", ["msd", "lsd", "lsd_complement"])
+def test_a_model_that_reads_the_answer_is_right_everywhere(fmt: str) -> None:
     probs = problems()
-    res = answer_token_accuracy(PeekingDecoder(), probs, reverse_answer=reverse, batch_size=16)
+    res = answer_token_accuracy(PeekingDecoder(), probs, answer_format=fmt, batch_size=16)
     assert res["count"] == len(probs) and res["exact"] == 1.0
     assert res["by_position"] == [1.0] * len(res["by_position"])
     longest = max(len(a) for _, a in probs) + 1  # answer tokens + the closing E
@@ -49,7 +49,7 @@ def test_a_model_that_reads_the_answer_is_right_everywhere(reverse: bool) -> Non
 
 def test_a_wrong_first_token_shows_at_position_zero_only() -> None:
     probs = problems()
-    res = answer_token_accuracy(PeekingDecoder(miss_first=True), probs, reverse_answer=True)
+    res = answer_token_accuracy(PeekingDecoder(miss_first=True), probs, answer_format="lsd")
     assert res["by_position"][0] == 0.0 and res["by_position"][1:] == [1.0] * (
         len(res["by_position"]) - 1)
     assert res["exact"] == 0.0
@@ -63,8 +63,8 @@ def test_greedy_exact_match_never_beats_teacher_forced(arch: str) -> None:
     model = build_model(ModelConfig(arch=arch, d_model=32, n_heads=4, n_layers=2, d_mlp=64,
                                     n_encoder_layers=1, n_decoder_layers=1, init_std=0.3))
     probs = [(q, a) for q, a in problems(30) if len(a) <= 2]
-    tf = answer_token_accuracy(model, probs, reverse_answer=False)
-    greedy = predict(model, [q for q, _ in probs], arch, False, max_new=6)
+    tf = answer_token_accuracy(model, probs, answer_format="msd")
+    greedy = predict(model, [q for q, _ in probs], arch, "msd", max_new=6)
     greedy_exact = sum(g == a for g, (_, a) in zip(greedy, probs, strict=True)) / len(probs)
     pairs = zip(tf["by_position"], tf["position_counts"], strict=True)
     full = [a for a, c in pairs if c == len(probs)]
@@ -73,4 +73,4 @@ def test_greedy_exact_match_never_beats_teacher_forced(arch: str) -> None:
 
 def test_no_problems_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one problem"):
-        answer_token_accuracy(PeekingDecoder(), [], reverse_answer=False)
+        answer_token_accuracy(PeekingDecoder(), [], answer_format="msd")

@@ -41,11 +41,11 @@ def test_aux_positions_hand_computed() -> None:
 
 def test_make_batch_carries_aux_only_when_asked() -> None:
     probs = [("12+N3", "9"), ("N45-67", "N112")]
-    assert "aux" not in make_batch(probs, "decoder", True)
-    dec = make_batch(probs, "decoder", True, digit_positions=True)
+    assert "aux" not in make_batch(probs, "decoder", "lsd")
+    dec = make_batch(probs, "decoder", "lsd", digit_positions=True)
     assert dec["aux"].shape == dec["tokens"].shape
     assert dec["aux"][1].tolist()[: len("BN45-67E") + 4] == [0, 0, 2, 1, 0, 2, 1, 0, 0, 1, 2, 3]
-    ed = make_batch(probs, "encoder_decoder", True, digit_positions=True)
+    ed = make_batch(probs, "encoder_decoder", "lsd", digit_positions=True)
     assert ed["src_aux"].shape == ed["src"].shape and ed["tgt_aux"].shape == ed["tgt_in"].shape
 
 
@@ -57,7 +57,7 @@ def _aux_model(arch: str = "decoder") -> torch.nn.Module:
 
 def test_aux_positions_change_the_model_and_are_required() -> None:
     model = _aux_model()
-    batch = make_batch([("N45-67", "N112")], "decoder", True, digit_positions=True)
+    batch = make_batch([("N45-67", "N112")], "decoder", "lsd", digit_positions=True)
     a = model(batch["tokens"], aux=batch["aux"])
     b = model(batch["tokens"], aux=torch.zeros_like(batch["aux"]))
     assert (a - b).abs().max() > 1e-3
@@ -83,6 +83,8 @@ def test_kv_cache_with_aux_equals_uncached(arch: str) -> None:
         (["task.digit_positions=true", "task.reverse_answer=true", "model.n_aux_positions=2"],
          "model.n_aux_positions: expected >= "),
         (["model.n_aux_positions=8"], "model.n_aux_positions: set, but task.digit_positions"),
+        (["task.complement_answer=true"], "task.complement_answer: needs task.reverse_answer"),
+        (["task.complement_answer=1"], "task.complement_answer: expected bool"),
     ],
 )
 def test_digit_position_config_errors(sets: list[str], message: str) -> None:
@@ -165,3 +167,16 @@ def test_decoding_with_aux_next_equals_aux_fn(arch: str, use_cache: bool) -> Non
     assert a == b
     flat = [t for row in a for t in row]
     assert any(4 <= t <= 13 for t in flat) and any(not 4 <= t <= 13 for t in flat)
+
+
+# ---- answer format ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sets", "fmt"),
+    [([], "msd"), (["task.reverse_answer=true"], "lsd"),
+     (["task.reverse_answer=true", "task.complement_answer=true"], "lsd_complement")],
+)
+def test_answer_format_follows_the_config(sets: list[str], fmt: str) -> None:
+    cfg = load_config(None, ["task.grid='smoke'", *sets])
+    assert cfg.task.resolve().answer_format == fmt

@@ -48,8 +48,8 @@ def test_segment_positions_restart_per_segment() -> None:
 
 @pytest.mark.parametrize("digit_positions", [False, True])
 def test_packed_batch_holds_the_same_tokens_and_targets(digit_positions: bool) -> None:
-    plain = make_batch(PROBLEMS, "decoder", True, digit_positions)
-    packed = make_batch(PROBLEMS, "decoder", True, digit_positions, pack=True)
+    plain = make_batch(PROBLEMS, "decoder", "lsd", digit_positions)
+    packed = make_batch(PROBLEMS, "decoder", "lsd", digit_positions, pack=True)
     width = plain["tokens"].shape[1]
     assert packed["tokens"].shape[1] == width  # rows no wider than the longest problem
     assert packed["tokens"].shape[0] < len(PROBLEMS)
@@ -74,7 +74,7 @@ def test_packed_logits_equal_each_problem_alone(placement: str, pos: str) -> Non
     model = build_model(ModelConfig(d_model=32, n_heads=2, n_layers=2, d_mlp=64, max_len=48,
                                     norm_placement=placement, pos_encoding=pos,
                                     n_aux_positions=8)).eval()
-    packed = make_batch(PROBLEMS, "decoder", True, True, pack=True)
+    packed = make_batch(PROBLEMS, "decoder", "lsd", True, pack=True)
     with torch.no_grad():
         logits = model(packed["tokens"], aux=packed["aux"], segments=packed["segments"])
         checked = 0
@@ -97,12 +97,12 @@ def test_packed_loss_equals_unpacked_loss() -> None:
     rng = random.Random(0)
     probs = [sample_problem(n, d, rng) for n, d in [(1, 1), (2, 3), (3, 2), (1, 2), (4, 1)] * 6]
     with torch.no_grad():
-        a, n_a = loss_on(model, make_batch(probs, "decoder", True, True))
-        b, n_b = loss_on(model, make_batch(probs, "decoder", True, True, pack=True))
+        a, n_a = loss_on(model, make_batch(probs, "decoder", "lsd", True))
+        b, n_b = loss_on(model, make_batch(probs, "decoder", "lsd", True, pack=True))
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert n_a == n_b
     # and it is not trivially equal: without segments the packed rows leak across problems
-    packed = make_batch(probs, "decoder", True, True, pack=True)
+    packed = make_batch(probs, "decoder", "lsd", True, pack=True)
     with torch.no_grad():
         leak = model(packed["tokens"], aux=packed["aux"])
         leaked = F.cross_entropy(leak.flatten(0, 1), packed["targets"].flatten(),

@@ -71,6 +71,25 @@ def test_resume_after_kill_is_bitwise_identical(tmp_path: Path, arch: str) -> No
     assert steps == sorted(set(steps))  # no duplicated log lines after the resume
 
 
+def test_resume_accepts_a_checkpoint_from_before_an_option_existed(tmp_path: Path) -> None:
+    """A sidecar config without a newer key (here `task.complement_answer`) means its default."""
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
+    train(c, tmp_path / "run", progress=False, stop_after=10)
+    for side in (tmp_path / "run/checkpoints").glob("*.json"):
+        meta = json.loads(side.read_text())
+        del meta["config"]["task"]["complement_answer"]
+        side.write_text(json.dumps(meta))
+    train(c, tmp_path / "run", progress=False, resume=True)
+    train(c, tmp_path / "straight", progress=False)
+    a, b = _weights(tmp_path / "run"), _weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train(c, tmp_path / "other", progress=False, stop_after=10)
+    changed = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20",
+                  "task.reverse_answer=true", "task.complement_answer=true")
+    with pytest.raises(ValueError, match="--resume: the config differs"):  # still compared
+        train(changed, tmp_path / "other", progress=False, resume=True)
+
+
 def test_corrupted_checkpoint_is_one_line_and_previous_still_loads(tmp_path: Path) -> None:
     c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
     train(c, tmp_path / "run", progress=False)

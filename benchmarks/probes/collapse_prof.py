@@ -28,7 +28,7 @@ torch.manual_seed(0)
 model = build_model(run.model).eval()
 task = run.task.resolve()
 sets, _ = select_problems(task, eval_sets(task), 64)
-data = data_from_sets(sets, "decoder", task.reverse_answer, task.digit_positions)
+data = data_from_sets(sets, "decoder", task.answer_format, task.digit_positions)
 
 
 def sweep(max_tokens: int = 1 << 15) -> float:

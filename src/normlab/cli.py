@@ -47,7 +47,7 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     # Where in the answer each cell fails (teacher-forced; same questions as above).
     result["answer_tokens"] = [
         {"cell": str(cell), "split": split}
-        | answer_token_accuracy(model, probs[:limit], reverse_answer=task.reverse_answer,
+        | answer_token_accuracy(model, probs[:limit], answer_format=task.answer_format,
                                 digit_positions=task.digit_positions)
         for split, by_cell in sets.items()
         for cell, probs in by_cell.items()

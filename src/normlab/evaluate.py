@@ -17,6 +17,7 @@ from normlab.tasks.addition import (
     Cell,
     ResolvedTask,
     aux_positions,
+    check_answer_format,
     make_batch,
     make_prompts,
     next_aux_position,
@@ -39,13 +40,14 @@ def predict(
     model: Model,
     questions: list[str],
     arch: str,
-    reverse_answer: bool,
+    answer_format: str,
     max_new: int,
     batch_size: int = 1024,
     digit_positions: bool = False,
     use_cache: bool = True,
 ) -> list[str]:
     """The model's greedy answers, as strings comparable with the true answers."""
+    check_answer_format(answer_format)  # not swallowed below as one wrong answer
     out: list[str] = []
     aux_fn = aux_positions if digit_positions else None
     for i in range(0, len(questions), batch_size):
@@ -55,7 +57,7 @@ def predict(
             aux_next=next_aux_position if aux_fn else None,
         ):
             try:
-                out.append(parse_answer(ids, reverse_answer))
+                out.append(parse_answer(ids, answer_format))
             except ValueError:
                 out.append("?")
     return out
@@ -85,16 +87,18 @@ def answer_token_accuracy(
     model: Model,
     problems: list[tuple[str, str]],
     *,
-    reverse_answer: bool,
+    answer_format: str,
     digit_positions: bool = False,
     batch_size: int = 1024,
 ) -> dict[str, Any]:
     """Teacher-forced accuracy of each answer token, to see *where* in the answer a model fails.
 
-    Position 0 is the first answer token: the sign `N` for a negative result, else the first
-    digit; the final position counts the closing `E`. `exact` is the share of answers with every
-    token right under teacher forcing (an upper bound on greedy exact match, which can also
-    derail after a mistake). `first_token` splits position 0 by the sign of the true result.
+    Position 0 is the first answer token as written in `answer_format`: the sign `N` for a
+    negative result, else the first digit (the units digit under ``lsd_complement``, whose
+    sign comes last); the final position counts the closing `E`. `exact` is the share of
+    answers with every token right under teacher forcing (an upper bound on greedy exact
+    match, which can also derail after a mistake). `first_token` splits position 0 by the
+    sign of the true result.
     """
     if not problems:
         raise ValueError("answer_token_accuracy needs at least one problem")
@@ -106,7 +110,7 @@ def answer_token_accuracy(
     try:
         for i in range(0, len(problems), batch_size):
             chunk = problems[i : i + batch_size]
-            batch = make_batch(chunk, model.cfg.arch, reverse_answer, digit_positions)
+            batch = make_batch(chunk, model.cfg.arch, answer_format, digit_positions)
             logits, targets, _ = forward_batch(model, batch)
             is_real = targets != IGNORE_INDEX
             ok = (logits.argmax(-1) == targets) & is_real
@@ -150,7 +154,7 @@ def evaluate(
     max_new = task.max_lengths()[1] + 2
     predictor = predictor or (
         lambda qs: predict(
-            model, qs, arch, task.reverse_answer, max_new, batch_size, task.digit_positions
+            model, qs, arch, task.answer_format, max_new, batch_size, task.digit_positions
         )
     )
     splits: dict[str, Any] = {}

@@ -182,7 +182,7 @@ def train(
         seed=tc.seed,
         batch_size=tc.batch_size,
         arch=cfg.model.arch,
-        reverse_answer=task.reverse_answer,
+        answer_format=task.answer_format,
         weights=task.train_weights,
         digit_positions=task.digit_positions,
         pack=task.pack,
@@ -301,7 +301,12 @@ def train(
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """A config minus settings that may change across a resume (where it runs)."""
+    """A config minus settings that may change across a resume (where it runs).
+
+    Round-tripped through `RunConfig`, so a checkpoint written before an option existed
+    compares equal to the same config with that option at its default.
+    """
+    config = RunConfig.from_dict(config).to_dict()
     return {**config, "train": {k: v for k, v in config["train"].items() if k != "device"}}
 
 

@@ -540,7 +540,7 @@ def perturbed_predictor(
                                     aux_next=next_aux_position if task.digit_positions else None)
             for row in ids:
                 try:
-                    out.append(parse_answer(row, task.reverse_answer))
+                    out.append(parse_answer(row, task.answer_format))
                 except ValueError:
                     out.append("?")
         return out

@@ -104,12 +104,12 @@ class EvalData:
         cls,
         problems: Sequence[tuple[str, str]],
         arch: str,
-        reverse_answer: bool = False,
+        answer_format: str = "msd",
         cells: Sequence[str] = (),
         digit_positions: bool = False,
     ) -> EvalData:
         """Correct (question, answer) pairs as `make_batch` lays them out for `arch`."""
-        batch = make_batch(problems, arch, reverse_answer, digit_positions)
+        batch = make_batch(problems, arch, answer_format, digit_positions)
         aux = {k: batch[k] for k in ("aux", "src_aux", "tgt_aux") if k in batch}
         if arch == "decoder":
             tokens = batch["tokens"]
@@ -173,7 +173,7 @@ def select_problems(
 
 
 def data_from_sets(
-    sets: dict[str, dict[Cell, list[tuple[str, str]]]], arch: str, reverse_answer: bool = False,
+    sets: dict[str, dict[Cell, list[tuple[str, str]]]], arch: str, answer_format: str = "msd",
     digit_positions: bool = False,
 ) -> EvalData:
     """All problems of (already reduced) eval sets as one teacher-forced batch."""
@@ -182,7 +182,7 @@ def data_from_sets(
         for cell, probs in by_cell.items():
             problems += probs
             cells += [cell.label] * len(probs)
-    return EvalData.from_problems(problems, arch, reverse_answer, cells, digit_positions)
+    return EvalData.from_problems(problems, arch, answer_format, cells, digit_positions)
 
 
 # --------------------------------------------------------------------------- sites

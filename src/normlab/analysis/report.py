@@ -93,7 +93,7 @@ def analyze_run(
     resolve_sites(model, sites, heads)  # fail on a bad selection before any work
     task = cfg.task.resolve()
     sets, per_cell = select_problems(task, eval_sets(task), n_examples, splits)
-    data = data_from_sets(sets, cfg.model.arch, task.reverse_answer, task.digit_positions)
+    data = data_from_sets(sets, cfg.model.arch, task.answer_format, task.digit_positions)
     params = {"sigmas": sigmas, "n_draws": n_draws, "threshold": threshold, "mode": mode,
               "targets": list(targets), "noise": noise, "n_examples": n_examples,
               "n_examples_used": data.n_examples, "per_cell": per_cell,

@@ -1,6 +1,7 @@
 """Tasks models are trained and evaluated on; integer addition (PAPER.md section 4) for now."""
 
 from normlab.tasks.addition import (
+    ANSWER_FORMATS,
     ARCHS,
     BOS,
     EOS,
@@ -18,20 +19,24 @@ from normlab.tasks.addition import (
     TrainStream,
     aux_positions,
     cell_weights,
+    check_answer_format,
     decode,
     encode,
     eval_sets,
+    format_answer,
     grid_preset,
     make_batch,
     make_prompts,
     max_lengths,
     max_seq_len,
     parse_answer,
+    read_answer,
     reverse_digits,
     sample_problem,
 )
 
 __all__ = [
+    "ANSWER_FORMATS",
     "ARCHS",
     "BOS",
     "EOS",
@@ -49,15 +54,18 @@ __all__ = [
     "TrainStream",
     "aux_positions",
     "cell_weights",
+    "check_answer_format",
     "decode",
     "encode",
     "eval_sets",
+    "format_answer",
     "grid_preset",
     "make_batch",
     "make_prompts",
     "max_lengths",
     "max_seq_len",
     "parse_answer",
+    "read_answer",
     "reverse_digits",
     "sample_problem",
 ]

@@ -6,7 +6,8 @@ operator), and the target is the exact result, e.g. ``N6774-N71+5814-6016+45+N97
 
 Everything string-shaped lives here so trainers and models only ever see id tensors. Choices the
 paper does not make (ours, each a parameter): a 1-digit number may be ``0``; zero is never
-signed; the grid presets; ``reverse_answer`` (off, as in the paper); ``train_weights`` (uniform).
+signed; the grid presets; the answer format (``reverse_answer``, ``complement_answer``: both off,
+as in the paper); ``train_weights`` (uniform).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "ANSWER_FORMATS",
     "ARCHS",
     "BOS",
     "EOS",
@@ -40,15 +42,18 @@ __all__ = [
     "TrainStream",
     "aux_positions",
     "cell_weights",
+    "check_answer_format",
     "decode",
     "encode",
     "eval_sets",
+    "format_answer",
     "grid_preset",
     "make_batch",
     "make_prompts",
     "max_lengths",
     "max_seq_len",
     "parse_answer",
+    "read_answer",
     "reverse_digits",
     "sample_problem",
 ]
@@ -63,6 +68,10 @@ IGNORE_INDEX = -100
 """Target id that ``torch.nn.functional.cross_entropy`` skips by default."""
 _ZERO = 4  # id of "0"; digits are ids 4..13
 ARCHS = ("decoder", "encoder_decoder")
+ANSWER_FORMATS = ("msd", "lsd", "lsd_complement")
+"""How an answer is written for the model: most significant digit first (the paper), least
+significant first with the sign first, or least significant first in ten's complement with the
+sign last (`format_answer`)."""
 TRAIN_WEIGHTS = ("uniform", "length")
 
 _CHAR_TO_ID = {ch: i for i, ch in enumerate(VOCAB)}
@@ -113,6 +122,67 @@ def reverse_digits(answer: str) -> str:
     if answer.startswith("N"):
         return "N" + answer[:0:-1]
     return answer[::-1]
+
+
+def _complement(answer: str) -> str:
+    """``N37`` -> ``36N`` (100 - 37 = 63, units first, then the sign); ``37`` -> ``73``.
+
+    A negative result ``v`` is written as the ``w`` digits of ``10**w + v`` for the smallest
+    ``w`` with ``10**w >= -v`` (zero-padded), units first, then ``N``. Every digit is then a
+    column sum plus a signed carry from the column below, and the sign is the last carry: no
+    digit waits on the global comparison that a sign-first answer must make up front.
+    """
+    v = int(answer.replace("N", "-"))
+    if v >= 0:
+        return answer[::-1]
+    w = len(str(-v - 1))
+    return str(10**w + v).zfill(w)[::-1] + "N"
+
+
+def _uncomplement(text: str) -> str:
+    """Inverse of `_complement`; a non-canonical string maps to ``?text`` (never an answer)."""
+    body = text[:-1] if text.endswith("N") else text
+    if not body.isdigit():
+        return "?" + text
+    v = int(body[::-1]) - (10 ** len(body) if text.endswith("N") else 0)
+    answer = _fmt_int(v)
+    return answer if _complement(answer) == text else "?" + text
+
+
+def _same(text: str) -> str:
+    return text
+
+
+# format -> (true answer -> model text, model text -> answer)
+_WRITE_READ = {
+    "msd": (_same, _same),
+    "lsd": (reverse_digits, reverse_digits),
+    "lsd_complement": (_complement, _uncomplement),
+}
+
+
+def check_answer_format(fmt: Any) -> str:
+    """``fmt`` if it is one of `ANSWER_FORMATS`, else a one-line ``ValueError``."""
+    if fmt not in ANSWER_FORMATS:
+        raise ValueError(
+            f"answer format must be one of {', '.join(ANSWER_FORMATS)}; got {fmt!r}"
+        )
+    return fmt
+
+
+def format_answer(answer: str, fmt: str = "msd") -> str:
+    """Write a true answer (``N7836``) in answer format ``fmt`` (one of `ANSWER_FORMATS`).
+
+    ``lsd`` lets a left-to-right decoder emit each digit after the carries it depends on but
+    still needs the sign first; ``lsd_complement`` moves the sign decision to the end (our
+    options; the paper writes ``msd``).
+    """
+    return _WRITE_READ[check_answer_format(fmt)][0](answer)
+
+
+def read_answer(text: str, fmt: str = "msd") -> str:
+    """Inverse of `format_answer`: model text in format ``fmt`` -> the answer it stands for."""
+    return _WRITE_READ[check_answer_format(fmt)][1](text)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -364,6 +434,14 @@ class ResolvedTask:
     train_weights: str = "uniform"
     digit_positions: bool = False
     pack: bool = False
+    complement_answer: bool = False
+
+    @property
+    def answer_format(self) -> str:
+        """The answer format models of this task read and write (`ANSWER_FORMATS`)."""
+        if not self.reverse_answer:
+            return "msd"
+        return "lsd_complement" if self.complement_answer else "lsd"
 
     @property
     def all_cells(self) -> list[Cell]:
@@ -404,6 +482,10 @@ class TaskConfig:
     # restart per problem), so a batch carries almost no padding: same problems per step,
     # fewer positions. Our option; training only, evaluation is unchanged.
     pack: bool = False
+    # Write negative answers in ten's complement, units first, with the sign last (``N37`` ->
+    # ``36N``), so the sign is decided after the digits instead of before them. Needs
+    # reverse_answer. Our option; exact match is still on the true result.
+    complement_answer: bool = False
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> TaskConfig:
@@ -427,12 +509,9 @@ class TaskConfig:
             raise ValueError(f"task.eval_size: must be >= 1, got {self.eval_size}")
         if self.eval_seed < 0:
             raise ValueError(f"task.eval_seed: must be >= 0, got {self.eval_seed}")
-        if not isinstance(self.pack, bool):
-            raise ValueError(f"task.pack: must be true or false, got {self.pack!r}")
-        if not isinstance(self.reverse_answer, bool):
-            raise ValueError(
-                f"task.reverse_answer: must be true or false, got {self.reverse_answer!r}"
-            )
+        for name in ("pack", "reverse_answer", "complement_answer", "digit_positions"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"task.{name}: must be true or false, got {getattr(self, name)!r}")
         if self.train_weights not in TRAIN_WEIGHTS:
             raise ValueError(
                 f"task.train_weights: unknown weighting {self.train_weights!r} "
@@ -442,6 +521,9 @@ class TaskConfig:
         if self.digit_positions and not self.reverse_answer:
             raise ValueError("task.digit_positions: needs task.reverse_answer = true (answer "
                              "digits must come least significant first to know their place)")
+        if self.complement_answer and not self.reverse_answer:
+            raise ValueError("task.complement_answer: needs task.reverse_answer = true (the "
+                             "complement is written least significant digit first)")
         train = _cells_from(self.train, "task.train") if self.train else grid_train
         if not train:
             raise ValueError("task.train: no train cells")
@@ -476,6 +558,7 @@ class TaskConfig:
             train_weights=self.train_weights,
             digit_positions=self.digit_positions,
             pack=self.pack,
+            complement_answer=self.complement_answer,
         )
 
 
@@ -584,7 +667,7 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
 def make_batch(
     problems: Sequence[tuple[str, str]],
     arch: str,
-    reverse_answer: bool = False,
+    answer_format: str = "msd",
     digit_positions: bool = False,
     pack: bool = False,
 ) -> dict[str, torch.Tensor]:
@@ -605,7 +688,7 @@ def make_batch(
     if pack and arch != "decoder":
         raise ValueError("make_batch: pack needs arch 'decoder'")
     qs = [encode(q) for q, _ in problems]
-    ans = [encode(reverse_digits(a) if reverse_answer else a) for _, a in problems]
+    ans = [encode(format_answer(a, answer_format)) for _, a in problems]
     if arch == "decoder":
         seqs = [[BOS, *q, EOS, *a, EOS] for q, a in zip(qs, ans, strict=True)]
         tgts = [
@@ -651,12 +734,12 @@ def make_prompts(questions: Sequence[str], arch: str) -> list[list[int]]:
     return [[BOS, *encode(q), EOS] for q in questions]
 
 
-def parse_answer(ids: Sequence[int] | torch.Tensor, reverse_answer: bool = False) -> str:
+def parse_answer(ids: Sequence[int] | torch.Tensor, answer_format: str = "msd") -> str:
     """Generated answer ids -> answer string comparable with the true answer.
 
     Reads up to the first ``E`` (excluded; all of ``ids`` if there is none), skipping one
     leading ``B`` so an encoder-decoder's full output can be passed as is, then undoes
-    ``reverse_answer``. Malformed output decodes to a string that simply won't match.
+    ``answer_format`` (`read_answer`). Malformed output decodes to a string that won't match.
     """
     if isinstance(ids, torch.Tensor | np.ndarray):
         ids = ids.tolist()
@@ -666,7 +749,7 @@ def parse_answer(ids: Sequence[int] | torch.Tensor, reverse_answer: bool = False
     if EOS in ids:
         ids = ids[: ids.index(EOS)]
     text = decode(ids)
-    return reverse_digits(text) if reverse_answer else text
+    return read_answer(text, answer_format)
 
 
 # --------------------------------------------------------------------------- data sources
@@ -702,7 +785,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         seed: int,
         batch_size: int,
         arch: str,
-        reverse_answer: bool = False,
+        answer_format: str = "msd",
         weights: str = "uniform",
         digit_positions: bool = False,
         pack: bool = False,
@@ -714,7 +797,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         self.probabilities = cell_weights(self.cells, weights)
         self.batch_size = batch_size
         self.arch = arch
-        self.reverse_answer = reverse_answer
+        self.answer_format = check_answer_format(answer_format)
         self.weights = weights
         self.digit_positions = digit_positions
         self.pack = pack
@@ -726,7 +809,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         return [self.cells[i].sample(self._rng) for i in idx.tolist()]
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        return make_batch(self.problems(self.batch_size), self.arch, self.reverse_answer,
+        return make_batch(self.problems(self.batch_size), self.arch, self.answer_format,
                           self.digit_positions, self.pack)
 
     def state_dict(self) -> dict[str, Any]:
