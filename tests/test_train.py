@@ -126,6 +126,19 @@ def test_checkpoint_sidecar_records_provenance(tmp_path: Path) -> None:
     assert {"step", "loss", "lr", "tokens_per_s"} <= set(rec[-1])
 
 
+def test_checkpoints_record_the_commit_the_run_started_from(tmp_path: Path, monkeypatch) -> None:
+    """Editing or committing while a run trains must not relabel code already in memory."""
+    import normlab.io
+
+    labels = iter(["started", *["later"] * 100])
+    monkeypatch.setattr(normlab.io, "git_commit", lambda: next(labels))
+    train(cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20"),
+          tmp_path / "run", progress=False)
+    sides = list_checkpoints(tmp_path / "run/checkpoints")
+    assert len(sides) == 2
+    assert [json.loads(s.read_text())["provenance"]["git_commit"] for s in sides] == ["started"] * 2
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
     import normlab.train as tr
 

@@ -208,9 +208,12 @@ def train(
         atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
     sets = eval_sets(task)
     writer = _tensorboard(out / "tb")
+    # Taken once, now: the code in memory is the code at start, whatever the tree holds later.
+    started = provenance()
 
     def checkpoint() -> None:
         meta = {
+            "provenance": started,
             "config": cfg.to_dict(),
             "stream": stream.state_dict(),
             "elapsed_s": elapsed,
