@@ -8,7 +8,10 @@ which is what the model computes on. The batch carries the digit positions (`aux
 config uses them; the references are built with the config's sizes and, when it uses RoPE,
 RoPE too (no absolute position table); they have no digit-position table.
 
-    python benchmarks/bench_train_step.py [--quick] [--threads N] [--widths 64,128]
+With `--compile` every contender is also timed compiled (`torch.compile`, named
+`...+compile`), and the fastest reference is the fastest of all references, eager or compiled.
+
+    python benchmarks/bench_train_step.py [--quick] [--threads N] [--widths 64,128] [--compile]
 """
 
 from __future__ import annotations
@@ -83,9 +86,15 @@ def x_transformers_status() -> tuple[bool, str]:
 
 
 def build_contender(
-    kind: str, cfg: ModelConfig, run: RunConfig, batch: dict[str, torch.Tensor]
+    kind: str, cfg: ModelConfig, run: RunConfig, batch: dict[str, torch.Tensor],
+    compiled: bool = False,
 ) -> tuple[torch.nn.Module, Callable[[], None]]:
-    """kind: 'normlab' (cfg.norm_placement), 'nanogpt' or 'x-transformers'."""
+    """kind: 'normlab' (cfg.norm_placement), 'nanogpt' or 'x-transformers'.
+
+    `compiled` runs the model's forward (and so its backward) through `torch.compile`, as
+    `train.compile` does for normlab and nanoGPT's `compile=True` for its model; the loss,
+    clipping and AdamW stay eager for every contender alike.
+    """
     torch.manual_seed(0)
     tokens, targets = batch["tokens"], batch["targets"]
     if kind == "normlab":
@@ -120,6 +129,8 @@ def build_contender(
     else:
         raise ValueError(f"unknown contender {kind!r}")
     model.train()
+    if compiled:
+        model.compile()  # in place: the loss closures above call the compiled module
     opt = make_optimizer(model, run.train)
     clip = run.train.grad_clip
 
@@ -134,20 +145,27 @@ def build_contender(
     return model, step
 
 
+COMPILED = "+compile"  # suffix of a compiled contender's name
+
+
 def contenders_for(
     run: RunConfig, d_model: int, batch: dict[str, torch.Tensor], placements: tuple[str, ...],
-    refs: tuple[str, ...] = ("nanogpt", "x-transformers"),
+    refs: tuple[str, ...] = ("nanogpt", "x-transformers"), compile_too: bool = False,
 ) -> tuple[dict[str, Callable[[], None]], dict[str, int]]:
+    """Every contender's step, eager, and with `compile_too` also compiled (`name+compile`)."""
     steps: dict[str, Callable[[], None]] = {}
     params: dict[str, int] = {}
-    for p in placements:
-        m, s = build_contender("normlab", model_config(run, d_model, p), run, batch)
-        steps[f"normlab-{p}"], params[f"normlab-{p}"] = s, sum(x.numel() for x in m.parameters())
-    for kind in refs:
-        if kind == "x-transformers" and not x_transformers_status()[0]:
-            continue
-        m, s = build_contender(kind, model_config(run, d_model, "pre"), run, batch)
-        steps[kind], params[kind] = s, sum(x.numel() for x in m.parameters())
+    kinds = [(f"normlab-{p}", "normlab", p) for p in placements]
+    kinds += [(r, r, "pre") for r in refs
+              if r != "x-transformers" or x_transformers_status()[0]]
+    for compiled in (False, True) if compile_too else (False,):
+        for name, kind, placement in kinds:
+            m, s = build_contender(kind, model_config(run, d_model, placement), run, batch,
+                                   compiled)
+            if compiled:
+                s()  # compile outside the timing (warm-up covers only recompiles)
+                name += COMPILED
+            steps[name], params[name] = s, sum(x.numel() for x in m.parameters())
     return steps, params
 
 
@@ -166,10 +184,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": repeats, "steps_per_repeat": inner, "x_transformers": xt_note,
         "config": str(CONFIG.relative_to(ROOT)), "widths": {},
     }
+    compile_too = bool(getattr(args, "compile", False))
+    out["compiled"] = compile_too
     for d in widths:
-        steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS)
+        steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS, compile_too=compile_too)
         times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1)
-        refs = [r for r in ("nanogpt", "x-transformers") if r in times]
+        refs = [r + c for c in ("", COMPILED) for r in ("nanogpt", "x-transformers")
+                if r + c in times]
         fastest = min(refs, key=lambda r: summary(times[r])["median_s"])
         rows = {}
         for name, ts in times.items():
@@ -184,6 +205,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "qkv_over_pre": ratio_stats(times["normlab-qkv"], times["normlab-pre"]),
             "pre_over_fastest_ref": ratio_stats(times["normlab-pre"], times[fastest]),
         }
+        if compile_too:
+            out["widths"][str(d)]["compiled_qkv_over_pre"] = ratio_stats(
+                times["normlab-qkv" + COMPILED], times["normlab-pre" + COMPILED])
     out["x_transformers_used"] = xt_ok
     out["load_note"] = load_note(info["loadavg_1m_at_start"], info["cpu_count"])
     return out
@@ -210,6 +234,8 @@ def to_markdown(res: dict[str, Any]) -> str:
 def main() -> None:
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--widths", default=None, help="comma-separated d_model values")
+        p.add_argument("--compile", action="store_true",
+                       help="also time every contender under torch.compile (+~20 s each)")
 
     bench_main(__doc__, run, to_markdown, extra=extra)
 

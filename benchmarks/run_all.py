@@ -75,13 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
     parser.add_argument("--only", default=",".join(ORDER), help="comma-separated subset")
     parser.add_argument("--run", default=None, help="trained decoder run for bench_collapse")
+    parser.add_argument("--compile", action="store_true",
+                        help="train_step also times every contender under torch.compile")
     args = parser.parse_args(argv)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]
     for name in chosen:
         if name not in MODULES:
             parser.error(f"--only: unknown benchmark {name!r}; expected {', '.join(ORDER)}")
     bench_args = argparse.Namespace(quick=args.quick, threads=args.threads, repeats=args.repeats,
-                                    widths=None, run=args.run, out=None)
+                                    widths=None, run=args.run, out=None,
+                                    compile=args.compile)
     threads = setup_threads(args.threads)
     info = machine_info(threads)
     t_start = time.perf_counter()

@@ -316,3 +316,29 @@ def test_length_bucketed_sweep_counts_equal_one_width(arch: str, mode: str) -> N
     assert one["n_sparse_rows"] > 20 and one["collapse_rate"][2] > 0
     torch.testing.assert_close(many["rows"]["rate"], one["rows"]["rate"], rtol=0, atol=0)
     assert many["collapse_rate"] == one["collapse_rate"]
+
+
+def test_short_groups_take_more_copies_per_forward_and_the_same_eps() -> None:
+    """With chunks smaller than the draws, a short group runs more copies per forward than the
+    whole batch can (fewer forwards), and still every (draw, example) gets the same eps."""
+    from normlab.analysis.data import FORWARD_COST_POSITIONS, chunk_copies, length_buckets
+
+    model = small("decoder", "qkv")
+    data = EvalData.from_problems(mixed_problems(), "decoder")
+    max_tokens, n_draws = 2 * data.tokens_per_copy, 7
+    chunk = chunk_copies(data, max_tokens, n_draws)
+    groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk)
+    assert chunk == 2 and len(groups) > 1
+    assert chunk_copies(data.subset(groups[0]), max_tokens, n_draws) > chunk
+    kw = dict(sigmas=[0.3], n_draws=n_draws, threshold=0.5, theory_draws=4, max_tokens=max_tokens)
+    one = measure_collapse(model, data, bucket=False, **kw)
+    forwards = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda m, a: forwards.append(1))
+    try:
+        many = measure_collapse(model, data, bucket=True, **kw)
+    finally:
+        handle.remove()
+    # one forward finds the sparse rows; at the global chunk every group would need 4
+    assert len(forwards) - 1 < len(groups) * math.ceil(n_draws / chunk)
+    assert one["collapse_rate"][0] > 0
+    torch.testing.assert_close(many["rows"]["rate"], one["rows"]["rate"], rtol=0, atol=0)

@@ -90,6 +90,29 @@ def test_resume_accepts_a_checkpoint_from_before_an_option_existed(tmp_path: Pat
         train(changed, tmp_path / "other", progress=False, resume=True)
 
 
+def test_compiled_training_matches_eager_and_resumes_across_the_setting(tmp_path: Path) -> None:
+    """`train.compile` changes how the step runs, not what it computes or what is saved."""
+    c = cfg("train.steps=12", "train.checkpoint_every=6", "train.eval_every=12")
+    train(c, tmp_path / "eager", progress=False)
+    compiled = cfg("train.steps=12", "train.checkpoint_every=6", "train.eval_every=12",
+                   "train.compile=true")
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    train(compiled, tmp_path / "compiled", progress=False)
+    assert counters["stats"]["unique_graphs"] >= 1  # the step really went through dynamo
+    a, b = _weights(tmp_path / "eager"), _weights(tmp_path / "compiled")
+    assert a.keys() == b.keys()  # no `_orig_mod.` prefix: load_run reads both alike
+    for k in a:  # inductor reorders float sums: equal up to rounding, not bitwise
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    train(c, tmp_path / "mixed", progress=False, stop_after=6)  # eager half, compiled half
+    train(compiled, tmp_path / "mixed", progress=False, resume=True)
+    for k, v in _weights(tmp_path / "mixed").items():
+        torch.testing.assert_close(v, a[k], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"train\.compile: expected"):
+        cfg("train.compile=1")
+
+
 def test_corrupted_checkpoint_is_one_line_and_previous_still_loads(tmp_path: Path) -> None:
     c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
     train(c, tmp_path / "run", progress=False)

@@ -17,6 +17,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set or [], seed=args.seed)
     if args.device:
         cfg.train.device = args.device
+    if args.compile:
+        cfg.train.compile = True
     last = train(cfg, Path(args.out), resume=args.resume, force=args.force, progress=not args.quiet)
     print(json.dumps(last))
     return 0
@@ -222,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config value, e.g. --set model.d_model=128 (repeatable)",
     )
     t.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step (sets train.compile; a one-off "
+                        "compile of tens of seconds on CPU)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     t.add_argument("--force", action="store_true", help="delete an existing run folder first")
     t.add_argument("--quiet", action="store_true", help="no progress output")

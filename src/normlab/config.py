@@ -45,6 +45,7 @@ class TrainConfig:
     patience: int = 0  # stop after this many evaluations without improvement (0: never)
     threads: int = 1
     device: str = "auto"
+    compile: bool = False  # torch.compile the training forward/backward (evaluation stays eager)
 
     def validate(self) -> None:
         positive = (
@@ -78,6 +79,8 @@ class TrainConfig:
             raise ValueError(
                 f"train.device: expected one of {', '.join(DEVICES)}; got {self.device!r}"
             )
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"train.compile: expected true or false; got {self.compile!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("train.weight_decay / train.grad_clip: expected >= 0")
 

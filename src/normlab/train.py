@@ -206,6 +206,10 @@ def train(
         log(f"resuming {out} from step {step}")
     else:
         atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
+    # Compiled for the training step only: evaluation runs other shapes in no-grad mode (each
+    # would be one more compile), and checkpoints save `model` itself, so their keys and
+    # `load_run` do not depend on this setting.
+    step_model = torch.compile(model) if tc.compile else model
     sets = eval_sets(task)
     writer = _tensorboard(out / "tb")
     # Taken once, now: the code in memory is the code at start, whatever the tree holds later.
@@ -244,7 +248,7 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = {k: v.to(device) for k, v in next(stream).items()}
-            loss, n_tok = loss_on(model, batch)
+            loss, n_tok = loss_on(step_model, batch)
             if not torch.isfinite(loss):
                 raise TrainingError(
                     f"loss is {loss.item()} at step {step + 1}; stopped, the last "
@@ -304,13 +308,14 @@ def train(
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """A config minus settings that may change across a resume (where it runs).
+    """A config minus settings that may change across a resume (where and how it runs).
 
     Round-tripped through `RunConfig`, so a checkpoint written before an option existed
     compares equal to the same config with that option at its default.
     """
     config = RunConfig.from_dict(config).to_dict()
-    return {**config, "train": {k: v for k, v in config["train"].items() if k != "device"}}
+    runs_on = ("device", "compile")
+    return {**config, "train": {k: v for k, v in config["train"].items() if k not in runs_on}}
 
 
 def _tensorboard(path: Path) -> Any:

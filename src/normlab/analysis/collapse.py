@@ -359,27 +359,31 @@ def measure_collapse(
     groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk) if bucket else []
     if len(groups) <= 1:
         groups = [torch.arange(B)]  # the batch as it is, no copy
-    parts = []  # (examples, their batch, {site: (row indices, local example index)})
+    parts = []  # (examples, their batch, {site: (row indices, local example index)}, copies)
     for g in groups:
         local = torch.full((B,), -1, dtype=torch.long)
         local[g] = torch.arange(len(g))
         sel = {name: idx[local[rows.example[idx]] >= 0] for name, idx in by_site.items()}
-        parts.append((g, data if len(groups) == 1 else data.subset(g),
-                      {name: (idx, local[rows.example[idx]]) for name, idx in sel.items()
-                       if idx.numel()}))
+        part = data if len(groups) == 1 else data.subset(g)
+        sel = {name: (idx, local[rows.example[idx]]) for name, idx in sel.items() if idx.numel()}
+        if sel:  # a short group fits more copies in one forward: fewer, fuller forwards
+            parts.append((g, part, sel, chunk_copies(part, max_tokens, n_draws)))
     for si, sigma in enumerate(sigmas):
         gen = torch.Generator().manual_seed(int(seed))
         total = 1 if sigma == 0 else n_draws
         draws_used.append(total)
         t0 = time.perf_counter()
-        done = 0
-        while done < total:
-            c = min(chunk, total - done)
-            tables = pert.draw(sigma, c * B, data.lengths, gen)
-            for g, part, sel in parts:
-                if not sel:
-                    continue
-                pick = (torch.arange(c)[:, None] * B + g[None, :]).flatten()  # copy-major
+        # Every draw's eps, drawn `chunk` copies at a time over the whole batch (so the noise
+        # an example gets does not depend on its group), then cut per group.
+        drawn = [pert.draw(sigma, min(chunk, total - d) * B, data.lengths, gen)
+                 for d in range(0, total, chunk)]
+        merged: dict[int, torch.Tensor] = {}  # tables shared by several targets stay shared
+        tables = {key: merged.setdefault(id(t), torch.cat([d[key] for d in drawn]))
+                  for key, t in drawn[0].items()}
+        for g, part, sel, group_chunk in parts:
+            for done in range(0, total, group_chunk):
+                c = min(group_chunk, total - done)
+                pick = ((done + torch.arange(c))[:, None] * B + g[None, :]).flatten()  # copy-major
                 picked: dict[int, torch.Tensor] = {}  # token mode shares k and v tables
                 sub = {key: picked.setdefault(id(t), t[pick]) for key, t in tables.items()}
                 take = {f"{n}.hook_pattern": _rows_argmax(c, ex, rows.head[idx], rows.qpos[idx])
@@ -388,7 +392,6 @@ def measure_collapse(
                 for name, (idx, _) in sel.items():
                     got = grabbed[f"{name}.hook_pattern"]  # [c, R_site]
                     flips[idx, si] += (got != rows.key[idx]).sum(0).double()
-            done += c
         if sigma > 0:
             sweep_s += time.perf_counter() - t0
             row_draws += R * total
