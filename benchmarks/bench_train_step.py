@@ -158,12 +158,22 @@ def contenders_for(
     kinds = [(f"normlab-{p}", "normlab", p) for p in placements]
     kinds += [(r, r, "pre") for r in refs
               if r != "x-transformers" or x_transformers_status()[0]]
+    if compile_too:
+        from torch._dynamo import config as dynamo_config
+        from torch._dynamo.utils import counters
+
+        # Instances of one class share its forward's cache of compiled graphs; past the
+        # default limit (8) dynamo would silently run later contenders eager.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     for compiled in (False, True) if compile_too else (False,):
         for name, kind, placement in kinds:
             m, s = build_contender(kind, model_config(run, d_model, placement), run, batch,
                                    compiled)
             if compiled:
+                graphs = counters["stats"]["unique_graphs"]
                 s()  # compile outside the timing (warm-up covers only recompiles)
+                if counters["stats"]["unique_graphs"] == graphs:
+                    raise RuntimeError(f"{name}: torch.compile compiled no graph (eager fallback)")
                 name += COMPILED
             steps[name], params[name] = s, sum(x.numel() for x in m.parameters())
     return steps, params
