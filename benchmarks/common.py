@@ -14,13 +14,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from normlab.io import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,23 +82,6 @@ def summary(times: Sequence[float]) -> dict[str, float]:
     return {"median_s": median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-            timeout=10, check=False,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-            timeout=10, check=False,
-        )
-    except OSError:
-        return None
-    if out.returncode:
-        return None
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -118,7 +102,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": threads,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
-        "git": _git_commit(),
+        "git": git_commit(),  # the same record as run folders: tracked changes make it -dirty
         "loadavg_1m_at_start": round(load[0], 2),
     }
 
