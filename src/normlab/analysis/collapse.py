@@ -335,14 +335,14 @@ def measure_collapse(
 ) -> dict[str, Any]:
     """Measured collapse rate per sigma with a 95% CI, per head, and the theory beside it.
 
-    The batch is repeated `chunk` times along the batch dimension and run once per chunk with
-    the perturbation hooks, each copy getting its own eps; the argmax key of every row is read
-    off `hook_pattern`. With `bucket`, the examples are split into groups of similar length
-    (`length_buckets`) and each group runs at its own width, so short problems do not pay
-    for the longest one's padding; the eps of every (draw, example, position) and hence the
-    counts are the same either way. sigma = 0 is run once (every draw would be identical).
-    Returns a
-    JSON-ready dict; `rows` holds the per-row columns as tensors (pop it before writing JSON),
+    The batch is repeated along the batch dimension, one copy per noise draw, as many copies
+    per forward as fit in `max_tokens` positions, each copy getting its own eps; the argmax
+    key of every row is read off `hook_pattern`. With `bucket`, the examples are split into
+    groups of similar length (`length_buckets`) and each group runs at its own width (and so
+    with more copies per forward), so short problems do not pay for the longest one's
+    padding; the eps of every (draw, example, position) and hence the counts are the same
+    either way. sigma = 0 is run once (every draw would be identical). Returns a JSON-ready
+    dict; `rows` holds the per-row columns as tensors (pop it before writing JSON),
     with `rate` [R, n_sigmas] the per-row measured collapse frequency.
     """
     sigmas = check_sigmas(sigmas)
