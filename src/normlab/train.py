@@ -208,7 +208,11 @@ def train(
         atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
     # Compiled for the training step only: evaluation runs other shapes in no-grad mode (each
     # would be one more compile), and checkpoints save `model` itself, so their keys and
-    # `load_run` do not depend on this setting.
+    # `load_run` do not depend on this setting. Dynamo's caches are reset first: runs trained
+    # one after another in a process (a sweep worker) share them, and past its recompile
+    # limit dynamo would silently train the later runs eager.
+    if tc.compile:
+        torch._dynamo.reset()
     step_model = torch.compile(model) if tc.compile else model
     sets = eval_sets(task)
     writer = _tensorboard(out / "tb")
