@@ -263,6 +263,19 @@ def test_cli_bad_input(tmp_path: Path, capsys) -> None:
     assert code == 2 and "KEY=VALUE" in err
 
 
+def test_cli_compile_flag_sets_train_compile(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`normlab train --compile` reaches `train()` as `train.compile = true`; absent, false."""
+    import normlab.train
+
+    seen = []
+    monkeypatch.setattr(normlab.train, "train", lambda cfg, out, **kw: seen.append(cfg) or {})
+    good = tmp_path / "good.toml"
+    good.write_text("[task]\ngrid = 'smoke'\n")
+    for extra in (["--compile"], []):
+        assert main(["train", "--config", str(good), "--out", str(tmp_path / "r"), *extra]) == 0
+    assert [c.train.compile for c in seen] == [True, False]
+
+
 def test_cli_train_eval_compare(tmp_path: Path, capsys) -> None:
     good = tmp_path / "good.toml"
     good.write_text(
