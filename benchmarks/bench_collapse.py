@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "flip_agreement": agree,
         "flips_total": {"vectorised": float(results["flips"].sum()),
                         "naive": float(results["naive_flips"].sum())},
-        "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"]),
+        "load_note": load_note(info),
     }
 
 

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             })
     return {"benchmark": "decode", "info": info, "repeats": repeats, "results": results,
             "d_model": run_cfg.model.d_model, "n_layers": run_cfg.model.n_layers,
-            "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"])}
+            "load_note": load_note(info)}
 
 
 def to_markdown(res: dict[str, Any]) -> str:

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["predicted_overhead_pct"] = 100 * extra / r["bypassed"]["median_s"]
     return {"benchmark": "hooks", "info": info, "repeats": repeats, "results": results,
             "call_cost": micro,
-            "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"])}
+            "load_note": load_note(info)}
 
 
 def to_markdown(res: dict[str, Any]) -> str:

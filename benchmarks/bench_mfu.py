@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
         "peak": {"matmul_n": n, "flops_per_s": peak, "measurements": peaks},
         "formula": "flops/step = B*T*(6*N_mm + 12*L*T*d_attn); N_mm = matmul weights incl. W_U",
         "widths": widths_out,
-        "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"]),
+        "load_note": load_note(info),
     }
 
 

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "speedup": ratio_stats(times["padded"], times["packed"]),
                         "loss_abs_diff": abs(losses[True] - losses[False])})
     return {"benchmark": "packing", "info": info, "repeats": repeats, "results": results,
-            "load_note": load_note(info["loadavg_1m_at_start"], info["cpu_count"])}
+            "load_note": load_note(info)}
 
 
 def to_markdown(res: dict[str, Any]) -> str:

@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             m = r["memory"].get("peak_delta_mb")
             r["memory_ratio"] = m / base_m if m and base_m else None
         out["kinds"][kind] = rows
-    out["load_note"] = load_note(info["loadavg_1m_at_start"], info["cpu_count"])
+    out["load_note"] = load_note(info)
     return out
 
 

@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["widths"][str(d)]["compiled_qkv_over_pre"] = ratio_stats(
                 times["normlab-qkv" + COMPILED], times["normlab-pre" + COMPILED])
     out["x_transformers_used"] = xt_ok
-    out["load_note"] = load_note(info["loadavg_1m_at_start"], info["cpu_count"])
+    out["load_note"] = load_note(info)
     return out
 
 

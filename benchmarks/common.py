@@ -107,13 +107,20 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
 
 
-def load_note(start: float, cpus: int | None) -> str:
-    """A warning when the 1-minute load average says other processes compete for the CPU."""
+def load_note(info: dict[str, Any]) -> str:
+    """A warning when the 1-minute load average says other processes compete for the CPU.
+
+    `info` is this run's `machine_info`. The run itself adds up to its own thread count to the
+    load average, so only load beyond that counts: more than half a CPU's worth, either at
+    the start (left by earlier jobs) or now, flags the run.
+    """
     now = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    worst = max(start, now)
-    if cpus and worst > 0.5 * cpus:
-        return (f"MEASURED UNDER LOAD (1-min load average {worst:.2f} on {cpus} CPUs): "
-                "absolute timings are disturbed; rerun on a quiet machine")
+    start, threads = info["loadavg_1m_at_start"], info["threads"]
+    others = max(start, now - threads)
+    if others > 0.5:
+        return (f"MEASURED UNDER LOAD (1-min load average {max(start, now):.2f} on "
+                f"{info['cpu_count']} CPUs, {threads} thread(s) of them this run's): absolute "
+                "timings are disturbed; rerun on a quiet machine")
     return ""
 
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     head = headlines(results)
     if head:
         print(head + "\n")
-    note = load_note(info["loadavg_1m_at_start"], info["cpu_count"])
+    note = load_note(info)
     doc = {
         "command": " ".join(["python", "benchmarks/run_all.py", *(argv or sys.argv[1:])]),
         "quick": args.quick, "info": info, "load_note": note, "seconds": seconds,
