@@ -92,6 +92,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_counters() -> dict[str, float] | None:
+    """CPU seconds so far: busy and stolen over all CPUs (/proc/stat), and this process's own.
+
+    `own` includes waited-for children (bench_scaling measures memory in subprocesses).
+    None where /proc/stat is missing (not Linux).
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0.0] * 8)[:8]
+    t = os.times()
+    return {"wall": time.monotonic(), "busy": (user + nice + system + irq + softirq) / hz,
+            "steal": steal / hz,
+            "own": t.user + t.system + t.children_user + t.children_system}
+
+
 def machine_info(threads: int) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return {
@@ -104,23 +123,41 @@ def machine_info(threads: int) -> dict[str, Any]:
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
         "git": git_commit(),  # the same record as run folders: tracked changes make it -dirty
         "loadavg_1m_at_start": round(load[0], 2),
+        "cpu_counters_at_start": cpu_counters(),
     }
 
 
-def load_note(info: dict[str, Any]) -> str:
-    """A warning when the 1-minute load average says other processes compete for the CPU.
+OTHERS_BUSY_LIMIT = 0.25
+"""CPUs' worth of time used by other processes, on average over a benchmark, that flags it."""
 
-    `info` is this run's `machine_info`. The run itself adds up to its own thread count to the
-    load average, so only load beyond that counts: more than half a CPU's worth, either at
-    the start (left by earlier jobs) or now, flags the run.
+
+def load_note(info: dict[str, Any]) -> str:
+    """A warning when other processes used the CPU while this benchmark ran; '' if none did.
+
+    `info` is the benchmark's `machine_info`, taken at its start. Busy CPU time over all CPUs
+    (/proc/stat) minus this process's own, over the wall time since then, is the load that
+    competed with it; unlike the load average it neither lags nor counts the run's own
+    threads. The measurement goes into `info['load_during']`. Without /proc/stat, falls back
+    to the 1-minute load average beyond the run's own threads.
     """
-    now = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    start, threads = info["loadavg_1m_at_start"], info["threads"]
-    others = max(start, now - threads)
+    before, now = info.get("cpu_counters_at_start"), cpu_counters()
+    if before and now and now["wall"] > before["wall"]:
+        wall = now["wall"] - before["wall"]
+        others = (now["busy"] - before["busy"] - (now["own"] - before["own"])) / wall
+        steal = (now["steal"] - before["steal"]) / wall
+        info["load_during"] = {"seconds": round(wall, 1), "others_busy_cpus": round(others, 3),
+                               "stolen_cpus": round(steal, 3)}
+        if others > OTHERS_BUSY_LIMIT:
+            return (f"MEASURED UNDER LOAD (other processes kept {others:.2f} of "
+                    f"{info['cpu_count']} CPUs busy on average): absolute timings are "
+                    "disturbed; rerun on a quiet machine")
+        return ""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    others = max(info["loadavg_1m_at_start"], load - info["threads"])
     if others > 0.5:
-        return (f"MEASURED UNDER LOAD (1-min load average {max(start, now):.2f} on "
-                f"{info['cpu_count']} CPUs, {threads} thread(s) of them this run's): absolute "
-                "timings are disturbed; rerun on a quiet machine")
+        return (f"MEASURED UNDER LOAD (1-min load average {max(load, others):.2f} on "
+                f"{info['cpu_count']} CPUs, {info['threads']} thread(s) of them this run's): "
+                "absolute timings are disturbed; rerun on a quiet machine")
     return ""
 
 

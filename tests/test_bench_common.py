@@ -1,8 +1,9 @@
-"""benchmarks/common.py: the load warning counts only load beyond the run's own threads."""
+"""benchmarks/common.py: the load warning counts only CPU time used by other processes."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,25 +12,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import common
 
 
-def _info(start: float, threads: int) -> dict[str, object]:
-    return {"loadavg_1m_at_start": start, "threads": threads, "cpu_count": 2}
+def _counters(wall: float, busy: float, own: float, steal: float = 0.0) -> dict[str, float]:
+    return {"wall": wall, "busy": busy, "steal": steal, "own": own}
+
+
+def _info(before: dict[str, float] | None, start_load: float = 0.1, threads: int = 1) -> dict:
+    return {"loadavg_1m_at_start": start_load, "threads": threads, "cpu_count": 2,
+            "cpu_counters_at_start": before}
+
+
+@pytest.mark.parametrize(
+    ("busy", "own", "others", "flagged"),
+    [
+        (30.0, 25.0, 0.0, False),  # all the busy time was this run's own (any thread count)
+        (31.0, 25.0, 0.1, False),  # background noise
+        (35.0, 25.0, 0.5, True),   # another process kept half a CPU busy
+    ],
+)
+def test_load_note_counts_busy_time_beyond_the_runs_own(
+    monkeypatch: pytest.MonkeyPatch, busy: float, own: float, others: float, flagged: bool
+) -> None:
+    monkeypatch.setattr(common, "cpu_counters", lambda: _counters(20.0, busy, own, steal=1.0))
+    info = _info(_counters(10.0, 10.0, 5.0))
+    note = common.load_note(info)
+    assert info["load_during"] == {"seconds": 10.0, "others_busy_cpus": others,
+                                   "stolen_cpus": 0.1}
+    assert note.startswith("MEASURED UNDER LOAD") is flagged
+    if flagged:
+        assert f"kept {others:.2f} of 2 CPUs busy" in note
 
 
 @pytest.mark.parametrize(
     ("start", "now", "threads", "flagged"),
     [
         (0.2, 1.9, 2, False),  # a 2-thread run loads the machine by itself
-        (0.2, 1.0, 1, False),  # a 1-thread run, nothing else
         (0.2, 1.7, 1, True),   # a 1-thread run and another busy process
-        (0.2, 2.7, 2, True),   # 2 threads and more
         (1.1, 0.3, 1, True),   # load left by an earlier job at the start
     ],
 )
-def test_load_note_counts_only_load_beyond_the_runs_threads(
+def test_without_proc_stat_the_load_average_beyond_the_runs_threads_counts(
     monkeypatch: pytest.MonkeyPatch, start: float, now: float, threads: int, flagged: bool
 ) -> None:
+    monkeypatch.setattr(common, "cpu_counters", lambda: None)
     monkeypatch.setattr(common.os, "getloadavg", lambda: (now, now, now))
-    note = common.load_note(_info(start, threads))
+    note = common.load_note(_info(None, start, threads))
     assert note.startswith("MEASURED UNDER LOAD") is flagged
-    if flagged:
-        assert f"{max(start, now):.2f} on 2 CPUs, {threads} thread(s)" in note
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="needs Linux /proc/stat")
+def test_cpu_counters_see_this_process_spin() -> None:
+    before = common.cpu_counters()
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.2:
+        pass
+    after = common.cpu_counters()
+    assert before is not None and after is not None
+    assert after["own"] - before["own"] >= 0.19
+    assert after["busy"] - before["busy"] >= 0.15  # /proc/stat ticks are 10 ms
+    assert after["wall"] - before["wall"] >= after["own"] - before["own"] - 0.02
