@@ -321,3 +321,23 @@ def test_eval_and_analyze_never_overwrite_without_force(tmp_path: Path, capsys) 
     code, err = _cli(capsys, "analyze", str(run))
     assert code == 2 and "already exists; pass --force" in err
     assert (run / "analysis" / "collapse.json").read_text() == "{}"
+
+
+def test_cli_analyze_threads(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`normlab analyze --threads N` runs the analysis on N torch threads; 0 is a clear error."""
+    import torch
+
+    import normlab.analysis.report
+
+    seen = []
+    monkeypatch.setattr(normlab.analysis.report, "analyze_run",
+                        lambda run_dir, **kw: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    try:
+        assert main(["analyze", str(tmp_path), "--threads", "2"]) == 0  # conftest sets 1
+        assert seen == [2]
+        code, err = _cli(capsys, "analyze", str(tmp_path), "--threads", "0")
+        assert code == 2 and err == "normlab: error: --threads: expected an int >= 1; got 0"
+        assert seen == [2]
+    finally:
+        torch.set_num_threads(before)

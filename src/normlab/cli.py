@@ -153,6 +153,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from normlab.analysis.report import analyze_run
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: expected an int >= 1; got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     kwargs: dict[str, Any] = {
         "threshold": args.threshold,
         "mode": args.mode,
@@ -257,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--noise", choices=["normal", "uniform"], default="normal")
     a.add_argument("--targets", default="q,k,v", help="subset of q,k,v to perturb")
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--threads", type=int,
+                   help="torch threads (default: torch's own, one per core; the run's "
+                        "train.threads does not apply here)")
     a.add_argument("--hf", help="a local Hugging Face model folder (save_pretrained format)")
     a.add_argument("--tokens", help="with --hf: a file of whitespace-separated token ids")
     a.add_argument("--text", help="with --hf: a text file, tokenised with the folder's tokenizer")
