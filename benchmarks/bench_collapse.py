@@ -37,6 +37,7 @@ from common import (
     md_table,
     paired_timing,
     ratio_stats,
+    rci,
     repeats_for,
     rf,
     setup_threads,
@@ -191,16 +192,17 @@ def to_markdown(res: dict[str, Any]) -> str:
         return f"### Collapse sweep\n\nskipped: {res['skipped']}"
     rows = [
         ["naive loop (batch 1 per example per draw)", res["naive"]["median_s"],
-         res["naive_row_draws_per_s"], rf(1.0)],
+         res["naive_row_draws_per_s"], rf(1.0), ""],
         ["measure_collapse, perturbed forwards (sweep_seconds)",
          res["vectorised_sweep"]["median_s"], res["vectorised_sweep_row_draws_per_s"],
-         rf(res["speedup_sweep"]["median"])],
+         rf(res["speedup_sweep"]["median"]), rci(res["speedup_sweep"])],
         ["measure_collapse, whole call (rows + theory)", res["vectorised_call"]["median_s"],
-         res["vectorised_call_row_draws_per_s"], rf(res["speedup_call"]["median"])],
+         res["vectorised_call_row_draws_per_s"], rf(res["speedup_call"]["median"]),
+         rci(res["speedup_call"])],
         ["measure_collapse(bucket=False), perturbed forwards (one width)",
          res["one_width_sweep"]["median_s"],
          res["sparse_rows"] * res["n_draws"] / res["one_width_sweep"]["median_s"],
-         rf(res["speedup_one_width_sweep"]["median"])],
+         rf(res["speedup_one_width_sweep"]["median"]), rci(res["speedup_one_width_sweep"])],
     ]
     return "\n\n".join([
         header("Collapse sweep: vectorised vs naive loop", res["info"], res["load_note"]),
@@ -214,7 +216,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"({100 * res['real_position_fraction']:.0f}% of one-width positions are real); "
         f"bucketing gain {res['bucketing_gain']['median']:.2f}x, counts identical to one "
         f"width: {res['bucketed_equals_one_width']}.",
-        md_table(["contender", "seconds", "row-draws/s", "speed-up vs naive"], rows),
+        md_table(["contender", "seconds", "row-draws/s", "speed-up vs naive",
+                  "its median's CI"], rows),
     ])
 
 

@@ -33,6 +33,7 @@ from common import (
     md_table,
     paired_timing,
     ratio_stats,
+    rci,
     repeats_for,
     rf,
     setup_threads,
@@ -228,16 +229,18 @@ def to_markdown(res: dict[str, Any]) -> str:
              f"batch {res['batch']} x seq len {res['seq_len']} (real quick-grid batch), "
              f"{res['config']} sizes, median of {res['repeats']} repeats x "
              f"{res['steps_per_repeat']} steps; ratio = time / reference time (median of "
-             f"per-repeat ratios, > 1 means slower). {res['x_transformers']}."]
+             f"per-repeat ratios, > 1 means slower; CI: distribution-free interval for that "
+             f"median, with its coverage). {res['x_transformers']}."]
     for d, w in res["widths"].items():
         rows = [[name, c["params"], 1e3 * c["median_s"], c["tokens_per_s"],
-                 rf(c["vs_nanogpt"]["median"]), rf(c["vs_fastest_ref"]["median"])]
+                 rf(c["vs_nanogpt"]["median"]), rf(c["vs_fastest_ref"]["median"]),
+                 rci(c["vs_fastest_ref"])]
                 for name, c in w["contenders"].items()]
         parts.append(f"**d_model {d}** (fastest reference: {w['fastest_reference']}; "
                      f"qkv/pre = {w['qkv_over_pre']['median']:.3f}, pre/fastest reference = "
                      f"{w['pre_over_fastest_ref']['median']:.3f})\n\n"
                      + md_table(["contender", "params", "ms/step", "tokens/s", "/nanogpt",
-                                 "/fastest ref"], rows))
+                                 "/fastest ref", "its median's CI"], rows))
     return "\n\n".join(parts)
 
 

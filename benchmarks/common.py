@@ -11,6 +11,7 @@ import argparse
 import datetime as dt
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -72,10 +73,34 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
-def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
-    """Median, min and max of the per-repeat ratios num[i] / den[i] (paired repeats)."""
+def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, Any]:
+    """Distribution-free confidence interval for the median: [x_(k), x_(n+1-k)] of the sorted xs.
+
+    For i.i.d. draws the median lies between the k-th smallest and k-th largest with
+    probability 1 - 2 P(Binomial(n, 1/2) <= k - 1), whatever the distribution; k is the
+    largest that still reaches `level`. With five or fewer repeats even [min, max] falls short
+    of 95%, so the coverage actually reached is returned beside the bounds.
+    """
+    xs = sorted(xs)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_ci: no values")
+
+    def coverage(k: int) -> float:
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return {"lo": xs[k - 1], "hi": xs[n - k], "coverage": coverage(k)}
+
+
+def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and a median CI of the per-repeat ratios num[i] / den[i] (paired)."""
     rs = [a / b for a, b in zip(num, den, strict=True) if b > 0]
-    return {"median": median(rs), "min": min(rs), "max": max(rs)}
+    ci = median_ci(rs)
+    return {"median": median(rs), "min": min(rs), "max": max(rs), "n": len(rs),
+            "ci": [ci["lo"], ci["hi"]], "ci_coverage": ci["coverage"]}
 
 
 def summary(times: Sequence[float]) -> dict[str, float]:
@@ -174,6 +199,14 @@ def fmt(x: float | None, digits: int = 3) -> str:
 def rf(x: float | None) -> str:
     """A ratio for a table: two decimals."""
     return "—" if x is None else f"{x:.2f}"
+
+
+def rci(stats: Mapping[str, Any] | None) -> str:
+    """A ratio's median CI for a table: 'lo–hi (coverage %)'; '—' for results without one."""
+    if not stats or "ci" not in stats:
+        return "—"
+    lo, hi = stats["ci"]
+    return f"{lo:.2f}–{hi:.2f} ({100 * stats['ci_coverage']:.0f}%)"
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -26,7 +26,7 @@ import bench_mfu
 import bench_packing
 import bench_scaling
 import bench_train_step
-from common import ROOT, load_note, machine_info, md_table, rf, setup_threads
+from common import ROOT, load_note, machine_info, md_table, rci, rf, setup_threads
 
 ORDER = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
 MODULES: dict[str, Any] = {
@@ -37,34 +37,36 @@ MODULES: dict[str, Any] = {
 
 
 def headlines(results: dict[str, Any]) -> str:
-    """The few numbers worth quoting, pulled from the individual results."""
-    rows: list[list[Any]] = []
+    """The few numbers worth quoting, pulled from the individual results, with their CIs."""
+    rows: list[list[Any]] = []  # quantity, value, ratio stats (None for MFU)
     ts = results.get("train_step", {})
     for d, w in ts.get("widths", {}).items():
         rows.append([f"train step d{d}: normlab-pre / {w['fastest_reference']} (time)",
-                     w["pre_over_fastest_ref"]["median"]])
-        rows.append([f"train step d{d}: qkv / pre (time)", w["qkv_over_pre"]["median"]])
+                     w["pre_over_fastest_ref"]["median"], w["pre_over_fastest_ref"]])
+        rows.append([f"train step d{d}: qkv / pre (time)", w["qkv_over_pre"]["median"],
+                     w["qkv_over_pre"]])
     for d, w in results.get("mfu", {}).get("widths", {}).items():
         for name in ("normlab-pre", "normlab-qkv"):
             if name in w["contenders"]:
-                rows.append([f"MFU d{d} {name} (%)", 100 * w["contenders"][name]["mfu"]])
+                rows.append([f"MFU d{d} {name} (%)", 100 * w["contenders"][name]["mfu"], None])
     for r in results.get("packing", {}).get("results", []):
         rows.append([f"packing {r['grid']} grid: padded / packed step (time)",
-                     r["speedup"]["median"]])
+                     r["speedup"]["median"], r["speedup"]])
     for r in results.get("decode", {}).get("results", []):
         rows.append([f"decode {r['placement']} {r['cell']}: uncached / cached (time)",
-                     r["speedup"]["median"]])
+                     r["speedup"]["median"], r["speedup"]])
     col = results.get("collapse", {})
     if "speedup_sweep" in col:
         rows.append(["collapse sweep: naive / vectorised sweep (time)",
-                     col["speedup_sweep"]["median"]])
+                     col["speedup_sweep"]["median"], col["speedup_sweep"]])
         rows.append(["collapse sweep: naive / whole measure_collapse (time)",
-                     col["speedup_call"]["median"]])
+                     col["speedup_call"]["median"], col["speedup_call"]])
     for r in results.get("hooks", {}).get("results", []):
         rows.append([f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)",
-                     r["ratio"]["median"]])
-    rows = [[q, f"{v:.1f}" if "%" in q else rf(v)] for q, v in rows]
-    return "### Headlines\n\n" + md_table(["quantity", "value"], rows) if rows else ""
+                     r["ratio"]["median"], r["ratio"]])
+    rows = [[q, f"{v:.1f}" if "%" in q else rf(v), rci(st)] for q, v, st in rows]
+    return ("### Headlines\n\n" + md_table(["quantity", "value (median)", "CI of the median"],
+                                            rows) if rows else "")
 
 
 def main(argv: list[str] | None = None) -> int:
