@@ -11,7 +11,6 @@ import argparse
 import datetime as dt
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from normlab.io import git_commit
+from normlab.stats import median_ci
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,28 +71,6 @@ def paired_timing(
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
-
-
-def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, Any]:
-    """Distribution-free confidence interval for the median: [x_(k), x_(n+1-k)] of the sorted xs.
-
-    For i.i.d. draws the median lies between the k-th smallest and k-th largest with
-    probability 1 - 2 P(Binomial(n, 1/2) <= k - 1), whatever the distribution; k is the
-    largest that still reaches `level`. With five or fewer repeats even [min, max] falls short
-    of 95%, so the coverage actually reached is returned beside the bounds.
-    """
-    xs = sorted(xs)
-    n = len(xs)
-    if n == 0:
-        raise ValueError("median_ci: no values")
-
-    def coverage(k: int) -> float:
-        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0**n
-
-    k = 1
-    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
-        k += 1
-    return {"lo": xs[k - 1], "hi": xs[n - k], "coverage": coverage(k)}
 
 
 def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Small statistics used across reports: means with t-intervals over seeds, verdict rules."""
+"""Small statistics used across reports: means with t-intervals over seeds, medians with
+distribution-free intervals (benchmark repeats), verdict rules."""
 
 from __future__ import annotations
 
@@ -24,6 +25,28 @@ def mean_ci(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
     t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
     half = t * sd / math.sqrt(n)
     return m, (m - half, m + half)
+
+
+def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """Distribution-free confidence interval for the median: [x_(k), x_(n+1-k)] of the sorted xs.
+
+    For i.i.d. draws the median lies between the k-th smallest and k-th largest with
+    probability 1 - 2 P(Binomial(n, 1/2) <= k - 1), whatever the distribution; k is the
+    largest that still reaches `level`. With five or fewer repeats even [min, max] falls short
+    of 95%, so the coverage actually reached is returned beside the bounds.
+    """
+    xs = sorted(float(x) for x in xs)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_ci: expected at least one value")
+
+    def coverage(k: int) -> float:
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return {"lo": xs[k - 1], "hi": xs[n - k], "coverage": coverage(k)}
 
 
 def verdict_band(ci: tuple[float, float], lo: float, hi: float) -> str:
