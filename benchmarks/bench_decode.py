@@ -29,6 +29,7 @@ from common import (
     md_table,
     paired_timing,
     ratio_stats,
+    rci,
     repeats_for,
     rf,
     setup_threads,
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(res: dict[str, Any]) -> str:
     rows = [[r["placement"], r["cell"], r["batch"], r["prompt_len"], r["max_new"],
              1e3 * r["cached"]["median_s"], 1e3 * r["uncached"]["median_s"],
-             rf(r["speedup"]["median"]), "yes" if r["identical_outputs"] else "NO"]
+             rf(r["speedup"]["median"]), rci(r["speedup"]),
+             "yes" if r["identical_outputs"] else "NO"]
             for r in res["results"]]
     return "\n\n".join([
         header("Greedy decoding: KV cache vs none", res["info"], res["load_note"]),
@@ -112,7 +114,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"cell, forced to max_new tokens; median of {res['repeats']} repeats; speed-up = "
         "uncached / cached time (median of per-repeat ratios).",
         md_table(["placement", "cell", "batch", "prompt len", "max_new", "cached ms",
-                  "uncached ms", "speed-up", "same tokens"], rows),
+                  "uncached ms", "speed-up", "its median's CI", "same tokens"], rows),
     ])
 
 

@@ -27,6 +27,7 @@ from common import (
     md_table,
     paired_timing,
     ratio_stats,
+    rci,
     repeats_for,
     rf,
     setup_threads,
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def to_markdown(res: dict[str, Any]) -> str:
     rows = [[r["placement"], r["batch"], r["hook_points"], 1e3 * r["hooks"]["median_s"],
-             1e3 * r["bypassed"]["median_s"], rf(r["ratio"]["median"]),
+             1e3 * r["bypassed"]["median_s"], rf(r["ratio"]["median"]), rci(r["ratio"]),
              f"{r['us_per_hook_call']:.2f}", f"{r['predicted_overhead_pct']:.2f}"]
             for r in res["results"]]
     c = res["call_cost"]
@@ -132,7 +133,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"bare `return x` {c['ns_per_call']['bypassed']:.0f} ns/call; predicted % = hook points "
         "x the difference / bypassed forward time.",
         md_table(["placement", "batch", "hook points", "ms (hooks)", "ms (bypassed)", "ratio",
-                  "µs/call", "predicted %"], rows),
+                  "its median's CI", "µs/call", "predicted %"], rows),
     ])
 
 

@@ -27,6 +27,7 @@ from common import (
     md_table,
     paired_timing,
     ratio_stats,
+    rci,
     repeats_for,
     rf,
     setup_threads,
@@ -83,6 +84,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             rows.append([r["grid"], r["d_model"], name, f"{x['rows']} x {x['width']}",
                          f"{x['density']:.2f}", 1e3 * x["median_s"], x["real_tokens_per_s"],
                          rf(r["speedup"]["median"]) if name == "packed" else "1.00",
+                         rci(r["speedup"]) if name == "packed" else "",
                          f"{r['loss_abs_diff']:.1e}" if name == "packed" else ""])
     return "\n\n".join([
         header("Sequence packing: training step, same problems", res["info"], res["load_note"]),
@@ -90,7 +92,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"+ AdamW, median of {res['repeats']} repeats; speed-up = padded / packed time (median "
         "of per-repeat ratios); |Δ loss| = packed vs padded loss before training.",
         md_table(["grid", "d_model", "batch", "rows x width", "density", "ms/step",
-                  "real tokens/s", "speed-up", "|Δ loss|"], rows),
+                  "real tokens/s", "speed-up", "its median's CI", "|Δ loss|"], rows),
     ])
 
 
