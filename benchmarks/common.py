@@ -27,10 +27,23 @@ from normlab.stats import median_ci
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, else a one-line usage error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1; got {text!r}")
+    return value
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a few seconds: checks it runs")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="override the repeat count")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch.set_num_threads (default 1)")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="override the repeat count(s)")
     return parser
 
 
@@ -41,7 +54,7 @@ def setup_threads(n: int) -> int:
 
 def repeats_for(args: argparse.Namespace, quick: int, full: int) -> int:
     if args.repeats is not None:
-        return max(1, args.repeats)
+        return args.repeats
     return quick if args.quick else full
 
 

@@ -26,7 +26,16 @@ import bench_mfu
 import bench_packing
 import bench_scaling
 import bench_train_step
-from common import ROOT, load_note, machine_info, md_table, rci, rf, setup_threads
+from common import (
+    ROOT,
+    add_common_args,
+    load_note,
+    machine_info,
+    md_table,
+    rci,
+    rf,
+    setup_threads,
+)
 
 ORDER = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
 MODULES: dict[str, Any] = {
@@ -71,9 +80,7 @@ def headlines(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="seconds per benchmark: smoke run")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="override every repeat count")
+    add_common_args(parser)  # --quick, --threads, --repeats: the same flags as each benchmark
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
     parser.add_argument("--only", default=",".join(ORDER), help="comma-separated subset")
     parser.add_argument("--run", default=None, help="trained decoder run for bench_collapse")

@@ -78,3 +78,17 @@ def test_ratio_stats_reports_the_median_and_its_ci_of_paired_ratios() -> None:
     assert (st["median"], st["min"], st["max"], st["n"]) == (3.0, 2.0, 4.0, 3)
     assert st["ci"] == [2.0, 4.0] and st["ci_coverage"] == pytest.approx(0.75)
     assert common.rci(st) == "2.00–4.00 (75%)" and common.rci(None) == "—"
+
+
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--repeats", "-2"], ["--threads", "two"]])
+def test_bad_threads_or_repeats_is_a_one_line_usage_error(argv: list[str], capsys) -> None:
+    import run_all
+
+    parser = common.add_common_args(common.argparse.ArgumentParser(prog="bench"))
+    for parse in (parser.parse_args, run_all.main):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(argv)
+        assert exit_info.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.endswith(f"error: argument {argv[0]}: expected an int >= 1; got {argv[1]!r}")
+    assert parser.parse_args(["--threads", "2", "--repeats", "15"]).repeats == 15
