@@ -32,6 +32,7 @@ from common import (
     machine_info,
     md_table,
     paired_timing,
+    positive_ints,
     ratio_stats,
     rci,
     repeats_for,
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_cfg = base_config()
     batch = real_batch(run_cfg)
     b, t = batch["tokens"].shape
-    widths = [int(w) for w in (args.widths or ("64" if args.quick else "64,128")).split(",")]
+    widths = args.widths or ([64] if args.quick else [64, 128])
     repeats = repeats_for(args, quick=3, full=7)
     inner = 1 if args.quick else 3
     xt_ok, xt_note = x_transformers_status()
@@ -246,7 +247,8 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 def main() -> None:
     def extra(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--widths", default=None, help="comma-separated d_model values")
+        p.add_argument("--widths", type=positive_ints, default=None,
+                       help="comma-separated d_model values (default 64,128; 64 with --quick)")
         p.add_argument("--compile", action="store_true",
                        help="also time every contender under torch.compile (+~20 s each)")
 

@@ -38,6 +38,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated ints >= 1 (e.g. `--widths 64,128`)."""
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated ints >= 1; got {text!r}") from None
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a few seconds: checks it runs")
     parser.add_argument("--threads", type=positive_int, default=1,
@@ -145,6 +154,8 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 OTHERS_BUSY_LIMIT = 0.25
 """CPUs' worth of time used by other processes, on average over a benchmark, that flags it."""
+MIN_JUDGED_SECONDS = 1.0
+"""Shorter benchmarks are not judged by /proc/stat: its 10 ms ticks would dominate."""
 
 
 def load_note(info: dict[str, Any]) -> str:
@@ -153,11 +164,12 @@ def load_note(info: dict[str, Any]) -> str:
     `info` is the benchmark's `machine_info`, taken at its start. Busy CPU time over all CPUs
     (/proc/stat) minus this process's own, over the wall time since then, is the load that
     competed with it; unlike the load average it neither lags nor counts the run's own
-    threads. The measurement goes into `info['load_during']`. Without /proc/stat, falls back
-    to the 1-minute load average beyond the run's own threads.
+    threads. The measurement goes into `info['load_during']`. Without /proc/stat, or for a
+    benchmark shorter than `MIN_JUDGED_SECONDS`, falls back to the 1-minute load average
+    beyond the run's own threads.
     """
     before, now = info.get("cpu_counters_at_start"), cpu_counters()
-    if before and now and now["wall"] > before["wall"]:
+    if before and now and now["wall"] - before["wall"] >= MIN_JUDGED_SECONDS:
         wall = now["wall"] - before["wall"]
         others = (now["busy"] - before["busy"] - (now["own"] - before["own"])) / wall
         steal = (now["steal"] - before["steal"]) / wall
@@ -236,7 +248,10 @@ def bench_main(
     args = parser.parse_args()
     if early is not None and early(args):
         return
-    res = run(args)
+    try:
+        res = run(args)
+    except (ValueError, FileNotFoundError) as err:  # bad input (a flag, a run folder): one line
+        parser.exit(2, f"{parser.prog}: error: {str(err).splitlines()[0]}\n")
     print(to_markdown(res))
     if args.out:
         with open(args.out, "w") as f:

@@ -92,3 +92,33 @@ def test_bad_threads_or_repeats_is_a_one_line_usage_error(argv: list[str], capsy
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.endswith(f"error: argument {argv[0]}: expected an int >= 1; got {argv[1]!r}")
     assert parser.parse_args(["--threads", "2", "--repeats", "15"]).repeats == 15
+
+
+def test_a_short_benchmark_is_not_judged_by_proc_stat_ticks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # over 0.05 s, four 10 ms ticks of other processes' time would read as 0.8 CPUs busy
+    monkeypatch.setattr(common, "cpu_counters", lambda: _counters(10.05, 10.04, 5.0))
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    info = _info(_counters(10.0, 10.0, 5.0))
+    assert common.load_note(info) == "" and "load_during" not in info
+
+
+def test_widths_parse_as_positive_ints() -> None:
+    assert common.positive_ints("64,128") == [64, 128]
+    for bad in ("6x4", "64,", "0,64"):
+        with pytest.raises(common.argparse.ArgumentTypeError,
+                           match=f"expected comma-separated ints >= 1; got '{bad}'"):
+            common.positive_ints(bad)
+
+
+def test_bench_main_turns_bad_input_into_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    def run(args: object) -> dict:
+        raise ValueError("'runs/nope' is not a normlab run folder (no checkpoints/)\ndetail")
+
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "--quick"])
+    with pytest.raises(SystemExit) as exit_info:
+        common.bench_main("doc", run, lambda res: "")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "bench_x.py: error: 'runs/nope' is not a normlab run folder (no checkpoints/)\n"
