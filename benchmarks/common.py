@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from normlab.io import git_commit
+from normlab.io import atomic_write_text, git_commit
 from normlab.stats import median_ci
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,22 @@ def positive_ints(text: str) -> list[int]:
             f"expected comma-separated ints >= 1; got {text!r}") from None
 
 
+def refuse_overwrite(parser: argparse.ArgumentParser, path: str | Path | None, force: bool,
+                     flag: str = "--out") -> None:
+    """Before any work: an existing result file is replaced only when asked (`--force`)."""
+    if path is not None and Path(path).exists() and not force:
+        parser.error(f"{flag}: {str(path)!r} already exists; pass --force to overwrite it")
+
+
+def write_result(path: str | Path, obj: Any) -> None:
+    """A result JSON, written atomically (a crash leaves the old file or the new, never half)."""
+    atomic_write_text(Path(path), json.dumps(obj, indent=1, default=str) + "\n")
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a few seconds: checks it runs")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite an existing --out (--json) result file")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch.set_num_threads (default 1)")
     parser.add_argument("--repeats", type=positive_int, default=None,
@@ -248,11 +262,11 @@ def bench_main(
     args = parser.parse_args()
     if early is not None and early(args):
         return
+    refuse_overwrite(parser, args.out, args.force)
     try:
         res = run(args)
     except (ValueError, FileNotFoundError) as err:  # bad input (a flag, a run folder): one line
         parser.exit(2, f"{parser.prog}: error: {str(err).splitlines()[0]}\n")
     print(to_markdown(res))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_result(args.out, res)

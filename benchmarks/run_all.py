@@ -1,6 +1,6 @@
 """Run every benchmark (what `make bench` runs), write one JSON and print Markdown tables.
 
-    python benchmarks/run_all.py [--quick] [--threads N] [--out benchmarks/results.json]
+    python benchmarks/run_all.py [--quick] [--threads N] [--out FILE.json [--force]]
         [--only train_step,mfu,packing,decode,collapse,scaling,hooks]
 
 A benchmark that fails or cannot run (e.g. the collapse API is missing) is reported as such
@@ -11,7 +11,7 @@ a pass/fail test. See docs/performance.md for how to read the output.
 from __future__ import annotations
 
 import argparse
-import json
+import datetime as dt
 import sys
 import time
 import traceback
@@ -33,8 +33,10 @@ from common import (
     machine_info,
     md_table,
     rci,
+    refuse_overwrite,
     rf,
     setup_threads,
+    write_result,
 )
 
 ORDER = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
@@ -81,12 +83,18 @@ def headlines(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)  # --quick, --threads, --repeats: the same flags as each benchmark
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON (default: runs/bench/results-<UTC time>.json, a new "
+                             "file each run; an existing file needs --force)")
     parser.add_argument("--only", default=",".join(ORDER), help="comma-separated subset")
     parser.add_argument("--run", default=None, help="trained decoder run for bench_collapse")
     parser.add_argument("--compile", action="store_true",
                         help="train_step also times every contender under torch.compile")
     args = parser.parse_args(argv)
+    if args.out is None:  # a new file per run: `make bench` never replaces a cited result
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+        args.out = ROOT / "runs" / "bench" / f"results-{stamp}.json"
+    refuse_overwrite(parser, args.out, args.force)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]
     for name in chosen:
         if name not in MODULES:
@@ -128,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "info": info, "load_note": note, "seconds": seconds,
         "total_seconds": time.perf_counter() - t_start, "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, default=str))
+    write_result(args.out, doc)
     print(f"total {doc['total_seconds']:.0f} s; wrote {args.out}" + (f"; {note}" if note else ""))
     return 1 if any("error" in r for r in results.values()) else 0
 

@@ -23,6 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from common import refuse_overwrite, write_result
 from normlab.io import read_metrics
 
 
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=0.99)
     parser.add_argument("--split", default="train")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --json")
     args = parser.parse_args(argv)
+    refuse_overwrite(parser, args.json, args.force, flag="--json")
     rows = [first_reach(r, args.threshold, args.split) for r in args.runs]
     groups = summarise(rows)
     print(f"first evaluation with accuracy.{args.split} >= {args.threshold}\n")
@@ -103,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         step = "—" if g["median_step"] is None else f"{g['median_step']:g}"
         print(f"| {name} | {g['reached']} / {g['runs']} | {step} | {sec} |")
     if args.json:
-        args.json.write_text(json.dumps({"threshold": args.threshold, "split": args.split,
-                                         "runs": rows, "by_placement": groups}, indent=1))
+        write_result(args.json, {"threshold": args.threshold, "split": args.split,
+                                 "runs": rows, "by_placement": groups})
     return 0
 
 

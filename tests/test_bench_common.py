@@ -122,3 +122,44 @@ def test_bench_main_turns_bad_input_into_one_line(monkeypatch: pytest.MonkeyPatc
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == "bench_x.py: error: 'runs/nope' is not a normlab run folder (no checkpoints/)\n"
+
+
+def test_an_existing_result_file_is_replaced_only_with_force(tmp_path: Path, monkeypatch,
+                                                             capsys) -> None:
+    """bench_main and run_all refuse before any work; with --force the write is atomic."""
+    import run_all
+
+    out = tmp_path / "result.json"
+    out.write_text('{"kept": true}')
+    ran = []
+
+    def run(args: object) -> dict:
+        ran.append(1)
+        return {"new": True}
+
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_info:
+        common.bench_main("doc", run, lambda res: "")
+    assert exit_info.value.code == 2 and not ran
+    assert capsys.readouterr().err.strip().endswith(
+        f"error: --out: {str(out)!r} already exists; pass --force to overwrite it")
+    with pytest.raises(SystemExit):
+        run_all.main(["--out", str(out), "--only", "mfu", "--quick"])
+    assert out.read_text() == '{"kept": true}'
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "--out", str(out), "--force"])
+    common.bench_main("doc", run, lambda res: "")
+    assert ran == [1] and out.read_text() == '{\n "new": true\n}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temp file left
+
+
+def test_time_to_accuracy_json_is_replaced_only_with_force(tmp_path: Path, capsys) -> None:
+    import time_to_accuracy
+
+    out = tmp_path / "tta.json"
+    out.write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        time_to_accuracy.main([str(tmp_path / "no-run"), "--json", str(out)])
+    assert exit_info.value.code == 2 and out.read_text() == "{}"
+    assert "--json: " in capsys.readouterr().err
+    assert time_to_accuracy.main([str(tmp_path / "no-run"), "--json", str(out), "--force"]) == 0
+    assert '"runs"' in out.read_text()
