@@ -19,4 +19,6 @@ train() {  # placement seed
 for seed in 0 1 2; do
   train pre "$seed" & train qkv "$seed" & wait
 done
-"$bin/python" benchmarks/time_to_accuracy.py "$out"/pre-s*/ "$out"/qkv-s*/ --json "$out/tta.json"
+# tta.json is a summary of the runs above, recomputed from them on every (re)start
+"$bin/python" benchmarks/time_to_accuracy.py "$out"/pre-s*/ "$out"/qkv-s*/ --json "$out/tta.json" \
+  --force
