@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from normlab import io
 from normlab.io import atomic_write_text, git_commit
 from normlab.stats import median_ci
 
@@ -50,8 +51,12 @@ def positive_ints(text: str) -> list[int]:
 def refuse_overwrite(parser: argparse.ArgumentParser, path: str | Path | None, force: bool,
                      flag: str = "--out") -> None:
     """Before any work: an existing result file is replaced only when asked (`--force`)."""
-    if path is not None and Path(path).exists() and not force:
-        parser.error(f"{flag}: {str(path)!r} already exists; pass --force to overwrite it")
+    if path is None:
+        return
+    try:
+        io.refuse_overwrite(Path(path).parent, Path(path).name, force)
+    except ValueError as err:
+        parser.error(f"{flag}: {err}")
 
 
 def write_result(path: str | Path, obj: Any) -> None:

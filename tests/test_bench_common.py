@@ -163,3 +163,20 @@ def test_time_to_accuracy_json_is_replaced_only_with_force(tmp_path: Path, capsy
     assert "--json: " in capsys.readouterr().err
     assert time_to_accuracy.main([str(tmp_path / "no-run"), "--json", str(out), "--force"]) == 0
     assert '"runs"' in out.read_text()
+
+
+def test_run_all_writes_a_new_file_under_runs_bench_by_default(tmp_path: Path, monkeypatch,
+                                                               capsys) -> None:
+    """Without --out, `make bench` writes runs/bench/results-<UTC time>.json, not a tracked file."""
+    import types
+
+    import run_all
+
+    fake = types.SimpleNamespace(run=lambda args: {"benchmark": "mfu", "widths": {}},
+                                 to_markdown=lambda res: "### fake")
+    monkeypatch.setattr(run_all, "ROOT", tmp_path)
+    monkeypatch.setitem(run_all.MODULES, "mfu", fake)
+    assert run_all.main(["--only", "mfu", "--quick"]) == 0
+    written = list((tmp_path / "runs" / "bench").iterdir())
+    assert len(written) == 1 and written[0].name.startswith("results-")
+    assert '"mfu"' in written[0].read_text() and str(written[0]) in capsys.readouterr().out

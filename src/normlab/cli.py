@@ -24,23 +24,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
-    """Results already written stay unless the user asks (`--force`)."""
-    found = sorted(Path(folder).glob(pattern)) if Path(folder).is_dir() else []
-    if found and not force:
-        raise ValueError(f"{str(found[0])!r} already exists; pass --force to overwrite it")
-
-
 def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) -> dict[str, Any]:
     """Evaluate a run's newest checkpoint on every split; write eval.json and heatmap.png."""
     import torch
 
     from normlab.evaluate import answer_token_accuracy, evaluate, heatmap
-    from normlab.io import provenance, write_json
+    from normlab.io import provenance, refuse_overwrite, write_json
     from normlab.tasks.addition import eval_sets
     from normlab.train import load_run
 
-    _refuse_overwrite(Path(run_dir), "eval.json", force)
+    refuse_overwrite(Path(run_dir), "eval.json", force)
     cfg, model, meta = load_run(run_dir)
     torch.set_num_threads(cfg.train.threads)
     task = cfg.task.resolve()
@@ -121,6 +114,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from normlab.io import refuse_overwrite
+
     if args.curve:
         from normlab.curves import curve_table, learning_curve, plot_curves
 
@@ -128,7 +123,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         header, rows = curve_table(curves)
         title = f"exact match % on {args.curve} (training seconds)"
         if args.plot:
-            _refuse_overwrite(Path(args.plot).parent, Path(args.plot).name, args.force)
+            refuse_overwrite(Path(args.plot).parent, Path(args.plot).name, args.force)
             plot_curves(curves, Path(args.plot), args.curve)
     else:
         if args.plot:
@@ -152,6 +147,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from normlab.analysis.report import analyze_run
+    from normlab.io import refuse_overwrite
 
     if args.threads is not None:
         if args.threads < 1:
@@ -177,13 +173,13 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
         out = Path(args.out) if args.out else None
         if out is not None:
-            _refuse_overwrite(out, "*.json", args.force)
+            refuse_overwrite(out, "*.json", args.force)
         analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
         print(f"wrote analysis to {args.out}")
         return 0
     if not args.run_dir:
         raise ValueError("analyze: give RUN_DIR, or --hf DIR with --tokens/--text and --out")
-    _refuse_overwrite(Path(args.run_dir) / "analysis", "*.json", args.force)
+    refuse_overwrite(Path(args.run_dir) / "analysis", "*.json", args.force)
     out = analyze_run(Path(args.run_dir), **kwargs)
     print(
         f"wrote {Path(args.run_dir) / 'analysis'}: "

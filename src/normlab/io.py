@@ -39,6 +39,13 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
+    """Results already written stay unless the user asks (`--force`): a one-line error."""
+    found = sorted(Path(folder).glob(pattern)) if Path(folder).is_dir() else []
+    if found and not force:
+        raise ValueError(f"{str(found[0])!r} already exists; pass --force to overwrite it")
+
+
 def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
 
