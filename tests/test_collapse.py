@@ -342,3 +342,44 @@ def test_short_groups_take_more_copies_per_forward_and_the_same_eps() -> None:
     assert len(forwards) - 1 < len(groups) * math.ceil(n_draws / chunk)
     assert one["collapse_rate"][0] > 0
     torch.testing.assert_close(many["rows"]["rate"], one["rows"]["rate"], rtol=0, atol=0)
+
+
+def pattern_flips(model, data, rows, pert, sigma: float, n_draws: int, seed: int = 0):
+    """Second implementation: one forward per draw over the whole batch (no copies, no length
+    groups), with the eps `measure_collapse` draws when all draws fit in one forward."""
+    B = data.n_examples
+    tables = pert.draw(sigma, n_draws * B, data.lengths, torch.Generator().manual_seed(seed))
+    names = [f"{s}.hook_pattern" for s in rows.sites]
+    flips = torch.zeros(len(rows), dtype=torch.float64)
+    for j in range(n_draws):
+        sub = {k: t[j * B:(j + 1) * B] for k, t in tables.items()}
+        got = collect(model, data, {n: lambda p: p.argmax(-1) for n in names},
+                      hooks=pert.hooks(sub))
+        for i, name in enumerate(rows.sites):
+            sel = rows.site == i
+            key = got[f"{name}.hook_pattern"][rows.example[sel], rows.head[sel], rows.qpos[sel]]
+            flips[sel] += (key != rows.key[sel]).double()
+    return flips
+
+
+@pytest.mark.parametrize(("arch", "kw", "mode", "heads"), [
+    ("decoder", {}, "token", None),
+    ("decoder", {"pos_encoding": "rope", "n_kv_heads": 2, "norm_placement": "qkv"}, "token",
+     None),
+    ("decoder", {"norm_placement": "qk"}, "vector", [1, 3]),
+    ("encoder_decoder", {"norm_placement": "qkv"}, "token", None),
+])
+def test_sweep_counts_equal_one_plain_forward_per_draw(arch, kw, mode, heads) -> None:
+    """Packing draws as batch copies (copy-major eps, length groups, per-group copy counts)
+    must count exactly what one forward per draw counts, row by row, with RoPE, grouped-query
+    heads, a head subset and cross-attention."""
+    model = small(arch, **({"norm_placement": "pre"} | kw))
+    data = EvalData.from_problems(mixed_problems(), arch)
+    n_draws, sigma = 5, 0.4
+    res = measure_collapse(model, data, sigmas=[sigma], n_draws=n_draws, threshold=0.5,
+                           mode=mode, heads=heads, theory_draws=2, max_tokens=10**7)
+    rows = find_sparse_rows(model, data, threshold=0.5, heads=heads)
+    pert = Perturbation(model, mode=mode, heads=heads)
+    want = pattern_flips(model, data, rows, pert, sigma, n_draws)
+    assert len(rows) > 20 and 0 < want.sum() < len(rows) * n_draws  # some rows flip, not all
+    torch.testing.assert_close(res["rows"]["rate"][:, 0] * n_draws, want, rtol=0, atol=0)

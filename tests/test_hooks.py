@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
+from normlab.model import attention
 from normlab.model.generate import greedy_decode
 
 
@@ -138,7 +140,8 @@ def test_rescaling_hook_k_acts_as_a_rescaled_key(placement: str) -> None:
 
 @pytest.mark.parametrize("placement", ["none", "post", "pre", "qk", "qkv"])
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
-def test_fused_path_gives_the_same_numbers(placement: str, arch: str) -> None:
+def test_fused_path_gives_the_same_numbers(placement: str, arch: str, monkeypatch) -> None:
+    monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)  # SDPA even for short rows
     model = build_model(cfg(norm_placement=placement, arch=arch, pos_encoding="rope"))
     src = torch.randint(0, 16, (2, 8))
     args = (src,) if arch == "decoder" else (src, src[:, :5])
@@ -200,3 +203,43 @@ def test_fused_norms_give_the_same_numbers(placement: str, kind: str) -> None:
         tokens, fwd_hooks=[(lambda n: n.endswith("hook_scale"), lambda x, h: None)]
     )
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path_bit_for_bit(
+    placement: str, monkeypatch
+) -> None:
+    """Rows of <= EXPLICIT_MAX_KEYS_CPU keys run the explicit path with no hook attached (faster
+    than SDPA there); its output and gradients are then bitwise those of a hooked forward, and
+    its scores are the masked, scaled q.k written out by hand."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    model = build_model(cfg(norm_placement=placement, pos_encoding="rope", n_layers=2))
+    tokens = torch.randint(0, 16, (3, 9))
+
+    def run(hooks: list) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad()
+        with model.hooks(hooks):
+            out = model(tokens)
+        out.square().sum().backward()
+        return out.detach(), model.blocks[0].attn.W_Q.grad.clone()
+
+    plain = run([])
+    assert calls == []
+    hooked = run([("blocks.1.attn.hook_pattern", lambda x, hook: x)])
+    assert torch.equal(plain[0], hooked[0]) and torch.equal(plain[1], hooked[1])
+    monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 8)  # 9 keys: SDPA again
+    fused = run([])
+    assert len(calls) == 2
+    torch.testing.assert_close(fused[0], plain[0], atol=1e-5, rtol=1e-5)
+
+    names = ["blocks.0.attn.hook_rot_q", "blocks.0.attn.hook_rot_k",
+             "blocks.0.attn.hook_attn_scores"]
+    _, c = model.run_with_cache(tokens, names_filter=names)
+    q, k = c[names[0]].transpose(1, 2), c[names[1]].transpose(1, 2)
+    scale = model.blocks[0].attn.scale.detach()[:, None, None]
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    want = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
+    assert torch.equal(c[names[2]], want)

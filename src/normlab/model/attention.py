@@ -28,6 +28,13 @@ from normlab.model.hooks import HookPoint
 from normlab.model.norms import Norm
 from normlab.model.positions import apply_rope
 
+EXPLICIT_MAX_KEYS_CPU = 64
+"""Up to this many keys, attention on CPU runs the explicit scores/softmax path even when no
+hook reads it, because there it beats SDPA's CPU flash kernel: forward+backward 1.5-1.7x
+(one thread) and 2.2-3.4x (two threads) faster at the 17-24 keys of training. The measured
+crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
+(`benchmarks/probes/attn_path.py`). Longer rows, and every GPU, use SDPA."""
+
 
 class HeadNorm(Norm):
     """QK/QKV-Norm on [batch, pos, head, d_head]: per head (`head`) or whole projection (`all`).
@@ -84,7 +91,7 @@ class Attention(nn.Module):
         else:
             self.register_buffer("scale", torch.full((h,), 1.0 / math.sqrt(e)), persistent=False)
         self.dropout = cfg.dropout
-        self.fused = True  # use SDPA when no hook needs the scores or the pattern
+        self.fused = True  # SDPA allowed when no hook reads the scores or the pattern
         for name in ("q", "k", "v"):
             if getattr(self, f"{name}_norm") is not None:
                 setattr(self, f"hook_{name}_pre_norm", HookPoint())
@@ -147,7 +154,9 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scale = self.scale.to(q.dtype)
         p_drop = self.dropout if self.training else 0.0
-        if self.fused and not (self.hook_attn_scores.fns or self.hook_pattern.fns):
+        explicit = (not self.fused or self.hook_attn_scores.fns or self.hook_pattern.fns
+                    or (q.device.type == "cpu" and k.shape[-2] <= EXPLICIT_MAX_KEYS_CPU))
+        if not explicit:
             if isinstance(self.scale, nn.Parameter):  # a scale per head: fold it into q
                 q, sdpa_scale = q * scale[:, None, None], 1.0
             else:  # one fixed scale: SDPA applies it in its kernel, no extra pass over q
@@ -156,9 +165,13 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, dropout_p=p_drop, scale=sdpa_scale
             )
         else:
-            scores = (q @ k.transpose(-1, -2)) * scale[:, None, None]
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
+            scores = q @ k.transpose(-1, -2)
+            if mask is None:
+                scores = scores * scale[:, None, None]
+            else:  # scale and mask in one pass; + 0 / + -inf equals a masked_fill bit for bit
+                bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+                bias.masked_fill_(~mask, float("-inf"))
+                scores = torch.addcmul(bias, scores, scale[:, None, None])
             scores = self.hook_attn_scores(scores)
             pattern = self.hook_pattern(scores.softmax(-1))
             if p_drop:
