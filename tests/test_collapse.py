@@ -362,22 +362,41 @@ def pattern_flips(model, data, rows, pert, sigma: float, n_draws: int, seed: int
     return flips
 
 
+@pytest.mark.parametrize("reader", ["pattern", "q_k"])
 @pytest.mark.parametrize(("arch", "kw", "mode", "heads"), [
     ("decoder", {}, "token", None),
     ("decoder", {"pos_encoding": "rope", "n_kv_heads": 2, "norm_placement": "qkv"}, "token",
      None),
     ("decoder", {"norm_placement": "qk"}, "vector", [1, 3]),
+    ("decoder", {"norm_placement": "qk", "attn_scale": "fixed"}, "token", None),
     ("encoder_decoder", {"norm_placement": "qkv"}, "token", None),
 ])
-def test_sweep_counts_equal_one_plain_forward_per_draw(arch, kw, mode, heads) -> None:
+def test_sweep_counts_equal_one_plain_forward_per_draw(
+    arch, kw, mode, heads, reader, monkeypatch
+) -> None:
     """Packing draws as batch copies (copy-major eps, length groups, per-group copy counts)
     must count exactly what one forward per draw counts, row by row, with RoPE, grouped-query
-    heads, a head subset and cross-attention."""
+    heads, learned per-head scales (one negative), a head subset and cross-attention. With
+    `q_k` the rows are treated as long: the sweep then reads q and k and recomputes the rows'
+    scores itself while the model runs SDPA; the reference still reads the model's pattern."""
+    from normlab.model import attention
+
+    if reader == "q_k":
+        monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)
     model = small(arch, **({"norm_placement": "pre"} | kw))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(getattr(m, "scale", None), torch.nn.Parameter):
+                m.scale.mul_(torch.linspace(-1.0, 1.5, m.scale.numel()))
     data = EvalData.from_problems(mixed_problems(), arch)
     n_draws, sigma = 5, 0.4
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     res = measure_collapse(model, data, sigmas=[sigma], n_draws=n_draws, threshold=0.5,
                            mode=mode, heads=heads, theory_draws=2, max_tokens=10**7)
+    assert bool(calls) == (reader == "q_k")
     rows = find_sparse_rows(model, data, threshold=0.5, heads=heads)
     pert = Perturbation(model, mode=mode, heads=heads)
     want = pattern_flips(model, data, rows, pert, sigma, n_draws)

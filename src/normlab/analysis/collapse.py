@@ -55,6 +55,7 @@ from normlab.analysis.data import (
 )
 from normlab.analysis.theory import predict_collapse
 from normlab.model import EncoderDecoderLM, Model
+from normlab.model.attention import explicit_by_default
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import (
     EOS,
@@ -287,19 +288,84 @@ def find_sparse_rows(
 # --------------------------------------------------------------------------- sweep
 
 
-def _rows_argmax(
-    copies: int, example: torch.Tensor, head: torch.Tensor, qpos: torch.Tensor
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`hook_pattern` -> the argmax key of the chosen rows only, [copies, rows].
+class _PatternWinners:
+    """The argmax key of a site's chosen rows under noise, read off `hook_pattern`.
 
     Gathering the few sparse rows before the argmax skips the rest of the pattern: a
-    full-pattern argmax over <= 16 keys cost ~7% of a sweep.
+    full-pattern argmax over <= 16 keys cost ~7% of a sweep. Used where the model runs the
+    explicit attention path anyway (short rows on CPU), so reading the pattern is free.
     """
-    def take(pattern: torch.Tensor) -> torch.Tensor:
-        p = pattern.view(copies, -1, *pattern.shape[1:])  # [c, B, H, Tq, Tk]
-        return p[:, example, head, qpos].argmax(-1)
 
-    return take
+    def __init__(self, site: Site, example: torch.Tensor, head: torch.Tensor,
+                 qpos: torch.Tensor) -> None:
+        self.name, self.example, self.head, self.qpos = (f"{site.name}.hook_pattern", example,
+                                                         head, qpos)
+
+    def take(self, copies: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        def rows(pattern: torch.Tensor) -> torch.Tensor:  # [c * B, H, Tq, Tk] -> [c, R]
+            p = pattern.view(copies, -1, *pattern.shape[1:])
+            return p[:, self.example, self.head, self.qpos].argmax(-1)
+
+        return {self.name: rows}
+
+    def winners(self, got: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return got[self.name]
+
+
+class _RowWinners:
+    """The argmax key of a site's chosen rows under noise, from its q and k, not its pattern.
+
+    Where the model would run SDPA (long rows, GPUs; `explicit_by_default`), reading
+    `hook_pattern` would force every layer onto the explicit scores/softmax path, which
+    materialises [batch, head, T, T]. Instead the rows' queries and keys are gathered at
+    `hook_q`/`hook_k` (`hook_rot_*` with RoPE; after the perturbation hooks, so the noisy
+    vectors), and the rows' scores are recomputed outside the model, `scale * q.k`, masked with
+    the attendable keys of the recorded unperturbed scores (noise never changes which keys a
+    row may read). The argmax of the scores is the argmax of the softmax. On 128-key rows this
+    ran the sweep 14-34% faster (`benchmarks/probes/collapse_long_rows.py`); on short rows it
+    was not faster than reading the pattern, hence `_PatternWinners` there.
+    """
+
+    def __init__(
+        self, site: Site, example: torch.Tensor, head: torch.Tensor, qpos: torch.Tensor,
+        attendable: torch.Tensor,
+    ) -> None:
+        rot = "rot_" if hasattr(site.module, "hook_rot_q") else ""
+        self.q_name, self.k_name = f"{site.name}.hook_{rot}q", f"{site.name}.hook_{rot}k"
+        self.example, self.head, self.qpos = example, head, qpos
+        self.kv_head = head // (site.n_heads // site.n_kv_heads)
+        self.scale = site.module.scale.detach()[head]  # [R]
+        self.attendable = attendable  # [R, K] bool
+
+    def take(self, copies: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """`collect` readers: the rows' queries [c, R, e] and their keys [c, R, Tk, e]."""
+        def q_rows(q: torch.Tensor) -> torch.Tensor:  # [c * B, Tq, H, e]
+            return q.unflatten(0, (copies, -1))[:, self.example, self.qpos, self.head]
+
+        def k_rows(k: torch.Tensor) -> torch.Tensor:  # [c * B, Tk, KVH, e]
+            k = k.unflatten(0, (copies, -1)).transpose(2, 3)  # [c, B, KVH, Tk, e]
+            return k[:, self.example, self.kv_head]
+
+        return {self.q_name: q_rows, self.k_name: k_rows}
+
+    def winners(self, got: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[c, R] argmax key of every row in every copy."""
+        q, k = got[self.q_name], got[self.k_name]
+        scores = (k @ q[..., None]).squeeze(-1) * self.scale[:, None]  # [c, R, Tk]
+        mask = self.attendable[:, : scores.shape[-1]]
+        return scores.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def _winners(
+    site: Site, part: EvalData, example: torch.Tensor, head: torch.Tensor, qpos: torch.Tensor,
+    attendable: torch.Tensor,
+) -> _PatternWinners | _RowWinners:
+    """The cheaper reader for this site at this group's width: the pattern where the model
+    computes it anyway, else the rows' q and k (so the model keeps SDPA)."""
+    device = site.module.W_Q.device
+    if explicit_by_default(device, part.lengths[site.kv_stream]):
+        return _PatternWinners(site, example, head, qpos)
+    return _RowWinners(site, example, head, qpos, attendable)
 
 
 def _cluster_ci(
@@ -337,13 +403,15 @@ def measure_collapse(
 
     The batch is repeated along the batch dimension, one copy per noise draw, as many copies
     per forward as fit in `max_tokens` positions, each copy getting its own eps; the argmax
-    key of every row is read off `hook_pattern`. With `bucket`, the examples are split into
-    groups of similar length (`length_buckets`) and each group runs at its own width (and so
-    with more copies per forward), so short problems do not pay for the longest one's
-    padding; the eps of every (draw, example, position) and hence the counts are the same
-    either way. sigma = 0 is run once (every draw would be identical). Returns a JSON-ready
-    dict; `rows` holds the per-row columns as tensors (pop it before writing JSON),
-    with `rate` [R, n_sigmas] the per-row measured collapse frequency.
+    key of every row is read off `hook_pattern` where the model computes the pattern anyway
+    (short rows on CPU), else recomputed from its noisy q and k, so the layers keep SDPA.
+    With `bucket`, the examples are split into groups of similar length (`length_buckets`)
+    and each group runs at its own width (and so with more copies per forward), so short
+    problems do not pay for the longest one's padding; the eps of every (draw, example,
+    position) and hence the counts are the same either way. sigma = 0 is run once (every
+    draw would be identical). Returns a JSON-ready dict; `rows` holds the per-row columns as
+    tensors (pop it before writing JSON), with `rate` [R, n_sigmas] the per-row measured
+    collapse frequency.
     """
     sigmas = check_sigmas(sigmas)
     _check_positive_int(n_draws, "n_draws")
@@ -359,13 +427,18 @@ def measure_collapse(
     groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk) if bucket else []
     if len(groups) <= 1:
         groups = [torch.arange(B)]  # the batch as it is, no copy
-    parts = []  # (examples, their batch, {site: (row indices, local example index)}, copies)
+    sites = {s.name: s for s in resolve_sites(model)[0]}
+    attendable = {name: torch.isfinite(t) for name, t in rows.logits.items()}
+    parts = []  # (examples, their batch, {site: (row indices, their readers)}, copies)
     for g in groups:
         local = torch.full((B,), -1, dtype=torch.long)
         local[g] = torch.arange(len(g))
         sel = {name: idx[local[rows.example[idx]] >= 0] for name, idx in by_site.items()}
         part = data if len(groups) == 1 else data.subset(g)
-        sel = {name: (idx, local[rows.example[idx]]) for name, idx in sel.items() if idx.numel()}
+        sel = {name: (idx, _winners(sites[name], part, local[rows.example[idx]],
+                                    rows.head[idx], rows.qpos[idx],
+                                    attendable[name][idx - by_site[name][0]]))
+               for name, idx in sel.items() if idx.numel()}
         if sel:  # a short group fits more copies in one forward: fewer, fuller forwards
             parts.append((g, part, sel, chunk_copies(part, max_tokens, n_draws)))
     for si, sigma in enumerate(sigmas):
@@ -386,12 +459,10 @@ def measure_collapse(
                 pick = ((done + torch.arange(c))[:, None] * B + g[None, :]).flatten()  # copy-major
                 picked: dict[int, torch.Tensor] = {}  # token mode shares k and v tables
                 sub = {key: picked.setdefault(id(t), t[pick]) for key, t in tables.items()}
-                take = {f"{n}.hook_pattern": _rows_argmax(c, ex, rows.head[idx], rows.qpos[idx])
-                        for n, (idx, ex) in sel.items()}
+                take = {k: fn for _, w in sel.values() for k, fn in w.take(c).items()}
                 grabbed = collect(model, part, take, hooks=pert.hooks(sub), copies=c)
-                for name, (idx, _) in sel.items():
-                    got = grabbed[f"{name}.hook_pattern"]  # [c, R_site]
-                    flips[idx, si] += (got != rows.key[idx]).sum(0).double()
+                for idx, w in sel.values():
+                    flips[idx, si] += (w.winners(grabbed) != rows.key[idx]).sum(0).double()
         if sigma > 0:
             sweep_s += time.perf_counter() - t0
             row_draws += R * total

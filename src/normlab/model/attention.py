@@ -36,6 +36,11 @@ crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
 (`benchmarks/probes/attn_path.py`). Longer rows, and every GPU, use SDPA."""
 
 
+def explicit_by_default(device: torch.device, n_keys: int) -> bool:
+    """Whether rows of `n_keys` keys take the explicit path even when no hook reads it."""
+    return device.type == "cpu" and n_keys <= EXPLICIT_MAX_KEYS_CPU
+
+
 class HeadNorm(Norm):
     """QK/QKV-Norm on [batch, pos, head, d_head]: per head (`head`) or whole projection (`all`).
 
@@ -155,7 +160,7 @@ class Attention(nn.Module):
         scale = self.scale.to(q.dtype)
         p_drop = self.dropout if self.training else 0.0
         explicit = (not self.fused or self.hook_attn_scores.fns or self.hook_pattern.fns
-                    or (q.device.type == "cpu" and k.shape[-2] <= EXPLICIT_MAX_KEYS_CPU))
+                    or explicit_by_default(q.device, k.shape[-2]))
         if not explicit:
             if isinstance(self.scale, nn.Parameter):  # a scale per head: fold it into q
                 q, sdpa_scale = q * scale[:, None, None], 1.0
