@@ -33,7 +33,9 @@ EXPLICIT_MAX_KEYS_CPU = 64
 hook reads it, because there it beats SDPA's CPU flash kernel: forward+backward 1.5-1.7x
 (one thread) and 2.2-3.4x (two threads) faster at the 17-24 keys of training. The measured
 crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
-(`benchmarks/probes/attn_path.py`). Longer rows, and every GPU, use SDPA."""
+(`benchmarks/probes/attn_path.py`). The price is memory: the backward keeps the
+[batch, head, T, T] scores and pattern, at most 64 x 64 floats per row. Longer rows, and every
+GPU, use SDPA."""
 
 
 def explicit_by_default(device: torch.device, n_keys: int) -> bool:
