@@ -298,8 +298,8 @@ class _PatternWinners:
 
     def __init__(self, site: Site, example: torch.Tensor, head: torch.Tensor,
                  qpos: torch.Tensor) -> None:
-        self.name, self.example, self.head, self.qpos = (f"{site.name}.hook_pattern", example,
-                                                         head, qpos)
+        self.name = f"{site.name}.hook_pattern"
+        self.example, self.head, self.qpos = example, head, qpos
 
     def take(self, copies: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         def rows(pattern: torch.Tensor) -> torch.Tensor:  # [c * B, H, Tq, Tk] -> [c, R]
@@ -427,14 +427,15 @@ def measure_collapse(
     groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk) if bucket else []
     if len(groups) <= 1:
         groups = [torch.arange(B)]  # the batch as it is, no copy
-    sites = {s.name: s for s in resolve_sites(model)[0]}
-    attendable = {name: torch.isfinite(t) for name, t in rows.logits.items()}
+    sites = {s.name: s for s in pert.all_sites}
+    attendable = {name: torch.isfinite(t) for name, t in rows.logits.items()}  # [R_site, K]
     parts = []  # (examples, their batch, {site: (row indices, their readers)}, copies)
     for g in groups:
         local = torch.full((B,), -1, dtype=torch.long)
         local[g] = torch.arange(len(g))
         sel = {name: idx[local[rows.example[idx]] >= 0] for name, idx in by_site.items()}
         part = data if len(groups) == 1 else data.subset(g)
+        # a site's rows are contiguous, so idx - its first row indexes its logits' rows
         sel = {name: (idx, _winners(sites[name], part, local[rows.example[idx]],
                                     rows.head[idx], rows.qpos[idx],
                                     attendable[name][idx - by_site[name][0]]))

@@ -30,7 +30,7 @@ from normlab.model.positions import apply_rope
 
 EXPLICIT_MAX_KEYS_CPU = 64
 """Up to this many keys, attention on CPU runs the explicit scores/softmax path even when no
-hook reads it, because there it beats SDPA's CPU flash kernel: forward+backward 1.5-1.7x
+hook reads it, because there it beats SDPA's CPU flash kernel: forward+backward 1.4-1.7x
 (one thread) and 2.2-3.4x (two threads) faster at the 17-24 keys of training. The measured
 crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
 (`benchmarks/probes/attn_path.py`). The price is memory: the backward keeps the
