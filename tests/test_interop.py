@@ -22,11 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
-from normlab.model import DecoderLM, ModelConfig, build_model
+from normlab.model import DecoderLM, ModelConfig, attention, build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,9 +75,12 @@ def _check_parity(hf: Any, model: DecoderLM, n_layers: int = 2) -> dict[str, tor
     with torch.no_grad():
         ref = hf(tokens, output_hidden_states=True)
         logits, cache = model.run_with_cache(tokens)  # explicit softmax path
-        fused = model(tokens)  # scaled_dot_product_attention path
+        plain = model(tokens)  # no hook: explicit too at 24 keys on CPU (explicit_by_default)
+        with mock.patch.object(attention, "EXPLICIT_MAX_KEYS_CPU", 0):
+            fused = model(tokens)  # scaled_dot_product_attention path
     assert ref.logits.abs().max() > 1.0  # a non-trivial reference
     torch.testing.assert_close(logits, ref.logits, atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(plain, ref.logits, atol=LOGIT_ATOL, rtol=0)
     torch.testing.assert_close(fused, ref.logits, atol=LOGIT_ATOL, rtol=0)
     for layer in range(n_layers):
         torch.testing.assert_close(
