@@ -44,6 +44,7 @@ from common import (
     summary,
 )
 from normlab import build_model
+from normlab.config import RunConfig
 from normlab.model import Model
 from normlab.tasks.addition import eval_sets
 
@@ -98,6 +99,27 @@ def naive_sweep(
     return flips
 
 
+def random_model() -> tuple[RunConfig, Model]:
+    """The benchmark's default model: configs/addition sizes as `qkv`, random weights, seed 0.
+
+    init_std 0.2 makes random attention peakier: more, non-trivial sparse rows.
+    """
+    run_cfg = base_config()
+    run_cfg.model.norm_placement = "qkv"
+    run_cfg.model.init_std = 0.2
+    torch.manual_seed(0)
+    return run_cfg, build_model(run_cfg.model)
+
+
+def eval_data(run_cfg: RunConfig, n_examples: int) -> Any:
+    """Teacher-forced problems of the eval cells, chosen as `normlab analyze` chooses them."""
+    from normlab.analysis.data import data_from_sets, select_problems
+
+    task = run_cfg.task.resolve()
+    sets, _ = select_problems(task, eval_sets(task), n_examples)
+    return data_from_sets(sets, "decoder", task.answer_format, task.digit_positions)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = setup_threads(args.threads)
     info = machine_info(threads)
@@ -108,13 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             find_sparse_rows,
             measure_collapse,
         )
-        from normlab.analysis.data import (
-            FORWARD_COST_POSITIONS,
-            chunk_copies,
-            data_from_sets,
-            length_buckets,
-            select_problems,
-        )
+        from normlab.analysis.data import FORWARD_COST_POSITIONS, chunk_copies, length_buckets
     except ImportError as err:
         return {"benchmark": "collapse", "info": info, "skipped": f"collapse API missing: {err}"}
     if args.run:
@@ -123,21 +139,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_cfg, model, _ = load_run(args.run)
         source = f"trained run {args.run}"
     else:
-        run_cfg = base_config()
-        run_cfg.model.norm_placement = "qkv"
-        run_cfg.model.init_std = 0.2  # peakier random attention: more, non-trivial sparse rows
-        torch.manual_seed(0)
-        model = build_model(run_cfg.model)
+        run_cfg, model = random_model()
         source = "random weights (init_std 0.2), configs/addition/qkv.toml sizes"
     if run_cfg.model.arch != "decoder":
         return {"benchmark": "collapse", "info": info,
                 "skipped": "the naive baseline handles decoder-only models"}
-    task = run_cfg.task.resolve()
     n_examples = 24 if args.quick else 64
     n_draws = 4 if args.quick else 16
     repeats = repeats_for(args, quick=2, full=3)
-    sets, _ = select_problems(task, eval_sets(task), n_examples)
-    data = data_from_sets(sets, "decoder", task.answer_format, task.digit_positions)
+    data = eval_data(run_cfg, n_examples)
     model.eval()
     rows = find_sparse_rows(model, data, threshold=0.9)
     pert = Perturbation(model)

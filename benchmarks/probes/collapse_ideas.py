@@ -21,12 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_train_step import base_config  # noqa: E402
+from bench_collapse import eval_data, random_model  # noqa: E402
 
-from normlab import build_model  # noqa: E402
 from normlab.analysis.collapse import DEFAULT_MAX_TOKENS, Perturbation, find_sparse_rows  # noqa: E402
-from normlab.analysis.data import chunk_copies, collect, data_from_sets, select_problems  # noqa: E402
-from normlab.tasks.addition import eval_sets  # noqa: E402
+from normlab.analysis.data import chunk_copies, collect  # noqa: E402
 from normlab.train import load_run  # noqa: E402
 
 torch.set_num_threads(1)
@@ -34,15 +32,10 @@ torch.set_num_threads(1)
 
 def setup(src: str):
     if src == "random":
-        run = base_config()
-        run.model.norm_placement, run.model.init_std = "qkv", 0.2
-        torch.manual_seed(0)
-        model = build_model(run.model).eval()
+        run, model = random_model()
     else:
         run, model, _ = load_run(Path(src))
-    task = run.task.resolve()
-    sets, _ = select_problems(task, eval_sets(task), 64)
-    return model, data_from_sets(sets, "decoder", task.answer_format, task.digit_positions)
+    return model.eval(), eval_data(run, 64)
 
 
 model, data = setup("random")

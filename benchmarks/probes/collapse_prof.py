@@ -13,22 +13,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_train_step import base_config  # noqa: E402
+from bench_collapse import eval_data, random_model  # noqa: E402
 
-from normlab import build_model  # noqa: E402
 from normlab.analysis.collapse import measure_collapse  # noqa: E402
-from normlab.analysis.data import data_from_sets, select_problems  # noqa: E402
-from normlab.tasks.addition import eval_sets  # noqa: E402
 
 torch.set_num_threads(1)
-run = base_config()
-run.model.norm_placement = "qkv"
-run.model.init_std = 0.2
-torch.manual_seed(0)
-model = build_model(run.model).eval()
-task = run.task.resolve()
-sets, _ = select_problems(task, eval_sets(task), 64)
-data = data_from_sets(sets, "decoder", task.answer_format, task.digit_positions)
+run, model = random_model()
+model.eval()
+data = eval_data(run, 64)
 
 
 def sweep(max_tokens: int = 1 << 15) -> float:

@@ -16,34 +16,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_mfu import matmul_peak  # noqa: E402
-from bench_train_step import base_config  # noqa: E402
+from bench_collapse import eval_data, random_model  # noqa: E402
+from bench_mfu import MATMUL_LEAVES, matmul_peak  # noqa: E402
 
-from normlab import build_model  # noqa: E402
 from normlab.analysis.collapse import DEFAULT_MAX_TOKENS, measure_collapse  # noqa: E402
-from normlab.analysis.data import (  # noqa: E402
-    FORWARD_COST_POSITIONS,
-    chunk_copies,
-    data_from_sets,
-    length_buckets,
-    select_problems,
-)
-from normlab.tasks.addition import eval_sets  # noqa: E402
+from normlab.analysis.data import FORWARD_COST_POSITIONS, chunk_copies, length_buckets  # noqa: E402
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-run = base_config()
-run.model.norm_placement, run.model.init_std = "qkv", 0.2
-torch.manual_seed(0)
-model = build_model(run.model).eval()
+run, model = random_model()
+model.eval()
 cfg = model.cfg
-task = run.task.resolve()
-sets, _ = select_problems(task, eval_sets(task), 64)
-data = data_from_sets(sets, "decoder", task.answer_format, task.digit_positions)
+data = eval_data(run, 64)
 n_draws = 16
 
 d, L, d_attn = cfg.d_model, cfg.n_layers, cfg.n_heads * cfg.d_head
 per_layer = sum(p.numel() for n, p in model.blocks[0].named_parameters()
-                if n.rsplit(".", 1)[-1] in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_gate"))
+                if n.rsplit(".", 1)[-1] in MATMUL_LEAVES)
 skipped = per_layer - 3 * d * d_attn  # the last layer runs only its q, k, v projections
 chunk = chunk_copies(data, DEFAULT_MAX_TOKENS, n_draws)
 groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk)
