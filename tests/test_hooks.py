@@ -243,3 +243,55 @@ def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path_bit_for_bit(
     causal = torch.ones(9, 9, dtype=torch.bool).tril()
     want = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
     assert torch.equal(c[names[2]], want)
+
+
+@pytest.mark.parametrize("n_keys", [1, 5, 9, 15, 16, 17, 24])
+def test_softmax_rows_equals_a_float64_softmax_and_pads_only_short_cpu_rows(n_keys: int) -> None:
+    """Short CPU rows are padded with -inf keys (a faster ATen kernel); the weights and their
+    gradients are still the softmax's, and a fully masked row stays NaN, as softmax makes it."""
+    causal = torch.ones(n_keys, n_keys, dtype=torch.bool).tril()
+    s = torch.randn(3, 2, n_keys, n_keys).masked_fill(~causal, float("-inf"))
+    s[0, 0, 0] = float("-inf")  # a row with no key to attend
+    x = s.clone().requires_grad_()
+    p = attention.softmax_rows(x)
+    g = torch.randn_like(s)
+    (grad,) = torch.autograd.grad(p, x, g)
+    x64 = s.double().requires_grad_()
+    p64 = x64.softmax(-1)
+    (grad64,) = torch.autograd.grad(p64, x64, g.double())
+    assert p.shape == s.shape
+    ok = ~p64.isnan()
+    assert torch.equal(p.isnan(), ~ok) and bool(ok.any())
+    torch.testing.assert_close(p[ok].double(), p64[ok], atol=1e-6, rtol=1e-5)
+    live = ok.all(-1, keepdim=True).expand_as(s)
+    torch.testing.assert_close(grad[live].double(), grad64[live], atol=1e-6, rtol=1e-5)
+    padded = n_keys < attention.SOFTMAX_MIN_KEYS_CPU
+    assert p.stride(-2) == (attention.SOFTMAX_MIN_KEYS_CPU if padded else n_keys)
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_padded_short_rows_give_the_model_s_numbers_and_pattern(placement: str,
+                                                                monkeypatch) -> None:
+    """A forward on 9-key rows, softmax padded, against the same model in float64 with the
+    padding switched off: same logits and gradients, and hook_pattern sees
+    [batch, head, qpos, kpos] rows that sum to 1."""
+    model = build_model(cfg(norm_placement=placement, pos_encoding="rope"))
+    tokens = torch.randint(0, 16, (3, 9))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model.zero_grad()
+        out, c = model.run_with_cache(tokens, names_filter=["blocks.1.attn.hook_pattern"])
+        model(tokens).square().sum().backward()
+        return out, model.blocks[0].attn.W_Q.grad.clone(), c["blocks.1.attn.hook_pattern"]
+
+    padded = run()
+    monkeypatch.setattr(attention, "SOFTMAX_MIN_KEYS_CPU", 0)
+    model.double()
+    exact = run()
+    assert padded[2].stride(-2) == 16 and exact[2].stride(-2) == 9  # the rule did apply
+    for a, b in zip(padded, exact, strict=True):
+        b = b.detach()
+        torch.testing.assert_close(a.detach().double(), b, atol=1e-4 * float(b.abs().max()),
+                                   rtol=1e-4)
+    assert padded[2].shape == (3, 4, 9, 9)
+    torch.testing.assert_close(padded[2].sum(-1), torch.ones(3, 4, 9))

@@ -37,6 +37,27 @@ crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
 [batch, head, T, T] scores and pattern, at most 64 x 64 floats per row. Longer rows, and every
 GPU, use SDPA."""
 
+SOFTMAX_MIN_KEYS_CPU = 16
+"""On CPU, `softmax_rows` pads rows shorter than this with -inf keys. ATen's CPU softmax over
+the last dim runs ~13 ns per element on rows shorter than one AVX-512 vector (16 floats)
+against ~1 ns on 16-key rows, so the padded row, up to 3x longer, is still faster:
+forward 6.6-10x and forward+backward 4.9-7.7x at 9-15 keys, one thread
+(`benchmarks/probes/softmax_rows.py`). The length groups of a collapse sweep and the prompts of
+decoding are that short. 0 switches the padding off."""
+
+
+def softmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.softmax(-1)`, with short CPU rows padded (`SOFTMAX_MIN_KEYS_CPU`).
+
+    A padded key gets exp(-inf) = 0, so the real keys' weights are those of the unpadded row
+    (up to the order of the float sums); the result is a [..., :n_keys] view.
+    """
+    n_keys = scores.shape[-1]
+    if scores.device.type != "cpu" or n_keys >= SOFTMAX_MIN_KEYS_CPU:
+        return scores.softmax(-1)
+    padded = F.pad(scores, (0, SOFTMAX_MIN_KEYS_CPU - n_keys), value=float("-inf"))
+    return padded.softmax(-1)[..., :n_keys]
+
 
 def explicit_by_default(device: torch.device, n_keys: int) -> bool:
     """Whether rows of `n_keys` keys take the explicit path even when no hook reads it."""
@@ -180,7 +201,7 @@ class Attention(nn.Module):
                 bias.masked_fill_(~mask, float("-inf"))
                 scores = torch.addcmul(bias, scores, scale[:, None, None])
             scores = self.hook_attn_scores(scores)
-            pattern = self.hook_pattern(scores.softmax(-1))
+            pattern = self.hook_pattern(softmax_rows(scores))
             if p_drop:
                 pattern = F.dropout(pattern, p_drop)
             z = pattern @ v
