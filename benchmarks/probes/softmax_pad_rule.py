@@ -6,7 +6,8 @@ rule), so alternating processes give a before/after of the short-row softmax pad
 
     .venv/bin/python benchmarks/probes/softmax_pad_rule.py KEYS BENCH --threads T --out FILE
 
-BENCH is a benchmark module's name, e.g. bench_collapse, bench_decode, bench_train_step.
+BENCH is a benchmark module's name, e.g. bench_collapse, bench_decode, bench_train_step, or
+a probe script's (collapse_prof: it runs on import; its arguments follow it).
 """
 import importlib
 import sys
@@ -18,4 +19,6 @@ import normlab.model.attention as attention
 attention.SOFTMAX_MIN_KEYS_CPU = int(sys.argv[1])
 bench = sys.argv[2]
 sys.argv = [f"{bench}.py", *sys.argv[3:]]
-importlib.import_module(bench).main()
+module = importlib.import_module(bench)
+if hasattr(module, "main"):
+    module.main()

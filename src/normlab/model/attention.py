@@ -39,18 +39,18 @@ GPU, use SDPA."""
 
 SOFTMAX_MIN_KEYS_CPU = 16
 """On CPU, `softmax_rows` pads rows shorter than this with -inf keys. ATen's CPU softmax over
-the last dim runs ~13 ns per element on rows shorter than one AVX-512 vector (16 floats)
-against ~1 ns on 16-key rows, so the padded row, up to 3x longer, is still faster:
-forward 6.6-10x and forward+backward 4.9-7.7x at 9-15 keys, one thread
-(`benchmarks/probes/softmax_rows.py`). The length groups of a collapse sweep and the prompts of
-decoding are that short. 0 switches the padding off."""
+the last dim runs 12-15 ns per element on rows shorter than one AVX-512 vector (16 floats)
+against ~1.3 ns on 16-key rows, so the padded row, up to 3x longer, is still faster: at 5-15
+keys, forward 4-10x and forward+backward 1.9-7.3x, one or two threads
+(`benchmarks/probes/softmax_rows.py`). The length groups of a collapse sweep and the prompts
+of decoding are that short; training's 17-key rows are not. 0 switches the padding off."""
 
 
 def softmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """`scores.softmax(-1)`, with short CPU rows padded (`SOFTMAX_MIN_KEYS_CPU`).
 
     A padded key gets exp(-inf) = 0, so the real keys' weights are those of the unpadded row
-    (up to the order of the float sums); the result is a [..., :n_keys] view.
+    (up to rounding, ~1e-7: another kernel); the result is a [..., :n_keys] view.
     """
     n_keys = scores.shape[-1]
     if scores.device.type != "cpu" or n_keys >= SOFTMAX_MIN_KEYS_CPU:
