@@ -16,6 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import normlab.model.attention as attention
 
+if len(sys.argv) < 3 or not sys.argv[1].isdigit():
+    sys.exit("usage: softmax_pad_rule.py KEYS BENCH [its arguments]; KEYS: an int >= 0, "
+             "e.g. 0 (no padding) or 16")
 attention.SOFTMAX_MIN_KEYS_CPU = int(sys.argv[1])
 bench = sys.argv[2]
 sys.argv = [f"{bench}.py", *sys.argv[3:]]

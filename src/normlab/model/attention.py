@@ -39,9 +39,9 @@ GPU, use SDPA."""
 
 SOFTMAX_MIN_KEYS_CPU = 16
 """On CPU, `softmax_rows` pads rows shorter than this with -inf keys. ATen's CPU softmax over
-the last dim runs 12-15 ns per element on rows shorter than one AVX-512 vector (16 floats)
-against ~1.3 ns on 16-key rows, so the padded row, up to 3x longer, is still faster: at 5-15
-keys, forward 4-10x and forward+backward 1.9-7.3x, one or two threads
+the last dim runs 12-15 ns per element (one thread) on rows shorter than one AVX-512 vector
+(16 floats) against ~1.3 ns on 16-key rows, so the padded row, up to 3x longer, is still
+faster: at 5-15 keys, forward 3.9-10.7x and forward+backward 1.9-7.3x, one or two threads
 (`benchmarks/probes/softmax_rows.py`). The length groups of a collapse sweep and the prompts
 of decoding are that short; training's 17-key rows are not. 0 switches the padding off."""
 
