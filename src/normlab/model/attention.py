@@ -26,7 +26,7 @@ from torch import nn
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
 from normlab.model.norms import Norm
-from normlab.model.positions import apply_rope
+from normlab.model.positions import Rope
 
 EXPLICIT_MAX_KEYS_CPU = 64
 """Up to this many keys, attention on CPU runs the explicit scores/softmax path even when no
@@ -147,7 +147,7 @@ class Attention(nn.Module):
         *,
         memory: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: Rope | None = None,
         cache: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x [batch, qpos, d_model] -> [batch, qpos, d_model].
@@ -164,7 +164,7 @@ class Attention(nn.Module):
             source = x if memory is None else memory
             k, v = self._project(source, "k"), self._project(source, "v")
             if rope is not None:
-                k = self.hook_rot_k(apply_rope(k, *rope))
+                k = self.hook_rot_k(rope(k))
             # Keys/values go head-major, [batch, head, kpos, d_head], as the kernels read them;
             # the cache keeps them contiguous in that layout, so a decoding step appends to
             # it and reads it with no transposed copy.
@@ -175,7 +175,7 @@ class Attention(nn.Module):
                 k, v = k.contiguous(), v.contiguous()
                 cache["k"], cache["v"] = k, v
         if rope is not None:
-            q = self.hook_rot_q(apply_rope(q, *rope))
+            q = self.hook_rot_q(rope(q))
         q = q.transpose(1, 2)  # [batch, head, qpos, d_head]
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads

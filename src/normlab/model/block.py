@@ -35,6 +35,7 @@ from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
 from normlab.model.mlp import MLP
 from normlab.model.norms import Norm, make_norm
+from normlab.model.positions import Rope
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         *,
         mask: torch.Tensor | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: Rope | None = None,
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         cache: dict[str, dict[str, torch.Tensor]] | None = None,
