@@ -1,17 +1,22 @@
-"""Summarise the thirteenth session's RoPE before/after runs (`results_session13_ab/`).
+"""Summarise a folder of before/after runs in alternating processes (thirteenth session).
 
-Per thread count and rule (textbook: the rotation before; fast: `positions.Rope`), each run's
-training-step medians (ms) and ratios to nanoGPT at d64, the collapse sweep and naive loop
-and their ratio, and the decoding speed-ups; then the median over runs:
+Files are `{train,collapse,decode}_{RULE}_{T}t_{round}.json`. Per thread count and rule, each
+run's training-step medians (ms) and ratios to nanoGPT at d64, the collapse sweep and naive
+loop and their ratio, and the decoding speed-ups; then the median over runs:
 
-    .venv/bin/python benchmarks/probes/rope_summary.py [DIR]
+    .venv/bin/python benchmarks/probes/ab_summary.py DIR BEFORE AFTER
+    e.g. DIR = benchmarks/results_session13_ab, BEFORE AFTER = textbook fast (RoPE), or
+    DIR = benchmarks/results_session13_malloc, BEFORE AFTER = default tuned (the allocator)
 """
 import json
 import statistics as st
 import sys
 from pathlib import Path
 
-root = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results_session13_ab")
+if len(sys.argv) != 4:
+    sys.exit("usage: ab_summary.py DIR BEFORE AFTER, e.g. benchmarks/results_session13_ab "
+             "textbook fast")
+root, rules = Path(sys.argv[1]), sys.argv[2:]
 if not root.is_dir():
     sys.exit(f"{root}: expected the folder of the A/B runs")
 
@@ -25,7 +30,7 @@ def fmt(xs: list[float], spec: str) -> str:
 
 
 for t in (1, 2):
-    for rule in ("textbook", "fast"):
+    for rule in rules:
         train, col, dec = runs("train", rule, t), runs("collapse", rule, t), runs("decode", rule, t)
         if not train:
             continue
