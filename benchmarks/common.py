@@ -23,7 +23,6 @@ import torch
 
 from normlab import io
 from normlab.io import atomic_write_text, git_commit
-from normlab.runtime import tune_malloc
 from normlab.stats import median_ci
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,15 +75,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-MALLOC_TUNED: bool | None = None
-"""Whether `setup_threads` tuned glibc's allocator (`normlab.runtime.tune_malloc`), as the CLI
-does; recorded in `machine_info`. None: not asked (the benchmark did not call it)."""
-
-
 def setup_threads(n: int) -> int:
-    """The process as `normlab`'s CLI runs it: `n` torch threads, the allocator tuned."""
-    global MALLOC_TUNED
-    MALLOC_TUNED = tune_malloc()
     torch.set_num_threads(n)
     return torch.get_num_threads()
 
@@ -173,7 +164,6 @@ def machine_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": threads,
-        "malloc_tuned": MALLOC_TUNED,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
         "git": git_commit(),  # the same record as run folders: tracked changes make it -dirty
         "loadavg_1m_at_start": round(load[0], 2),

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from normlab.runtime import tune_malloc
-
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from normlab.config import load_config
@@ -292,7 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        tune_malloc()
         return args.fn(args)
     except KeyboardInterrupt:
         print("normlab: interrupted; finished checkpoints are kept (use --resume)", file=sys.stderr)

@@ -33,7 +33,6 @@ from typing import Any
 
 from normlab.config import load_config
 from normlab.io import write_json
-from normlab.runtime import tune_malloc
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
 
@@ -124,7 +123,6 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
     out = Path(spec.out)
     cfg = RunConfig.from_dict(spec.config)
     cfg.train.device = device
-    tune_malloc()  # a worker process runs as the CLI does
     torch.set_num_threads(cfg.train.threads)
     done = []
     log_path = out.parent / f"{out.name}.log"
