@@ -1,12 +1,18 @@
-"""Rotary embeddings (`normlab.model.positions`): the fast rotation against two independent
-truths, the textbook rotate-half formula and a complex-number rotation of (i, i + d/2) pairs."""
+"""Positions and embedding tables (`normlab.model.positions`): the fast rotary rotation against
+two independent truths, the textbook rotate-half formula and a complex-number rotation of
+(i, i + d/2) pairs; `lookup` against indexing and a hand-written scatter-add, and its gradient's
+reproducibility on two threads."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from normlab.model.positions import Rotary
+from normlab import ModelConfig, build_model
+from normlab.model.positions import Rotary, lookup
 
 
 def textbook(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -72,3 +78,75 @@ def test_rotation_keeps_norms_and_scores_depend_on_offsets_only() -> None:
     scores = torch.einsum("bqhe,bkhe->bhqk", rq, rk)
     scores_shifted = torch.einsum("bqhe,bkhe->bhqk", shifted(q), shifted(k))
     torch.testing.assert_close(scores_shifted, scores, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- embedding lookups
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_lookup_is_indexing_forward_and_its_gradient_sums_per_row() -> None:
+    """`lookup(table, ids)` = `table[ids]`; its gradient is, per table row, the sum of the
+    output gradients of the positions that read it (the hand-written scatter-add below)."""
+    table = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 4, 4], [1, 4, 0]])
+    out = lookup(table, ids)
+    assert torch.equal(out, table[ids])
+    g = torch.randn(2, 3, 3, dtype=torch.float64)
+    out.backward(g)
+    want = torch.zeros(5, 3, dtype=torch.float64)
+    for b in range(2):
+        for p in range(3):
+            want[ids[b, p]] += g[b, p]
+    assert torch.allclose(table.grad, want, rtol=0, atol=1e-12)
+    assert not table.grad[2].any() and not table.grad[3].any()  # rows nobody read
+
+
+def test_lookup_gradient_is_reproducible_with_two_threads() -> None:
+    """Indexing's CPU backward adds a small vocabulary's many gradients in a varying order on
+    two threads (it failed this 20 times in 20); the lookup must give the one-thread gradient,
+    bit for bit, on every pass."""
+    table = torch.randn(16, 64, requires_grad=True)
+    ids = torch.randint(0, 16, (128, 17))
+    g = torch.randn(128, 17, 64)
+
+    def grad() -> torch.Tensor:
+        table.grad = None
+        lookup(table, ids).backward(g)
+        return table.grad.clone()
+
+    with threads(1):
+        one = grad()
+    with threads(2):
+        for _ in range(10):
+            assert torch.equal(grad(), one)
+
+
+def test_model_backward_is_bitwise_reproducible_with_two_threads() -> None:
+    """A training backward of a model with token, digit-position and learned position tables
+    gives the same gradients on every pass at two threads (training reproducibility)."""
+    cfg = ModelConfig(arch="decoder", norm_placement="qkv", d_model=32, n_heads=4, n_layers=2,
+                      d_mlp=64, max_len=24, pos_encoding="learned", n_aux_positions=8)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (128, 17))
+    aux = torch.randint(0, 8, (128, 17))
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(tokens, aux=aux).square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    with threads(2):
+        first = grads()
+        for _ in range(3):
+            again = grads()
+            for name in ("embed.W_E", "W_aux", "pos_embed.W_pos"):
+                assert torch.equal(again[name], first[name]), name

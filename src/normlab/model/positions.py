@@ -5,9 +5,23 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from normlab.model.config import ModelConfig
+
+
+def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `table[ids]` of an embedding table [n, d] for integer ids [...] -> [..., d].
+
+    `F.embedding`, not `table[ids]`: the same forward, but on CPU the backward of indexing is
+    a parallel `index_put_(accumulate=True)` that, with more than one thread, adds the many
+    gradients of a small vocabulary (16 tokens, 8 digit positions) in a varying order, so
+    training was not bitwise reproducible, and took 5-7x longer than `F.embedding`'s backward
+    (0.7-0.95 ms against 0.13 ms on a [128, 17] batch, two threads;
+    `benchmarks/probes/embedding_backward.py`). On one thread both give the same gradients.
+    """
+    return F.embedding(ids, table)
 
 
 def sinusoidal_table(max_len: int, d: int) -> torch.Tensor:
@@ -39,7 +53,7 @@ class PosEmbed(nn.Module):
                 f"position {top} is beyond ModelConfig.max_len={self.max_len}; "
                 "raise max_len or use pos_encoding='rope'"
             )
-        return self.W_pos[positions]
+        return lookup(self.W_pos, positions)
 
 
 class Rope:
