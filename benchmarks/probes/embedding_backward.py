@@ -51,6 +51,11 @@ def grad(rule: str, table: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> 
     return table.grad.clone()
 
 
+def step(rule: str, table: torch.Tensor, ids: torch.Tensor,
+         g: torch.Tensor) -> Callable[[], None]:
+    return lambda: RULES[rule](table, ids).backward(g)
+
+
 def micro() -> None:
     torch.manual_seed(0)
     cases = [(16, (128, 17), "tokens, quick-grid batch"), (8, (128, 17), "digit positions"),
@@ -62,10 +67,10 @@ def micro() -> None:
         for rule in RULES:
             torch.set_num_threads(1)
             one = grad(rule, table, ids, g)
-            us1 = timed(lambda rule=rule: RULES[rule](table, ids).backward(g))
+            us1 = timed(step(rule, table, ids, g))
             torch.set_num_threads(2)
             twos = [grad(rule, table, ids, g) for _ in range(20)]
-            us2 = timed(lambda rule=rule: RULES[rule](table, ids).backward(g))
+            us2 = timed(step(rule, table, ids, g))
             same = all(torch.equal(twos[0], x) for x in twos)
             spread = max(float((twos[0] - x).abs().max()) for x in twos)
             print(f"{what:26s} vocab {vocab:5d} ids {shape}: {rule:9s} fwd+bwd {us1:7.1f} us "
