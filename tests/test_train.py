@@ -71,6 +71,25 @@ def test_resume_after_kill_is_bitwise_identical(tmp_path: Path, arch: str) -> No
     assert steps == sorted(set(steps))  # no duplicated log lines after the resume
 
 
+def test_resume_is_bitwise_identical_on_two_threads(tmp_path: Path) -> None:
+    """`train.threads = 2` trains reproducibly too: with indexing for the embedding tables the
+    token and digit-position gradients were summed in a varying order on two threads."""
+    # batches large enough that the lookup's backward runs in parallel
+    c = cfg("train.threads=2", "train.steps=30", "train.checkpoint_every=10",
+            "train.eval_every=30", "train.batch_size=128", "model.d_model=64",
+            "task.reverse_answer=true", "task.digit_positions=true", "model.n_aux_positions=8")
+    try:
+        train(c, tmp_path / "straight", progress=False)
+        train(c, tmp_path / "killed", progress=False, stop_after=15)
+        train(c, tmp_path / "killed", progress=False, resume=True)
+    finally:
+        torch.set_num_threads(1)  # train() sets the run's thread count
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
+    assert "model/W_aux" in a and a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_resume_accepts_a_checkpoint_from_before_an_option_existed(tmp_path: Path) -> None:
     """A sidecar config without a newer key (here `task.complement_answer`) means its default."""
     c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
