@@ -57,5 +57,6 @@ env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
 print(f"{placement}, {torch.get_num_threads()} thread(s), prompt forward [256, "
       f"{tokens.shape[1]}], median of 15; malloc env: {env or 'default'}")
 for cached, rows in res.items():
-    print(f"  {'with cache' if cached else 'no cache  '} {1e3 * st.median(t for t, _ in rows):6.2f} "
-          f"ms, {st.median(f for _, f in rows):6.0f} minor page faults")
+    ms = 1e3 * st.median(t for t, _ in rows)
+    print(f"  {'with cache' if cached else 'no cache  '} {ms:6.2f} ms, "
+          f"{st.median(f for _, f in rows):6.0f} minor page faults")

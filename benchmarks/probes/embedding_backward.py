@@ -13,9 +13,7 @@ Embedding lookups as `table[ids]` (indexing; normlab before the fourteenth sessi
         alternating processes give a before/after of the change
 """
 import importlib
-import statistics as st
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import normlab.model.positions as positions
 import normlab.model.transformer as transformer
+from common import median, paired_timing
 
 RULES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "index": lambda table, ids: table[ids],
@@ -33,16 +32,9 @@ RULES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 USAGE = "usage: embedding_backward.py micro | index|embedding BENCH [its arguments]"
 
 
-def timed(fn: Callable[[], None], n: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    runs = []
-    for _ in range(9):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n)
-    return 1e6 * st.median(runs)
+def timed(fn: Callable[[], object], n: int = 50) -> float:
+    """Median µs per call over 9 rounds of n calls (`common.paired_timing`, 5 warm-up calls)."""
+    return 1e6 * median(paired_timing({"fn": fn}, repeats=9, inner=n, warmup=5)["fn"])
 
 
 def grad(rule: str, table: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,15 @@ rows faster? Times, on the training batch's q ([128, 17, 4, 16], float32, median
 
     .venv/bin/python benchmarks/probes/head_norm.py [THREADS]
 """
-import statistics as st
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import median, paired_timing
 
 if len(sys.argv) > 1 and not sys.argv[1].isdigit():
     sys.exit("usage: head_norm.py [THREADS]")
@@ -63,15 +65,8 @@ CONTENDERS: dict[str, Callable[[], torch.Tensor]] = {
 
 
 def timed(fn: Callable[[], object], n: int = 100) -> float:
-    for _ in range(5):
-        fn()
-    runs = []
-    for _ in range(9):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n)
-    return 1e6 * st.median(runs)
+    """Median µs per call over 9 rounds of n calls (`common.paired_timing`, 5 warm-up calls)."""
+    return 1e6 * median(paired_timing({"fn": fn}, repeats=9, inner=n, warmup=5)["fn"])
 
 
 ref = F.layer_norm(x, (E,), g, b)

@@ -71,8 +71,8 @@ for _ in range(rounds):
     outs["uncached"] = decode(False)
     times["uncached"].append(time.perf_counter() - t0)
 ref = st.median(times["uncached"])
-print(f"{placement} {cell_name}, {torch.get_num_threads()} thread(s), {rounds} rounds, batch {len(prompts)}, "
-      f"capacity {capacity}; median ms (uncached / this):")
+print(f"{placement} {cell_name}, {torch.get_num_threads()} thread(s), {rounds} rounds, "
+      f"batch {len(prompts)}, capacity {capacity}; median ms (uncached / this):")
 for mode, ts in times.items():
     same = outs[mode] == outs["uncached"]
     print(f"  {mode:8s} {1e3 * st.median(ts):7.2f} ms  {ref / st.median(ts):5.2f}x  "
