@@ -152,3 +152,18 @@ def test_model_backward_is_bitwise_reproducible_with_two_threads() -> None:
             assert {"embed.W_E", "W_aux", "pos_embed.W_pos"} <= set(first)
             for name in first:
                 assert torch.equal(again[name], first[name]), name
+
+
+@pytest.mark.parametrize(("field", "bad"), [("tokens", 16), ("tokens", -1), ("aux", 8)])
+def test_an_id_outside_its_table_is_one_clear_error(field: str, bad: int) -> None:
+    """Indexing wrapped a negative token round to the last row (silent garbage)."""
+    cfg = ModelConfig(arch="decoder", d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
+                      n_aux_positions=8)
+    model = build_model(cfg)
+    inputs = {"tokens": torch.zeros(2, 3, dtype=torch.long),
+              "aux": torch.zeros(2, 3, dtype=torch.long)}
+    inputs[field][1, 2] = bad
+    n = cfg.vocab_size if field == "tokens" else 8
+    with pytest.raises(IndexError, match=rf"^{field}: expected ids in \[0, {n}\), got values "
+                                         rf"from {min(bad, 0)} to {max(bad, 0)}$"):
+        model(inputs["tokens"], aux=inputs["aux"])

@@ -11,17 +11,22 @@ from torch import nn
 from normlab.model.config import ModelConfig
 
 
-def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def lookup(table: torch.Tensor, ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
     """Rows `table[ids]` of an embedding table [n, d] for integer ids [...] -> [..., d].
 
     `F.embedding`, not `table[ids]`: the same forward, but on CPU the backward of indexing is
     a parallel `index_put_(accumulate=True)` that, with more than one thread, adds the many
     gradients of a small vocabulary (16 tokens, 8 digit positions) in a varying order, so
     training was not bitwise reproducible, and took 5-7x longer than `F.embedding`'s backward
-    (0.7-0.95 ms against 0.13 ms on a [128, 17] batch, two threads;
+    (0.69-0.92 ms against 0.13 ms on a [128, 17] batch, two threads;
     `benchmarks/probes/embedding_backward.py`). On one thread both give the same gradients.
+    An id outside [0, n) is an IndexError naming `what` (indexing wrapped negative ids round).
     """
-    return F.embedding(ids, table)
+    try:
+        return F.embedding(ids, table)
+    except IndexError as err:
+        raise IndexError(f"{what}: expected ids in [0, {table.shape[0]}), got values from "
+                         f"{int(ids.min())} to {int(ids.max())}") from err
 
 
 def sinusoidal_table(max_len: int, d: int) -> torch.Tensor:
@@ -53,7 +58,7 @@ class PosEmbed(nn.Module):
                 f"position {top} is beyond ModelConfig.max_len={self.max_len}; "
                 "raise max_len or use pos_encoding='rope'"
             )
-        return lookup(self.W_pos, positions)
+        return lookup(self.W_pos, positions, "positions")
 
 
 class Rope:

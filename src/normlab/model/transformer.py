@@ -38,7 +38,7 @@ class Embed(nn.Module):
         self.W_E = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return lookup(self.W_E, tokens)
+        return lookup(self.W_E, tokens, "tokens")
 
 
 class Stack(nn.Module):
@@ -107,7 +107,7 @@ class Stack(nn.Module):
                     "this model has ModelConfig.n_aux_positions > 0: pass `aux` positions "
                     "[batch, pos] (see normlab.tasks.addition.aux_positions)"
                 )
-            x = x + self.hook_aux_embed(lookup(self.W_aux, aux))
+            x = x + self.hook_aux_embed(lookup(self.W_aux, aux, "aux"))
         rope = self.rotary(positions) if self.rotary is not None else None
         x = self.drop(x)
         mask = self._self_mask(b, p, past, key_mask, tokens.device)
