@@ -25,9 +25,9 @@ import normlab.model.positions as positions
 import normlab.model.transformer as transformer
 from common import median, paired_timing
 
-RULES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "index": lambda table, ids: table[ids],
-    "embedding": lambda table, ids: F.embedding(ids, table),
+RULES: dict[str, Callable[..., torch.Tensor]] = {  # (table, ids[, what]) as `lookup` takes
+    "index": lambda table, ids, what="": table[ids],
+    "embedding": lambda table, ids, what="": F.embedding(ids, table),
 }
 USAGE = "usage: embedding_backward.py micro | index|embedding BENCH [its arguments]"
 
