@@ -160,6 +160,9 @@ def machine_info(threads: int) -> dict[str, Any]:
     return {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
+        # ATen's kernel family on this CPU (e.g. AVX512 or AVX2): the same torch runs different
+        # vectorised code on the project's Intel and AMD hosts
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -243,8 +246,9 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def header(title: str, info: Mapping[str, Any], extra: str = "") -> str:
+    kernels = f", {info['cpu_capability']} kernels" if info.get("cpu_capability") else ""
     line = (f"torch {info['torch']}, {info['threads']} thread(s), {info['cpu']} "
-            f"({info['cpu_count']} CPUs), {info['date']}")
+            f"({info['cpu_count']} CPUs{kernels}), {info['date']}")
     return f"### {title}\n\n{line}" + (f"\n\n{extra}" if extra else "")
 
 

@@ -184,3 +184,14 @@ def test_run_all_writes_a_new_file_under_runs_bench_by_default(tmp_path: Path, m
     written = list((tmp_path / "runs" / "bench").iterdir())
     assert len(written) == 1 and written[0].name.startswith("results-")
     assert '"mfu"' in written[0].read_text() and str(written[0]) in capsys.readouterr().out
+
+
+def test_machine_info_names_the_cpu_kernels_and_the_header_shows_them() -> None:
+    """Which vectorised ATen kernels ran (AVX512, AVX2, ...) is part of every result's record."""
+    import torch
+
+    info = common.machine_info(1)
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert f"{info['cpu_capability']} kernels" in common.header("t", info)
+    del info["cpu_capability"]  # results written before the field existed still render
+    assert "kernels" not in common.header("t", info)
