@@ -160,8 +160,8 @@ def machine_info(threads: int) -> dict[str, Any]:
     return {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
-        # ATen's kernel family on this CPU (e.g. AVX512 or AVX2): the same torch runs different
-        # vectorised code on the project's Intel and AMD hosts
+        # ATen's vectorised kernel family on this CPU (AVX512 on both the Intel and the AMD
+        # VMs this project has run on; AVX2 or DEFAULT elsewhere), so results say which ran
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
