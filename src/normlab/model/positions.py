@@ -1,4 +1,5 @@
-"""Positional encodings: learned table, sinusoidal table, or rotary (RoPE) on q and k."""
+"""Positional encodings: learned table, sinusoidal table, or rotary (RoPE) on q and k; and
+`lookup`, the one way every embedding table is read (token and digit-position tables too)."""
 
 from __future__ import annotations
 
