@@ -50,6 +50,16 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(newest.with_suffix(".safetensors"))
 
 
+def _straight_and_resumed(
+    c, tmp_path: Path, stop_after: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Newest weights of a straight run and of one killed after `stop_after` steps, resumed."""
+    train(c, tmp_path / "straight", progress=False)
+    train(c, tmp_path / "killed", progress=False, stop_after=stop_after)
+    train(c, tmp_path / "killed", progress=False, resume=True)
+    return _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
+
+
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
 def test_resume_after_kill_is_bitwise_identical(tmp_path: Path, arch: str) -> None:
     c = cfg(
@@ -59,11 +69,8 @@ def test_resume_after_kill_is_bitwise_identical(tmp_path: Path, arch: str) -> No
         "train.eval_every=20",
         "model.dropout=0.1",
     )
-    train(c, tmp_path / "straight", progress=False)
-    train(c, tmp_path / "killed", progress=False, stop_after=25)  # dies after step 25
-    # the kill lost steps 21-25; resume restarts from the step-20 checkpoint
-    train(c, tmp_path / "killed", progress=False, resume=True)
-    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
+    # the kill after step 25 loses steps 21-25; resume restarts from the step-20 checkpoint
+    a, b = _straight_and_resumed(c, tmp_path, stop_after=25)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -79,12 +86,9 @@ def test_resume_is_bitwise_identical_on_two_threads(tmp_path: Path) -> None:
             "train.eval_every=30", "train.batch_size=128", "model.d_model=64",
             "task.reverse_answer=true", "task.digit_positions=true", "model.n_aux_positions=8")
     try:
-        train(c, tmp_path / "straight", progress=False)
-        train(c, tmp_path / "killed", progress=False, stop_after=15)
-        train(c, tmp_path / "killed", progress=False, resume=True)
+        a, b = _straight_and_resumed(c, tmp_path, stop_after=15)
     finally:
         torch.set_num_threads(1)  # train() sets the run's thread count
-    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
     assert "model/W_aux" in a and a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
