@@ -1,7 +1,9 @@
 """Run every benchmark (what `make bench` runs), write one JSON and print Markdown tables.
 
     python benchmarks/run_all.py [--quick] [--threads N] [--out FILE.json [--force]]
-        [--only train_step,mfu,packing,decode,collapse,scaling,hooks]
+        [--only train_step,mfu,packing,decode,collapse,scaling,hooks] [--no-plot]
+
+Beside the JSON it draws `<stem>_targets.png` and `<stem>_scaling.png` (`plot.py`).
 
 A benchmark that fails or cannot run (e.g. the collapse API is missing) is reported as such
 and the others still run. Timings are side-by-side ratios within one process; nothing here is
@@ -26,6 +28,7 @@ import bench_mfu
 import bench_packing
 import bench_scaling
 import bench_train_step
+import plot
 from common import (
     ROOT,
     add_common_args,
@@ -90,11 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default=None, help="trained decoder run for bench_collapse")
     parser.add_argument("--compile", action="store_true",
                         help="train_step also times every contender under torch.compile")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="skip the figures (<out stem>_targets.png, _scaling.png)")
     args = parser.parse_args(argv)
     if args.out is None:  # a new file per run: `make bench` never replaces a cited result
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
         args.out = ROOT / "runs" / "bench" / f"results-{stamp}.json"
     refuse_overwrite(parser, args.out, args.force)
+    figures = [] if args.no_plot else plot.outputs(args.out.parent, args.out.stem, ["png"])
+    for fig_path in figures:
+        refuse_overwrite(parser, fig_path, args.force)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]
     for name in chosen:
         if name not in MODULES:
@@ -138,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result(args.out, doc)
     print(f"total {doc['total_seconds']:.0f} s; wrote {args.out}" + (f"; {note}" if note else ""))
+    if figures:
+        try:  # the JSON is written: a figure that fails must not lose it
+            plot.write_figures([args.out], args.out.parent, args.out.stem, force=args.force)
+            print("figures: " + ", ".join(str(f) for f in figures))
+        except Exception as err:
+            print(f"figures FAILED ({type(err).__name__}: {err}); the JSON above is complete; "
+                  f"retry with: python benchmarks/plot.py {args.out} --out DIR", file=sys.stderr)
     return 1 if any("error" in r for r in results.values()) else 0
 
 

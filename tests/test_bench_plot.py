@@ -1,0 +1,190 @@
+"""benchmarks/plot.py: the figures show the results files' numbers; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import plot
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _stats(median: float, lo: float, hi: float) -> dict:
+    return {"median": median, "ci": [lo, hi], "n": 7}
+
+
+def _info(threads: int, git: str = "0123456789abcdef") -> dict:
+    return {"cpu": "Intel(R) Xeon(R) Processor", "threads": threads, "git": git}
+
+
+def _run_all(threads: int, scale: float = 1.0) -> dict:
+    """A run_all.py JSON with made-up numbers (scaled per file, so two files differ)."""
+    info = _info(threads)
+    step = {p: _stats(scale * m, scale * m - 0.05, scale * m + 0.03)
+            for p, m in zip(plot.PLACEMENTS, (0.9, 0.95, 0.97, 1.05, 1.1), strict=True)}
+    kinds = {}
+    for kind in ("train", "collapse"):
+        rows = {"base": {"time_ratio": 1.0, "flop_ratio": 1.0, "memory_ratio": 1.0}}
+        for dim, t in zip(plot.SCALED, (1.9, 2.3, 1.8), strict=True):
+            rows[f"{dim} x2"] = {"time_ratio": scale * t, "flop_ratio": 2.1, "memory_ratio": 2.0}
+            rows[f"{dim} x4"] = {"time_ratio": scale * 2 * t, "flop_ratio": 4.7,
+                                 "memory_ratio": 3.9}
+        kinds[kind] = rows
+    return {"info": info, "results": {
+        "train_step": {"benchmark": "train_step", "info": info, "widths": {"64": {
+            "contenders": {f"normlab-{p}": {"vs_fastest_ref": s} for p, s in step.items()},
+            "qkv_over_pre": _stats(scale * 1.13, scale * 1.1, scale * 1.16)}}},
+        "mfu": {"benchmark": "mfu", "info": info, "widths": {"64": {"contenders": {
+            "normlab-pre": {"mfu": scale * 0.3}, "nanogpt": {"mfu": scale * 0.27}}}}},
+        "decode": {"benchmark": "decode", "info": info, "results": [
+            {"placement": "pre", "cell": "n5d1", "speedup": _stats(*(scale * v for v in (
+                2.5, 2.4, 2.7)))},
+            {"placement": "qkv", "cell": "n2d3", "speedup": _stats(*(scale * v for v in (
+                3.1, 3.0, 3.2)))}]},
+        "collapse": {"benchmark": "collapse", "info": info,
+                     "speedup_sweep": _stats(*(scale * v for v in (18.0, 17.0, 18.5))),
+                     "speedup_call": _stats(*(scale * v for v in (13.0, 12.0, 13.5)))},
+        "scaling": {"benchmark": "scaling", "info": info, "kinds": kinds},
+    }}
+
+
+def _write(tmp_path: Path, name: str, obj: object) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def _errorbars(ax) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+    """(label, x, median, [lo, hi] whisker ends) of every errorbar series on an axis."""
+    out = []
+    for c in ax.containers:
+        data, _, (bars,) = c.lines[0], c.lines[1], c.lines[2]
+        ends = np.array([seg[:, 1] for seg in bars.get_segments()])
+        out.append((c.get_label(), np.asarray(data.get_xdata(), float),
+                    np.asarray(data.get_ydata(), float), ends))
+    return out
+
+
+def test_targets_figure_shows_each_median_and_its_ci(tmp_path: Path) -> None:
+    src = plot.load(_write(tmp_path, "r.json", _run_all(1)))
+    fig = plot.targets_figure([src])
+    step, mfu, decode, sweep = fig.axes[:4]
+    raw = _run_all(1)["results"]
+    w = raw["train_step"]["widths"]["64"]
+    ((label, x, y, ends),) = _errorbars(step)
+    want = [w["contenders"][f"normlab-{p}"]["vs_fastest_ref"] for p in plot.PLACEMENTS]
+    want.append(w["qkv_over_pre"])
+    assert label == "Intel Xeon, 1 thread, 0123456"
+    np.testing.assert_allclose(x, np.arange(6))
+    np.testing.assert_allclose(y, [s["median"] for s in want])
+    np.testing.assert_allclose(ends, [s["ci"] for s in want])
+    np.testing.assert_allclose(_errorbars(mfu)[0][2], [30.0, 27.0])
+    np.testing.assert_allclose(_errorbars(decode)[0][2], [2.5, 3.1])
+    np.testing.assert_allclose(_errorbars(sweep)[0][2], [18.0, 13.0])
+    # every panel carries its target as a dashed line at the issue's value
+    for ax, y_target in ((step, 1.0), (step, 1.15), (mfu, 50.0), (decode, 3.0), (sweep, 20.0)):
+        assert any(ln.get_linestyle() == "--" and set(ln.get_ydata()) == {y_target}
+                   for ln in ax.get_lines()), (ax.get_title(), y_target)
+    assert [t.get_text() for t in step.get_xticklabels()] == [*plot.PLACEMENTS, "qkv / pre"]
+
+
+def test_two_files_are_drawn_side_by_side_and_labelled_apart(tmp_path: Path) -> None:
+    one = plot.load(_write(tmp_path, "1t.json", _run_all(1)))
+    two = plot.load(_write(tmp_path, "2t.json", _run_all(2, scale=0.5)))
+    series = _errorbars(plot.targets_figure([one, two]).axes[0])
+    assert [s[0] for s in series] == ["Intel Xeon, 1 thread, 0123456",
+                                      "Intel Xeon, 2 threads, 0123456"]
+    assert np.all(series[0][1] < series[1][1])  # dodged: the first file left of the second
+    np.testing.assert_allclose(series[1][2], 0.5 * series[0][2])
+
+
+def test_scaling_figure_puts_time_against_the_flop_count(tmp_path: Path) -> None:
+    src = plot.load(_write(tmp_path, "r.json", _run_all(1)))
+    fig = plot.scaling_figure([src])
+    time_ax, memory_ax = fig.axes[0], fig.axes[1]
+    solid = [ln for ln in time_ax.get_lines() if ln.get_linestyle() == "-"]
+    dashed = [ln for ln in time_ax.get_lines() if ln.get_linestyle() == "--"]
+    train = _run_all(1)["results"]["scaling"]["kinds"]["train"]
+    for dim, ln in zip(plot.SCALED, solid, strict=True):
+        assert ln.get_color() == plot.COLOURS[dim]
+        np.testing.assert_allclose(ln.get_xdata(), [1, 2, 4])
+        np.testing.assert_allclose(ln.get_ydata(), [1.0, train[f"{dim} x2"]["time_ratio"],
+                                                    train[f"{dim} x4"]["time_ratio"]])
+    assert [list(ln.get_ydata()) for ln in dashed] == [[1.0, 2.1, 4.7]] * 3
+    np.testing.assert_allclose(memory_ax.get_lines()[0].get_ydata(), [1.0, 2.0, 3.9])
+
+
+def test_a_benchmark_in_no_file_gets_a_panel_that_says_so(tmp_path: Path) -> None:
+    hooks_only = {"benchmark": "hooks", "info": _info(1), "results": []}
+    src = plot.load(_write(tmp_path, "hooks.json", hooks_only))
+    fig = plot.targets_figure([src])
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    for name in ("train_step", "mfu", "decode", "collapse"):
+        assert f"no {name} results in the inputs" in texts
+    assert not any(ax.containers for ax in fig.axes)
+
+
+def test_the_committed_full_run_draws_both_figures(tmp_path: Path) -> None:
+    results = ROOT / "benchmarks" / "results_session14_after_1thread.json"
+    written = plot.write_figures([results], tmp_path, formats=["png", "pdf"])
+    assert sorted(p.name for p in written) == ["scaling.pdf", "scaling.png", "targets.pdf",
+                                               "targets.png"]
+    assert (tmp_path / "targets.png").read_bytes().startswith(PNG)
+    assert (tmp_path / "scaling.pdf").read_bytes().startswith(b"%PDF")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such results file"),
+        ("not json", "not JSON"),
+        ('{"rows": []}', "expected the JSON of run_all.py --out or of one benchmark's --out"),
+        ('{"results": {"mfu": {"error": "ValueError: x"}}}', "holds no benchmark results"),
+        (json.dumps({"benchmark": "collapse", "speedup_call": {"median": 9, "ci": [10, 11]},
+                     "speedup_sweep": {"median": 20, "ci": [19, 21]}}),
+         "collapse whole call: median 9 lies outside its CI [10, 11]"),
+    ],
+)
+def test_bad_results_file_is_a_one_line_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, message: str
+) -> None:
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        plot.main([str(path), "--out", str(tmp_path / "figs")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(path) in err and message in err
+    assert not (tmp_path / "figs").exists()
+
+
+def test_bad_format_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "r.json", _run_all(1))
+    with pytest.raises(SystemExit):
+        plot.main([str(path), "--out", str(tmp_path), "--format", "png,gif"])
+    assert "--format: expected a comma-separated subset of png, pdf, svg; got 'png,gif'" in (
+        capsys.readouterr().err)
+
+
+def test_existing_figures_are_replaced_only_with_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, "r.json", _run_all(1))
+    out = tmp_path / "figs"
+    out.mkdir()
+    (out / "scaling.png").write_bytes(b"kept")
+    with pytest.raises(SystemExit):
+        plot.main([str(path), "--out", str(out)])
+    assert "scaling.png' already exists; pass --force to overwrite it" in capsys.readouterr().err
+    assert (out / "scaling.png").read_bytes() == b"kept" and not (out / "targets.png").exists()
+    plot.main([str(path), "--out", str(out), "--force"])
+    assert (out / "scaling.png").read_bytes().startswith(PNG)
+    assert sorted(p.name for p in out.iterdir()) == ["scaling.png", "targets.png"]
