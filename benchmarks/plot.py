@@ -97,6 +97,16 @@ def load(path: Path) -> Source:
     return Source(path, label_for(first.get("info", info)), results)
 
 
+def load_all(paths: Sequence[Path]) -> list[Source]:
+    """Every file, with its name added to any label another file shares (one legend entry each)."""
+    sources = [load(Path(p)) for p in paths]
+    labels = [s.label for s in sources]
+    for s in sources:
+        if labels.count(s.label) > 1:
+            s.label = f"{s.label} ({s.path.stem})"
+    return sources
+
+
 def _with(sources: Sequence[Source], name: str) -> list[tuple[int, Source]]:
     return [(i, s) for i, s in enumerate(sources) if name in s.results]
 
@@ -165,6 +175,12 @@ def _step_width(result: dict[str, Any]) -> str:
     return "64" if "64" in widths else next(iter(widths), "")
 
 
+def _widths(sources: Sequence[Source], name: str) -> str:
+    """', d64' (or ', d64/d128' across files): the width each file's panel shows."""
+    widths = sorted({_step_width(s.results[name]) for _, s in _with(sources, name)} - {""})
+    return f", d{'/'.join(widths)}" if widths else ""
+
+
 def targets_figure(sources: Sequence[Source]) -> Figure:
     """Four panels, one per timed target, each with its target line."""
     fig = Figure(figsize=(11, 7.5), layout="constrained")
@@ -180,15 +196,13 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
             return w.get("qkv_over_pre")
         return w.get("contenders", {}).get(f"normlab-{cat}", {}).get("vs_fastest_ref")
 
-    widths = {_step_width(s.results["train_step"]) for _, s in _with(sources, "train_step")}
-    title = f"1. Training step, d{'/'.join(sorted(widths))}: time / fastest reference"
+    title = f"1. Training step{_widths(sources, 'train_step')}: time / fastest reference"
     if _points(a, sources, "train_step", cats, step, title, "time ratio (lower = faster)"):
         _target(a, TARGET_STEP_RATIO, "target: at most 1.0", -0.5, len(PLACEMENTS) - 0.5)
         _target(a, TARGET_QKV_OVER_PRE, "at most 1.15", len(PLACEMENTS) - 0.4,
                 len(PLACEMENTS) + 0.4)
 
     mfu_names: list[str] = []
-    mfu_widths = {_step_width(s.results["mfu"]) for _, s in _with(sources, "mfu")}
     for _, s in _with(sources, "mfu"):
         w = s.results["mfu"]["widths"].get(_step_width(s.results["mfu"]), {})
         mfu_names += [n for n in w.get("contenders", {}) if n not in mfu_names]
@@ -198,7 +212,7 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
         return None if c is None else 100 * c["mfu"]
 
     short = [n.replace("normlab-", "") for n in mfu_names]
-    title = f"2. Model FLOP utilisation, d{'/'.join(sorted(mfu_widths))}"
+    title = f"2. Model FLOP utilisation{_widths(sources, 'mfu')}"
     if _points(b, sources, "mfu", mfu_names, mfu, title, "% of the measured matmul peak"):
         b.set_xticks(range(len(short)), short, fontsize=8)
         _target(b, TARGET_MFU_PCT, "target: at least 50%")
@@ -224,11 +238,13 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
         _target(d, TARGET_SWEEP, "target: at least 20x")
         d.set_ylim(0, max(d.get_ylim()[1], TARGET_SWEEP * 1.15))
 
-    handles, labels = next(((h, lab) for h, lab in (ax.get_legend_handles_labels()
-                                                    for ax in (a, b, c, d)) if h), ([], []))
-    if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 3),
-                   fontsize=8)
+    legend: dict[str, Any] = {}  # one entry per file, whichever panel drew it first
+    for ax in (a, b, c, d):
+        for handle, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(lab, handle)
+    if legend:
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center",
+                   ncol=min(len(legend), 3), fontsize=8)
     return fig
 
 
@@ -302,7 +318,7 @@ def outputs(folder: Path, stem: str, formats: Sequence[str]) -> list[Path]:
 def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
                   formats: Sequence[str] = ("png",), force: bool = False) -> list[Path]:
     """Load the results, refuse to replace existing figures unless `force`, draw and save."""
-    sources = [load(Path(p)) for p in paths]
+    sources = load_all(paths)
     targets = outputs(folder, stem, formats)
     for t in targets:
         refuse_overwrite(t.parent, t.name, force)

@@ -105,6 +105,24 @@ def test_two_files_are_drawn_side_by_side_and_labelled_apart(tmp_path: Path) -> 
     np.testing.assert_allclose(series[1][2], 0.5 * series[0][2])
 
 
+def test_files_with_the_same_machine_and_commit_are_told_apart_by_name(tmp_path: Path) -> None:
+    paths = [_write(tmp_path, f"{name}.json", _run_all(1)) for name in ("first", "second")]
+    sources = plot.load_all(paths)
+    assert [s.label for s in sources] == ["Intel Xeon, 1 thread, 0123456 (first)",
+                                          "Intel Xeon, 1 thread, 0123456 (second)"]
+    legend = plot.targets_figure(sources).legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == [s.label for s in sources]
+
+
+def test_the_legend_names_a_file_that_only_a_later_panel_draws(tmp_path: Path) -> None:
+    full = _run_all(1)["results"]
+    step = _write(tmp_path, "step.json", full["train_step"])
+    sweep = _write(tmp_path, "sweep.json", {**full["collapse"], "info": _info(2)})
+    legend = plot.targets_figure(plot.load_all([step, sweep])).legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == ["Intel Xeon, 1 thread, 0123456",
+                                                          "Intel Xeon, 2 threads, 0123456"]
+
+
 def test_scaling_figure_puts_time_against_the_flop_count(tmp_path: Path) -> None:
     src = plot.load(_write(tmp_path, "r.json", _run_all(1)))
     fig = plot.scaling_figure([src])
