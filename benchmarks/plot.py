@@ -49,6 +49,10 @@ TARGET_DECODE = 3.0
 TARGET_SWEEP = 20.0
 
 
+class ResultsError(ValueError):
+    """Bad input, already a one-line message that names its file."""
+
+
 @dataclass
 class Source:
     """One results file: its label and its benchmarks by name."""
@@ -75,13 +79,13 @@ def label_for(info: dict[str, Any]) -> str:
 
 
 def load(path: Path) -> Source:
-    """A run_all.py or single-benchmark JSON; anything else is a one-line ValueError."""
+    """A run_all.py or single-benchmark JSON; anything else is a one-line ResultsError."""
     if not path.is_file():
-        raise ValueError(f"{str(path)!r}: no such results file")
+        raise ResultsError(f"{str(path)!r}: no such results file")
     try:
         obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{str(path)!r}: not JSON ({err})") from None
+        raise ResultsError(f"{str(path)!r}: not JSON ({err})") from None
     if isinstance(obj, dict) and isinstance(obj.get("results"), dict):
         results = {k: v for k, v in obj["results"].items()
                    if k in BENCHMARKS and isinstance(v, dict) and "error" not in v}
@@ -89,10 +93,10 @@ def load(path: Path) -> Source:
     elif isinstance(obj, dict) and obj.get("benchmark") in BENCHMARKS:
         results, info = {obj["benchmark"]: obj}, obj.get("info", {})
     else:
-        raise ValueError(f"{str(path)!r}: expected the JSON of run_all.py --out or of one "
+        raise ResultsError(f"{str(path)!r}: expected the JSON of run_all.py --out or of one "
                          f"benchmark's --out (a 'results' or 'benchmark' key)")
     if not results:
-        raise ValueError(f"{str(path)!r}: holds no benchmark results (all failed or skipped?)")
+        raise ResultsError(f"{str(path)!r}: holds no benchmark results (all failed or skipped?)")
     first = next(iter(results.values()))
     return Source(path, label_for(first.get("info", info)), results)
 
@@ -142,7 +146,7 @@ def _points(
             med = v["median"] if isinstance(v, dict) else float(v)
             ci = v.get("ci", [med, med]) if isinstance(v, dict) else [med, med]
             if not ci[0] <= med <= ci[1]:
-                raise ValueError(f"{str(src.path)!r}: {name} {cat}: median {med:g} lies "
+                raise ResultsError(f"{str(src.path)!r}: {name} {cat}: median {med:g} lies "
                                  f"outside its CI [{ci[0]:g}, {ci[1]:g}]")
             xs.append(k + (i - (len(sources) - 1) / 2) * width)
             ys.append(med)
@@ -303,6 +307,25 @@ def scaling_figure(sources: Sequence[Source]) -> Figure:
     return fig
 
 
+LAYOUT_ERRORS = (KeyError, TypeError, IndexError, AttributeError, ValueError)
+
+
+def draw(sources: Sequence[Source]) -> dict[str, Figure]:
+    """Both figures; a file whose JSON lacks what they read is a one-line error naming it."""
+    try:
+        return {"targets": targets_figure(sources), "scaling": scaling_figure(sources)}
+    except LAYOUT_ERRORS as err:
+        if isinstance(err, ResultsError):
+            raise
+        for src in sources:  # which file: the first that fails alone
+            try:
+                targets_figure([src]), scaling_figure([src])
+            except LAYOUT_ERRORS as alone:
+                raise ResultsError(f"{str(src.path)!r}: not the layout this script reads "
+                                 f"({type(alone).__name__}: {alone})") from None
+        raise
+
+
 def save(fig: Figure, path: Path) -> None:
     """Atomic, so an interrupted run leaves the old figure or the new one."""
     buf = io.BytesIO()
@@ -322,7 +345,7 @@ def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
     targets = outputs(folder, stem, formats)
     for t in targets:
         refuse_overwrite(t.parent, t.name, force)
-    figs = {"targets": targets_figure(sources), "scaling": scaling_figure(sources)}
+    figs = draw(sources)
     folder.mkdir(parents=True, exist_ok=True)
     for t in targets:
         save(figs[t.stem.removeprefix(f"{stem}_" if stem else "")], t)

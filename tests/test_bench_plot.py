@@ -165,6 +165,8 @@ def test_the_committed_full_run_draws_both_figures(tmp_path: Path) -> None:
         ("not json", "not JSON"),
         ('{"rows": []}', "expected the JSON of run_all.py --out or of one benchmark's --out"),
         ('{"results": {"mfu": {"error": "ValueError: x"}}}', "holds no benchmark results"),
+        ('{"benchmark": "decode", "results": [{"cell": "n5d1"}]}',
+         "not the layout this script reads (KeyError: 'placement')"),
         (json.dumps({"benchmark": "collapse", "speedup_call": {"median": 9, "ci": [10, 11]},
                      "speedup_sweep": {"median": 20, "ci": [19, 21]}}),
          "collapse whole call: median 9 lies outside its CI [10, 11]"),
@@ -206,3 +208,27 @@ def test_existing_figures_are_replaced_only_with_force(
     plot.main([str(path), "--out", str(out), "--force"])
     assert (out / "scaling.png").read_bytes().startswith(PNG)
     assert sorted(p.name for p in out.iterdir()) == ["scaling.png", "targets.png"]
+
+
+def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import types
+
+    import run_all
+
+    fake = types.SimpleNamespace(run=lambda args: {"benchmark": "mfu", "widths": {}},
+                                 to_markdown=lambda res: "### fake")
+    monkeypatch.setitem(run_all.MODULES, "mfu", fake)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no font")
+
+    with monkeypatch.context() as m:
+        m.setattr(run_all.plot, "write_figures", broken)
+        assert run_all.main(["--only", "mfu", "--out", str(tmp_path / "a.json")]) == 0
+    assert json.loads((tmp_path / "a.json").read_text())["results"]["mfu"]["benchmark"] == "mfu"
+    assert "figures FAILED (RuntimeError: no font); the JSON above is complete" in (
+        capsys.readouterr().err)
+    assert run_all.main(["--only", "mfu", "--out", str(tmp_path / "b.json"), "--no-plot"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
