@@ -118,6 +118,53 @@ def test_replacing_hook_changes_output_and_unknown_hook_errors() -> None:
     assert seen == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_an_unhooked_forward_reads_no_hook_point_through_module_getattr(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """setup_hooks binds every HookPoint as a plain attribute: nn.Module.__getattr__, ~0.6 µs
+    a read, is not on the path of any hook point (it was, ~100 times per forward)."""
+    model = build_model(cfg(norm_placement="qkv", arch=arch))
+    tokens = torch.randint(0, 16, (2, 6))
+    args = (tokens, tokens) if arch == "encoder_decoder" else (tokens,)
+    slow_reads: list[str] = []
+    module_getattr = torch.nn.Module.__getattr__
+
+    def counting(self: torch.nn.Module, name: str) -> object:
+        if name.startswith("hook_"):
+            slow_reads.append(name)
+        return module_getattr(self, name)
+
+    monkeypatch.setattr(torch.nn.Module, "__getattr__", counting)
+    with torch.no_grad():
+        model(*args)
+        model.run_with_cache(*args)
+    assert slow_reads == []
+    assert len(model.hook_points()) > 50
+
+
+def test_bound_hook_points_stay_registered_and_follow_reassignment() -> None:
+    import copy
+
+    from normlab.model.hooks import HookPoint
+
+    model = build_model(cfg())
+    attn = model.blocks[0].attn
+    assert vars(attn)["hook_q"] is attn._modules["hook_q"] is model.hook_points()[
+        "blocks.0.attn.hook_q"]
+    twin = copy.deepcopy(model)
+    assert vars(twin.blocks[0].attn)["hook_q"] is twin.blocks[0].attn._modules["hook_q"]
+    assert twin.blocks[0].attn.hook_q is not attn.hook_q
+    new = HookPoint()
+    attn.hook_q = new  # nn.Module.__setattr__: the registered module and the attribute agree
+    assert attn.hook_q is new and attn._modules["hook_q"] is new
+    tokens = torch.randint(0, 16, (2, 6))
+    seen = []
+    new.fns.append(lambda x, h: seen.append(x.shape))
+    model(tokens)
+    assert seen == [torch.Size([2, 6, 4, 8])]
+
+
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 def test_rescaling_hook_k_acts_as_a_rescaled_key(placement: str) -> None:
     """Scaling key j by c multiplies column j of the raw scores by c, and nothing else."""

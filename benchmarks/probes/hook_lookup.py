@@ -1,0 +1,94 @@
+"""One-off probe behind a fifteenth-session number in docs/performance.md; not part of make bench.
+
+What did reading hook points through `nn.Module.__getattr__` cost, before `setup_hooks` bound
+each one as a plain attribute of its parent? One process, one model per placement, the
+binding switched off (the points popped from their parents' `__dict__`, so every read goes
+through `nn.Module.__getattr__` again, as before) and on, alternating, 15 rounds:
+
+- the forward of bench_hooks (eval, no_grad) at batch 1 and 128,
+- a cached greedy decode of bench_decode's n5d1 cell (256 questions, 4 tokens),
+- a training step of bench_train_step (d64, batch 128).
+
+    .venv/bin/python benchmarks/probes/hook_lookup.py [THREADS]
+"""
+import statistics as st
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_train_step import base_config, build_contender, model_config, real_batch
+from normlab import build_model
+from normlab.model.generate import greedy_decode
+from normlab.model.hooks import HookedModule
+from normlab.tasks.addition import (
+    aux_positions,
+    eval_sets,
+    make_prompts,
+    max_lengths,
+    next_aux_position,
+)
+
+if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
+    sys.exit("usage: hook_lookup.py [THREADS]")
+torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+run = base_config()
+full = real_batch(run)
+sets = eval_sets(run.validate())
+cell = next(c for c in sets["extrapolation"] if c.label == "n5d1")
+prompts = make_prompts([q for q, _ in sets["extrapolation"][cell][:256]], "decoder")
+max_new = max_lengths([cell])[1] + 1
+
+
+def binder(model: HookedModule) -> Callable[[bool], None]:
+    """bind(False) pops every hook point from its parent's __dict__; bind(True) puts it back."""
+    points = []
+    for name, hp in model.hook_points().items():
+        parent, _, attr = name.rpartition(".")
+        points.append((vars(model.get_submodule(parent)), attr, hp))
+
+    def bind(on: bool) -> None:
+        for d, attr, hp in points:
+            if on:
+                d[attr] = hp
+            else:
+                d.pop(attr, None)
+    return bind
+
+
+def ab(label: str, bind: Callable[[bool], None], fn: Callable[[], object], inner: int) -> None:
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(15):
+        for on in (False, True) if r % 2 == 0 else (True, False):
+            bind(on)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[on].append((time.perf_counter() - t0) / inner * 1e3)
+    bind(True)
+    ratios = [u / b for u, b in zip(times[False], times[True], strict=True)]
+    print(f"  {label:24s} unbound {st.median(times[False]):8.3f} ms, bound "
+          f"{st.median(times[True]):8.3f} ms, unbound / bound {st.median(ratios):.3f} "
+          f"[{min(ratios):.3f}, {max(ratios):.3f}]")
+
+
+print(f"{torch.get_num_threads()} thread(s); medians of 15 alternating rounds")
+for placement in ("pre", "qkv"):
+    cfg = model_config(run, run.model.d_model, placement)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    bind = binder(model)
+    print(f"{placement}: {len(model.hook_points())} hook points")
+    with torch.no_grad():
+        for b, inner in ((1, 200), (128, 10)):
+            tokens, aux = full["tokens"][:b], full["aux"][:b]
+            ab(f"forward, batch {b}", bind, lambda t=tokens, a=aux, m=model: m(t, aux=a),
+               inner)
+        ab("cached decode n5d1", bind, lambda m=model: greedy_decode(
+            m, prompts, max_new=max_new, eos=-1, aux_fn=aux_positions,
+            aux_next=next_aux_position), 2)
+    trained, step = build_contender("normlab", cfg, run, full)
+    ab("training step, batch 128", binder(trained), step, 3)
