@@ -7,7 +7,9 @@ through `nn.Module.__getattr__` again, as before) and on, alternating, 15 rounds
 
 - the forward of bench_hooks (eval, no_grad) at batch 1 and 128,
 - a cached greedy decode of bench_decode's n5d1 cell (256 questions, 4 tokens),
-- a training step of bench_train_step (d64, batch 128).
+- a training step of bench_train_step (d64, batch 128),
+- bench_collapse's two contenders (qkv, random weights, 64 examples, 16 draws): the naive
+  loop of batch-1 forwards and `measure_collapse` (9 rounds).
 
     .venv/bin/python benchmarks/probes/hook_lookup.py [THREADS]
 """
@@ -20,8 +22,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_collapse import SEED, SIGMA, eval_data, naive_sweep, random_model
 from bench_train_step import base_config, build_contender, model_config, real_batch
 from normlab import build_model
+from normlab.analysis.collapse import (
+    DEFAULT_MAX_TOKENS,
+    Perturbation,
+    find_sparse_rows,
+    measure_collapse,
+)
+from normlab.analysis.data import chunk_copies
 from normlab.model.generate import greedy_decode
 from normlab.model.hooks import HookedModule
 from normlab.tasks.addition import (
@@ -59,9 +69,10 @@ def binder(model: HookedModule) -> Callable[[bool], None]:
     return bind
 
 
-def ab(label: str, bind: Callable[[bool], None], fn: Callable[[], object], inner: int) -> None:
+def ab(label: str, bind: Callable[[bool], None], fn: Callable[[], object], inner: int,
+       rounds: int = 15) -> None:
     times: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(15):
+    for r in range(rounds):
         for on in (False, True) if r % 2 == 0 else (True, False):
             bind(on)
             t0 = time.perf_counter()
@@ -92,3 +103,17 @@ for placement in ("pre", "qkv"):
             aux_next=next_aux_position), 2)
     trained, step = build_contender("normlab", cfg, run, full)
     ab("training step, batch 128", binder(trained), step, 3)
+
+sweep_run, sweep_model = random_model()
+sweep_model.eval()
+data = eval_data(sweep_run, 64)
+rows = find_sparse_rows(sweep_model, data, threshold=0.9)
+pert = Perturbation(sweep_model)
+chunk = chunk_copies(data, DEFAULT_MAX_TOKENS, 16)
+bind = binder(sweep_model)
+print(f"collapse sweep (qkv, {len(rows)} sparse rows x 16 draws), 9 rounds")
+ab("naive loop", bind, lambda: naive_sweep(sweep_model, data, rows, pert, SIGMA, 16, chunk), 1,
+   rounds=9)
+ab("measure_collapse", bind, lambda: measure_collapse(
+    sweep_model, data, sigmas=[SIGMA], n_draws=16, threshold=0.9, theory_draws=1, seed=SEED), 1,
+   rounds=9)
