@@ -9,7 +9,9 @@ through `nn.Module.__getattr__` again, as before) and on, alternating, 15 rounds
 - a cached greedy decode of bench_decode's n5d1 cell (256 questions, 4 tokens),
 - a training step of bench_train_step (d64, batch 128),
 - bench_collapse's two contenders (qkv, random weights, 64 examples, 16 draws): the naive
-  loop of batch-1 forwards and `measure_collapse` (9 rounds).
+  loop of batch-1 forwards and `measure_collapse` (9 rounds),
+- and first, one point in a tight loop: ns per `self.hook_x(x)` read as forwards read them,
+  unbound and bound, against the same method without the point.
 
     .venv/bin/python benchmarks/probes/hook_lookup.py [THREADS]
 """
@@ -33,7 +35,7 @@ from normlab.analysis.collapse import (
 )
 from normlab.analysis.data import chunk_copies
 from normlab.model.generate import greedy_decode
-from normlab.model.hooks import HookedModule
+from normlab.model.hooks import HookedModule, HookPoint
 from normlab.tasks.addition import (
     aux_positions,
     eval_sets,
@@ -86,6 +88,33 @@ def ab(label: str, bind: Callable[[bool], None], fn: Callable[[], object], inner
           f"[{min(ratios):.3f}, {max(ratios):.3f}]")
 
 
+class Holder(HookedModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_x = HookPoint()
+        self.setup_hooks()
+
+    def through_point(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook_x(x)
+
+    def without_point(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+holder, x1 = Holder(), torch.zeros(1)
+ns: dict[str, list[float]] = {"unbound": [], "bound": [], "no point": []}
+for _ in range(7):
+    for label in ns:
+        binder(holder)(label != "unbound")
+        fn = holder.without_point if label == "no point" else holder.through_point
+        t0 = time.perf_counter()
+        for _ in range(200_000):
+            fn(x1)
+        ns[label].append((time.perf_counter() - t0) / 200_000 * 1e9)
+binder(holder)(True)
+med = {k: st.median(v) for k, v in ns.items()}
+print(f"tight loop, ns per read of one unhooked point (median of 7 x 200,000): unbound "
+      f"{med['unbound']:.0f}, bound {med['bound']:.0f}, without the point {med['no point']:.0f}")
 print(f"{torch.get_num_threads()} thread(s); medians of 15 alternating rounds")
 for placement in ("pre", "qkv"):
     cfg = model_config(run, run.model.d_model, placement)
