@@ -63,7 +63,7 @@ class Source:
 
 
 def _short_cpu(cpu: str) -> str:
-    cpu = re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b|\d+-Core", "", cpu)
+    cpu = re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b|\d+-Core|@.*$", "", cpu)
     return " ".join(cpu.split()[:3]) or "unknown CPU"
 
 

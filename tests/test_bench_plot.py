@@ -232,3 +232,16 @@ def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(
         capsys.readouterr().err)
     assert run_all.main(["--only", "mfu", "--out", str(tmp_path / "b.json"), "--no-plot"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
+
+
+@pytest.mark.parametrize(
+    ("info", "label"),
+    [
+        ({"cpu": "AMD EPYC 9B14", "threads": 2, "git": "0123456789ab-dirty"},
+         "AMD EPYC 9B14, 2 threads, 0123456-dirty"),
+        ({"cpu": "Intel(R) Xeon(R) CPU @ 2.20GHz", "threads": 1}, "Intel Xeon, 1 thread"),
+        ({}, "unknown CPU"),
+    ],
+)
+def test_labels_name_cpu_threads_and_commit(info: dict, label: str) -> None:
+    assert plot.label_for(info) == label
