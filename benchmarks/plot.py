@@ -23,7 +23,7 @@ import argparse
 import io
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,7 +125,7 @@ def _empty(ax: Axes, title: str, name: str) -> None:
 
 def _points(
     ax: Axes, sources: Sequence[Source], name: str, categories: list[str],
-    value: Any, title: str, ylabel: str,
+    value: Callable[[dict[str, Any], str], Any], title: str, ylabel: str,
 ) -> bool:
     """Median with its CI per category, one marker per file, dodged sideways.
 
