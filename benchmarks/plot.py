@@ -341,6 +341,8 @@ def outputs(folder: Path, stem: str, formats: Sequence[str]) -> list[Path]:
 def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
                   formats: Sequence[str] = ("png",), force: bool = False) -> list[Path]:
     """Load the results, refuse to replace existing figures unless `force`, draw and save."""
+    if folder.exists() and not folder.is_dir():
+        raise ResultsError(f"--out: {str(folder)!r} is a file; expected a folder for the figures")
     sources = load_all(paths)
     targets = outputs(folder, stem, formats)
     for t in targets:

@@ -186,6 +186,15 @@ def test_bad_results_file_is_a_one_line_error_naming_it(
     assert not (tmp_path / "figs").exists()
 
 
+def test_out_that_is_a_file_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, "r.json", _run_all(1))
+    with pytest.raises(SystemExit):
+        plot.main([str(path), "--out", str(path)])
+    assert f"--out: {str(path)!r} is a file; expected a folder" in capsys.readouterr().err
+
+
 def test_bad_format_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, "r.json", _run_all(1))
     with pytest.raises(SystemExit):
