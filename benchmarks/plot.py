@@ -281,11 +281,11 @@ def scaling_figure(sources: Sequence[Source]) -> Figure:
                 for dim in SCALED:
                     xs, ys = _scaled(kind, dim, key)
                     ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], color=COLOURS[dim])
-            for dim in SCALED:  # the shapes, hence the FLOPs, are the same in every file
-                if key == "time_ratio":
+            if key == "time_ratio":  # the shapes, hence the FLOPs, are the same in every file
+                for dim in SCALED:
                     ax.plot(*_scaled(kinds[0][1], dim, "flop_ratio"), color=COLOURS[dim],
                             linestyle="--", linewidth=1)
-            if key == "memory_ratio":
+            else:
                 ax.plot([1, 4], [1, 4], color="grey", linestyle=":", linewidth=1)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
@@ -333,9 +333,10 @@ def save(fig: Figure, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def outputs(folder: Path, stem: str, formats: Sequence[str]) -> list[Path]:
+def outputs(folder: Path, stem: str, formats: Sequence[str]) -> dict[Path, str]:
+    """Each file to write -> the figure it holds."""
     prefix = f"{stem}_" if stem else ""
-    return [folder / f"{prefix}{name}.{fmt}" for name in FIGURES for fmt in formats]
+    return {folder / f"{prefix}{name}.{fmt}": name for name in FIGURES for fmt in formats}
 
 
 def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
@@ -349,9 +350,9 @@ def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
         refuse_overwrite(t.parent, t.name, force)
     figs = draw(sources)
     folder.mkdir(parents=True, exist_ok=True)
-    for t in targets:
-        save(figs[t.stem.removeprefix(f"{stem}_" if stem else "")], t)
-    return targets
+    for path, name in targets.items():
+        save(figs[name], path)
+    return list(targets)
 
 
 def _formats(text: str) -> list[str]:

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
         args.out = ROOT / "runs" / "bench" / f"results-{stamp}.json"
     refuse_overwrite(parser, args.out, args.force)
-    figures = [] if args.no_plot else plot.outputs(args.out.parent, args.out.stem, ["png"])
+    figures = {} if args.no_plot else plot.outputs(args.out.parent, args.out.stem, ["png"])
     for fig_path in figures:
         refuse_overwrite(parser, fig_path, args.force)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]

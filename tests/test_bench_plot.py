@@ -254,3 +254,11 @@ def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(
 )
 def test_labels_name_cpu_threads_and_commit(info: dict, label: str) -> None:
     assert plot.label_for(info) == label
+
+
+def test_format_picks_the_files_written(tmp_path: Path) -> None:
+    path = _write(tmp_path, "r.json", _run_all(1))
+    plot.main([str(path), "--out", str(tmp_path / "figs"), "--format", "pdf,svg"])
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == [
+        "scaling.pdf", "scaling.svg", "targets.pdf", "targets.svg"]
+    assert (tmp_path / "figs" / "targets.svg").read_text().lstrip().startswith("<?xml")
