@@ -56,7 +56,7 @@ def _inner_for(fn: Callable[[], Any], target_s: float) -> int:
     return max(1, int(target_s / max(time.perf_counter() - t0, 1e-6)))
 
 
-class _Holder(HookedModule):
+class PointHolder(HookedModule):
     """A module with one hook point, read the way every forward reads its points."""
 
     def __init__(self) -> None:
@@ -78,7 +78,7 @@ def call_cost(repeats: int, calls: int) -> dict[str, Any]:
     (what the whole-forward comparison bypasses), and a method without the point at all; the
     extra over the last is what a point costs a forward.
     """
-    holder, x = _Holder(), torch.zeros(1)
+    holder, x = PointHolder(), torch.zeros(1)
 
     def loop(call: Any, method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         def fn() -> None:

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_collapse import SEED, SIGMA, eval_data, naive_sweep, random_model
+from bench_hooks import PointHolder
 from bench_train_step import base_config, build_contender, model_config, real_batch
 from normlab import build_model
 from normlab.analysis.collapse import (
@@ -35,7 +36,7 @@ from normlab.analysis.collapse import (
 )
 from normlab.analysis.data import chunk_copies
 from normlab.model.generate import greedy_decode
-from normlab.model.hooks import HookedModule, HookPoint
+from normlab.model.hooks import HookedModule
 from normlab.tasks.addition import (
     aux_positions,
     eval_sets,
@@ -88,20 +89,7 @@ def ab(label: str, bind: Callable[[bool], None], fn: Callable[[], object], inner
           f"[{min(ratios):.3f}, {max(ratios):.3f}]")
 
 
-class Holder(HookedModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.hook_x = HookPoint()
-        self.setup_hooks()
-
-    def through_point(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hook_x(x)
-
-    def without_point(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-holder, x1 = Holder(), torch.zeros(1)
+holder, x1 = PointHolder(), torch.zeros(1)
 ns: dict[str, list[float]] = {"unbound": [], "bound": [], "no point": []}
 for _ in range(7):
     for label in ns:
