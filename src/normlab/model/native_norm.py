@@ -1,0 +1,241 @@
+"""A native CPU kernel for `Norm`: LayerNorm / RMSNorm on float32 rows, compiled on first use.
+
+Why: ATen's CPU `layer_norm` reduces one row at a time, so on QKV-Norm's 16-float head rows it
+is bound by each row's reduction (~25 ns a row, 5x its cost per float on 64-float rows); that
+alone kept `qkv` ~15% behind `pre` in a training step (docs/performance.md). `native_norm.c`
+reduces eight rows at once with AVX2 and splits rows over the OpenMP threads torch uses.
+
+It is compiled with the system C compiler (`$CC`, else `cc`) the first time a process needs
+it, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file keyed by the
+source, the flags, the compiler and the CPU (it is built for this CPU, `-march=native`).
+Without a compiler, or with `NORMLAB_NATIVE_NORM=0`, `Norm` runs `F.layer_norm` /
+`F.rms_norm`: the same numbers to float32 rounding (tests/test_native_norm.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("native_norm.c")
+# tried in order: OpenMP threads, then without (e.g. Apple clang), then without -march=native
+FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-march=native"),
+    ("-O3",),
+)
+ROWS_PER_THREAD = 512  # below this many rows a call runs on one thread
+# fewest rows for which the kernel beats torch's, without / with autograd (Intel Xeon, 1-2
+# threads, D = 16 and 64: benchmarks/probes/native_norm_rows.py)
+MIN_ROWS = {False: 256, True: 1024}
+
+
+def _enabled_by_env() -> bool:
+    return os.environ.get("NORMLAB_NATIVE_NORM", "1").strip().lower() not in ("0", "false", "no")
+
+
+_enabled = _enabled_by_env()
+_lib: ctypes.CDLL | None = None
+_tried = False
+built_with: tuple[str, ...] | None = None  # the flags of the loaded build, for reports
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the kernel on or off for this process (benchmarks A/B it; tests compare)."""
+    global _enabled
+    _enabled = on
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() + platform.machine()
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NORMLAB_CACHE") or Path.home() / ".cache" / "normlab"
+    return Path(root) / "kernels"
+
+
+def _compile(cc: str, flags: tuple[str, ...], src: bytes) -> Path | None:
+    """Build (or find) the shared library for these flags; None if the compiler refuses."""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256(
+        b"\0".join([src, " ".join(flags).encode(), version.stdout.encode(), _cpu_id().encode()])
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"native_norm-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # compile to a private name, then rename: another process never loads a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+    try:
+        ok = subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if ok:
+        os.replace(tmp, out)
+        return out
+    Path(tmp).unlink(missing_ok=True)
+    return None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first call; None if no build works (warned once)."""
+    global _lib, _tried, built_with
+    if _tried:
+        return _lib
+    _tried = True
+    if platform.system() == "Windows":
+        return None
+    cc, src = os.environ.get("CC", "cc"), SOURCE.read_bytes()
+    for flags in FLAG_SETS:
+        path = _compile(cc, flags, src)
+        if path is None:
+            continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
+        lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32]
+        lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = None
+        _lib, built_with = lib, flags
+        return _lib
+    warnings.warn(
+        f"normlab: could not compile {SOURCE.name} with {cc!r}; norms use torch's kernels "
+        "(set CC to a C compiler for the faster CPU path, or NORMLAB_NATIVE_NORM=0 to silence)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None
+
+
+def _needs_grad(*ts: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def applies(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `norm` should take these: float32 on CPU, eager, enough rows, the kernel built.
+
+    Below MIN_ROWS rows torch's own call is faster (the ctypes call, and with autograd the
+    Python Function, cost more than the kernel saves), so small inputs keep F.layer_norm.
+    """
+    if not _enabled or torch.compiler.is_compiling() or x.device.type != "cpu":
+        return False
+    if x.dtype != torch.float32 or gain.dtype != torch.float32 or x.ndim == 0:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows < MIN_ROWS[_needs_grad(x, gain, bias)]:
+        return False
+    return load() is not None
+
+
+def _kernel() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("normlab.model.native_norm: the kernel is not built (see the warning)")
+    return lib
+
+
+def _threads(n_rows: int) -> int:
+    return max(1, min(torch.get_num_threads(), n_rows // ROWS_PER_THREAD))
+
+
+def _forward(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, center: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: contiguous [..., D] -> (y [..., D], mean [N], rstd [N])."""
+    d = x.shape[-1]
+    n = x.numel() // d
+    y, mean, rstd = torch.empty_like(x), x.new_empty(n), x.new_empty(n)
+    _kernel().nl_norm_fwd(
+        x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+        mean.data_ptr(), rstd.data_ptr(), n, d, int(center), eps, _threads(n),
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def _reference(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, center: bool
+) -> torch.Tensor:
+    """torch's own ops for the same function, differentiable to any order."""
+    if center:
+        return torch.nn.functional.layer_norm(x, w.shape, w, b, eps)
+    return torch.nn.functional.rms_norm(x, w.shape, w, eps)
+
+
+class _NormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        eps: float,
+        center: bool,
+    ) -> torch.Tensor:
+        y, mean, rstd = _forward(x, w, b, eps, center)
+        ctx.save_for_backward(x, w, b, mean, rstd)
+        ctx.eps, ctx.center = eps, center  # type: ignore[attr-defined]
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, w, b, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True (double backward, e.g. a gradient penalty): take the gradient
+            # through torch's ops, so that it is itself differentiable
+            with torch.enable_grad():
+                ins = [t for t in (x, w, b) if t is not None]
+                y = _reference(x, w, b, ctx.eps, ctx.center)
+                gs = torch.autograd.grad(y, ins, gy, create_graph=True, allow_unused=True)
+            return (*gs, *([None] if b is None else []), None, None)
+        g = gy.contiguous()
+        d = x.shape[-1]
+        n = x.numel() // d
+        t = _threads(n)
+        # a strided gy was just copied into g, which nobody else holds: gx overwrites it
+        gx = g if g is not gy else torch.empty_like(x)
+        gw, gb = x.new_empty(t, d), x.new_empty(t, d)
+        _kernel().nl_norm_bwd(
+            g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+            gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), n, d, int(ctx.center), t,
+        )  # fmt: skip
+        return gx, gw[0], None if b is None else gb[0], None, None
+
+
+def norm(
+    x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None, eps: float, center: bool
+) -> torch.Tensor:
+    """LayerNorm (`center`) or RMSNorm over the last dim, as F.layer_norm / F.rms_norm.
+
+    Float32 CPU tensors only (`applies` says when it pays); gain and bias are [D].
+    """
+    x, gain = x.contiguous(), gain.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    if _needs_grad(x, gain, bias):
+        return _NormFn.apply(x, gain, bias, eps, center)
+    return _forward(x, gain, bias, eps, center)[0]

@@ -1,0 +1,222 @@
+"""The native CPU norm kernel against torch's own LayerNorm / RMSNorm (the independent truth).
+
+Every width path of native_norm.c is exercised: 16 and 64 (the inlined eight-row copies), 24
+(the generic eight-row loop), 13 (the per-row loop), with row counts that leave a tail of rows
+after the last full block of eight, on one and two threads.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from normlab import ModelConfig, build_model
+from normlab.model import native_norm
+from normlab.model.norms import Norm
+
+pytestmark = pytest.mark.skipif(native_norm.load() is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def torch_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, center: bool):
+    """torch's own ops; in float64 the truth both float32 implementations are measured by."""
+    if center:
+        return F.layer_norm(x, w.shape, w, b, 1e-5)
+    y = F.rms_norm(x, w.shape, w, 1e-5)
+    return y if b is None else y + b  # the kernel's RMSNorm takes a bias too
+
+
+def as_double(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.detach().double().requires_grad_() for t in ts]
+
+
+def grads(fn, x, w, b, gy) -> list[torch.Tensor]:
+    ins = [t for t in (x, w, b) if t is not None]
+    return list(torch.autograd.grad(fn(x, w, b), ins, gy))
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("center", [True, False], ids=["layer", "rms"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("d", [16, 64, 24, 13])
+def test_matches_torch_forward_and_backward(
+    d: int, bias: bool, center: bool, n_threads: int, threads: None
+) -> None:
+    torch.set_num_threads(n_threads)
+    torch.manual_seed(d)
+    n = 2 * native_norm.ROWS_PER_THREAD + 5  # two threads' worth, and a ragged tail
+    x = (torch.randn(n, d) * 3 + 1).requires_grad_()
+    w = torch.randn(d).requires_grad_()
+    b = torch.randn(d).requires_grad_() if bias else None
+    gy = torch.randn(n, d)
+    xd, wd, bd = as_double(x, w, b)
+    ours = native_norm.norm(x, w, b, 1e-5, center)
+    truth = torch_norm(xd, wd, bd, center)
+    torch_f32 = torch_norm(x, w, b, center)  # how far float32 rounding alone moves it
+    assert (ours - truth).abs().max() < 4 * (torch_f32 - truth).abs().max() + 1e-6
+    g_ours = grads(lambda *a: native_norm.norm(*a, 1e-5, center), x, w, b, gy)
+    g_true = grads(lambda *a: torch_norm(*a, center), xd, wd, bd, gy.double())
+    for go, gt in zip(g_ours, g_true, strict=True):
+        assert go.dtype == torch.float32
+        torch.testing.assert_close(go.double(), gt, rtol=1e-4, atol=1e-4 * gt.abs().max())
+
+
+def test_statistics_and_gain_sums_by_hand() -> None:
+    """One row done by hand: mean 2.5, rstd 1/sqrt(1.25 + eps); gain grad = sum g * xhat."""
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 1030, requires_grad=True)
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    b = torch.zeros(4, requires_grad=True)
+    y = native_norm.norm(x, w, b, 1e-5, True)
+    xhat = (torch.tensor([1.0, 2.0, 3.0, 4.0]) - 2.5) / (1.25 + 1e-5) ** 0.5
+    torch.testing.assert_close(y[0], xhat * w.detach())
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, 1030 * xhat, rtol=1e-4, atol=1e-4)  # float32 sums
+    torch.testing.assert_close(b.grad, torch.full((4,), 1030.0))
+
+
+def test_strided_input_and_gradient() -> None:
+    """A transposed x and a transposed incoming gradient (as attention's backward gives)."""
+    torch.manual_seed(0)
+    base = torch.randn(64, 17, 4, 16)
+    x = base.transpose(1, 2).requires_grad_()  # not contiguous
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    gy = torch.randn(64, 17, 4, 16).transpose(1, 2)  # strided: the kernel's gx reuses a copy
+    gy_before = gy.clone()
+    y = native_norm.norm(x, w, b, 1e-5, True)
+    torch.testing.assert_close(y, F.layer_norm(x, (16,), w, b, 1e-5), rtol=1e-5, atol=1e-5)
+    g = grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy)
+    g_ref = grads(lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5), x, w, b, gy)
+    for go, gr in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
+    assert not gy.is_contiguous()
+    assert torch.equal(gy, gy_before), "the incoming gradient itself is not overwritten"
+
+
+def test_double_backward_goes_through_torch_ops() -> None:
+    """create_graph=True gives a differentiable gradient (a gradient penalty works)."""
+    torch.manual_seed(0)
+    x = torch.randn(1100, 16, requires_grad=True)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+
+    def penalty(fn) -> list[torch.Tensor]:
+        (gx,) = torch.autograd.grad(fn(x, w, b).pow(2).sum(), x, create_graph=True)
+        return list(torch.autograd.grad(gx.pow(2).sum(), (x, w, b)))
+
+    ours = penalty(lambda *a: native_norm.norm(*a, 1e-5, True))
+    ref = penalty(lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5))
+    for go, gr in zip(ours, ref, strict=True):
+        torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-3)
+
+
+def test_applies_only_where_it_pays() -> None:
+    big, w = torch.randn(4096, 16), torch.ones(16)
+    assert native_norm.applies(big, w)
+    assert not native_norm.applies(torch.randn(17, 16), w)  # a batch-1 forward
+    n_grad = native_norm.MIN_ROWS[True] - 1
+    assert native_norm.applies(torch.randn(n_grad, 16), w)  # no autograd: the lower bar
+    assert not native_norm.applies(torch.randn(n_grad, 16, requires_grad=True), w)
+    assert not native_norm.applies(big.double(), w.double())
+    assert not native_norm.applies(big.bfloat16(), w.bfloat16())
+    native_norm.set_enabled(False)
+    try:
+        assert not native_norm.applies(big, w)
+    finally:
+        native_norm.set_enabled(True)
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+@pytest.mark.parametrize("norm_type", ["layer", "rms"])
+def test_model_step_same_with_and_without_kernel(placement: str, norm_type: str) -> None:
+    """A whole forward + backward of a model, kernel on vs torch's norms: same loss, grads."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement=placement,
+                      norm_type=norm_type, max_len=24, norm_gain_offset=norm_type == "rms")
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (80, 17))  # 1360 rows: above both bars
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        loss = model(tokens).logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    calls = []
+    orig = native_norm._NormFn.apply
+    try:
+        native_norm._NormFn.apply = lambda *a: calls.append(1) or orig(*a)  # type: ignore
+        loss_on, g_on = run()
+    finally:
+        native_norm._NormFn.apply = orig  # type: ignore[method-assign]
+    assert len(calls) == sum(isinstance(m, Norm) for m in model.modules())
+    native_norm.set_enabled(False)
+    try:
+        loss_off, g_off = run()
+    finally:
+        native_norm.set_enabled(True)
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g_on, g_off, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_no_compiler_falls_back_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_norm, "_tried", False)
+    monkeypatch.setattr(native_norm, "_lib", None)
+    with pytest.warns(RuntimeWarning, match="could not compile native_norm.c"):
+        assert native_norm.load() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not on every call
+        assert native_norm.load() is None
+        x = torch.randn(4096, 16)
+        assert not native_norm.applies(x, torch.ones(16))
+        norm = Norm(16)
+        torch.testing.assert_close(norm(x), F.layer_norm(x, (16,), norm.w, norm.b))
+    with pytest.raises(RuntimeError, match="kernel is not built"):
+        native_norm.norm(x, torch.ones(16), None, 1e-5, True)
+
+
+def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_norm, "_tried", False)
+    monkeypatch.setattr(native_norm, "_lib", None)
+    assert native_norm.load() is not None
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so", "one library, no temporary left"
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native_norm, "_tried", False)
+    assert native_norm.load() is not None
+    assert built[0].stat().st_mtime_ns == stamp, "found in the cache, not rebuilt"
+    # another source (or flags, compiler, CPU) is another file
+    cc = native_norm.os.environ.get("CC", "cc")
+    other = native_norm._compile(cc, ("-O1",), native_norm.SOURCE.read_bytes())
+    assert other is not None and other != built[0]
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("false", False), ("1", True),
+                                           ("", True)])
+def test_env_switch(monkeypatch: pytest.MonkeyPatch, value: str, on: bool) -> None:
+    monkeypatch.setenv("NORMLAB_NATIVE_NORM", value)
+    assert native_norm._enabled_by_env() is on
+
+
+def test_torch_compile_traces_torchs_norm() -> None:
+    """Under torch.compile the kernel (a ctypes call dynamo cannot trace) steps aside."""
+    torch.manual_seed(0)
+    norm = Norm(16)
+    x = torch.randn(4096, 16, requires_grad=True)
+    assert native_norm.applies(x, norm.w, norm.b)
+    compiled = torch.compile(norm, fullgraph=True)  # a graph break would raise here
+    torch.testing.assert_close(compiled(x), F.layer_norm(x, (16,), norm.w, norm.b))
