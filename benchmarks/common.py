@@ -23,6 +23,7 @@ import torch
 
 from normlab import io
 from normlab.io import atomic_write_text, git_commit
+from normlab.model import native_norm
 from normlab.stats import median_ci
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,6 +169,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": threads,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
+        "native_norm": native_norm.describe(),  # normlab's CPU norm kernel, or why not
         "git": git_commit(),  # the same record as run folders: tracked changes make it -dirty
         "loadavg_1m_at_start": round(load[0], 2),
         "cpu_counters_at_start": cpu_counters(),

@@ -127,9 +127,11 @@ def test_applies_only_where_it_pays() -> None:
     assert not native_norm.applies(torch.randn(n_grad, 16, requires_grad=True), w)
     assert not native_norm.applies(big.double(), w.double())
     assert not native_norm.applies(big.bfloat16(), w.bfloat16())
+    assert native_norm.describe().startswith("on (")
     native_norm.set_enabled(False)
     try:
         assert not native_norm.applies(big, w)
+        assert native_norm.describe() == "off (torch's kernels)"
     finally:
         native_norm.set_enabled(True)
 
@@ -177,6 +179,7 @@ def test_no_compiler_falls_back_with_one_warning(
     monkeypatch.setattr(native_norm, "_lib", None)
     with pytest.warns(RuntimeWarning, match="could not compile native_norm.c"):
         assert native_norm.load() is None
+    assert native_norm.describe().startswith("unavailable")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, not on every call
         assert native_norm.load() is None

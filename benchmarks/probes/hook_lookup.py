@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from abtime import ab
+
 from bench_collapse import SEED, SIGMA, eval_data, naive_sweep, random_model
 from bench_hooks import PointHolder
 from bench_train_step import base_config, build_contender, model_config, real_batch
@@ -70,23 +72,6 @@ def binder(model: HookedModule) -> Callable[[bool], None]:
             else:
                 d.pop(attr, None)
     return bind
-
-
-def ab(label: str, bind: Callable[[bool], None], fn: Callable[[], object], inner: int,
-       rounds: int = 15) -> None:
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(rounds):
-        for on in (False, True) if r % 2 == 0 else (True, False):
-            bind(on)
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times[on].append((time.perf_counter() - t0) / inner * 1e3)
-    bind(True)
-    ratios = [u / b for u, b in zip(times[False], times[True], strict=True)]
-    print(f"  {label:24s} unbound {st.median(times[False]):8.3f} ms, bound "
-          f"{st.median(times[True]):8.3f} ms, unbound / bound {st.median(ratios):.3f} "
-          f"[{min(ratios):.3f}, {max(ratios):.3f}]")
 
 
 holder, x1 = PointHolder(), torch.zeros(1)

@@ -59,6 +59,18 @@ def enabled() -> bool:
     return _enabled
 
 
+def describe() -> str:
+    """What norms run on in this process, for result files: the kernel's build, or why not."""
+    if not _enabled:
+        return "off (torch's kernels)"
+    if load() is None:
+        return "unavailable, no working C compiler (torch's kernels)"
+    lib = _lib
+    assert lib is not None and built_with is not None
+    path = "AVX2 eight-row" if lib.nl_has_rows8() else "per-row"
+    return f"on ({' '.join(built_with)}, {path} path)"
+
+
 def _cpu_id() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -122,6 +134,7 @@ def load() -> ctypes.CDLL | None:
         lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
         lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32]
         lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = None
+        lib.nl_has_rows8.restype = ctypes.c_int
         _lib, built_with = lib, flags
         return _lib
     warnings.warn(
