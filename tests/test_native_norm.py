@@ -127,6 +127,8 @@ def test_applies_only_where_it_pays() -> None:
     assert not native_norm.applies(torch.randn(n_grad, 16, requires_grad=True), w)
     assert not native_norm.applies(big.double(), w.double())
     assert not native_norm.applies(big.bfloat16(), w.bfloat16())
+    assert not native_norm.applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
+    assert not native_norm.applies(torch.tensor(1.0), torch.ones(1))
     assert native_norm.describe().startswith("on (")
     native_norm.set_enabled(False)
     try:
@@ -220,6 +222,6 @@ def test_torch_compile_traces_torchs_norm() -> None:
     torch.manual_seed(0)
     norm = Norm(16)
     x = torch.randn(4096, 16, requires_grad=True)
-    assert native_norm.applies(x, norm.w, norm.b)
+    assert native_norm.applies(x, norm.w)
     compiled = torch.compile(norm, fullgraph=True)  # a graph break would raise here
     torch.testing.assert_close(compiled(x), F.layer_norm(x, (16,), norm.w, norm.b))

@@ -150,20 +150,24 @@ def _needs_grad(*ts: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
-def applies(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
     """Whether `norm` should take these: float32 on CPU, eager, enough rows, the kernel built.
 
     Below MIN_ROWS rows torch's own call is faster (the ctypes call, and with autograd the
     Python Function, cost more than the kernel saves), so small inputs keep F.layer_norm.
+    Every norm of every forward asks, so the cheapest test (size) goes first, and the bias is
+    not read (a module's parameter read costs ~0.4 µs): its autograd is `norm`'s business.
     """
-    if not _enabled or torch.compiler.is_compiling() or x.device.type != "cpu":
+    if not _enabled or x.ndim == 0:
         return False
-    if x.dtype != torch.float32 or gain.dtype != torch.float32 or x.ndim == 0:
+    n, d = x.numel(), x.shape[-1]
+    if d == 0 or n < MIN_ROWS[False] * d:
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows < MIN_ROWS[_needs_grad(x, gain, bias)]:
+    if x.dtype != torch.float32 or gain.dtype != torch.float32 or x.device.type != "cpu":
         return False
-    return load() is not None
+    if _needs_grad(x, gain) and n < MIN_ROWS[True] * d:
+        return False
+    return not torch.compiler.is_compiling() and load() is not None
 
 
 def _kernel() -> ctypes.CDLL:
