@@ -225,3 +225,20 @@ def test_torch_compile_traces_torchs_norm() -> None:
     assert native_norm.applies(x, norm.w)
     compiled = torch.compile(norm, fullgraph=True)  # a graph break would raise here
     torch.testing.assert_close(compiled(x), F.layer_norm(x, (16,), norm.w, norm.b))
+
+
+def test_small_inputs_keep_torchs_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch-1 forward's norms never reach the kernel (torch's call is faster there)."""
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("small input sent to the native kernel")
+
+    monkeypatch.setattr(native_norm, "norm", refuse)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement="qkv"))
+    tokens = torch.randint(0, 16, (1, 17))
+    model(tokens).sum().backward()
+    with torch.no_grad():
+        model(tokens)
+    with pytest.raises(AssertionError, match="small input"):
+        model(torch.randint(0, 16, (80, 17)))  # 1360 rows: this one does
