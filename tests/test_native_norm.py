@@ -242,3 +242,16 @@ def test_small_inputs_keep_torchs_kernel(monkeypatch: pytest.MonkeyPatch) -> Non
         model(tokens)
     with pytest.raises(AssertionError, match="small input"):
         model(torch.randint(0, 16, (80, 17)))  # 1360 rows: this one does
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_bitwise_deterministic(n_threads: int, threads: None) -> None:
+    """Same inputs, same threads, same bits (training resumes exactly, tests/test_train.py)."""
+    torch.set_num_threads(n_threads)
+    torch.manual_seed(0)
+    x = torch.randn(4099, 16, requires_grad=True)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    gy = torch.randn(4099, 16)
+    runs = [grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy) for _ in range(3)]
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again, strict=True))
