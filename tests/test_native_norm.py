@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
 from normlab.model import native_norm
+from normlab.model.attention import HeadNorm
 from normlab.model.norms import Norm
 
 pytestmark = pytest.mark.skipif(native_norm.load() is None, reason="no C compiler here")
@@ -125,6 +126,9 @@ def test_applies_only_where_it_pays() -> None:
     n_grad = native_norm.MIN_ROWS[True] - 1
     assert native_norm.applies(torch.randn(n_grad, 16), w)  # no autograd: the lower bar
     assert not native_norm.applies(torch.randn(n_grad, 16, requires_grad=True), w)
+    wide = torch.randn(4096, 64)
+    assert native_norm.applies(wide, torch.ones(64))
+    assert not native_norm.applies(wide.requires_grad_(), torch.ones(64))  # MAX_GRAD_WIDTH
     assert not native_norm.applies(big.double(), w.double())
     assert not native_norm.applies(big.bfloat16(), w.bfloat16())
     assert not native_norm.applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
@@ -140,36 +144,50 @@ def test_applies_only_where_it_pays() -> None:
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 @pytest.mark.parametrize("norm_type", ["layer", "rms"])
-def test_model_step_same_with_and_without_kernel(placement: str, norm_type: str) -> None:
-    """A whole forward + backward of a model, kernel on vs torch's norms: same loss, grads."""
+def test_model_same_with_and_without_kernel(
+    placement: str, norm_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's training loss and gradients, and its eval forward, kernel on vs off.
+
+    Training sends the 16-float head rows to the kernel and keeps torch's for the 64-float
+    block norms (MAX_GRAD_WIDTH); without autograd every norm takes the kernel.
+    """
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement=placement,
                       norm_type=norm_type, max_len=24, norm_gain_offset=norm_type == "rms")
     model = build_model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (80, 17))  # 1360 rows: above both bars
+    calls: list[int] = []
+    forward = native_norm._forward
+    monkeypatch.setattr(native_norm, "_forward", lambda x, *a: calls.append(x.shape[-1])
+                        or forward(x, *a))
 
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def train() -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
         loss = model(tokens).logsumexp(-1).mean()
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
-    calls = []
-    orig = native_norm._NormFn.apply
-    try:
-        native_norm._NormFn.apply = lambda *a: calls.append(1) or orig(*a)  # type: ignore
-        loss_on, g_on = run()
-    finally:
-        native_norm._NormFn.apply = orig  # type: ignore[method-assign]
-    assert len(calls) == sum(isinstance(m, Norm) for m in model.modules())
+    def evaluate() -> torch.Tensor:
+        with torch.no_grad():
+            return model(tokens)
+
+    loss_on, g_on = train()
+    heads = [m for m in model.modules() if isinstance(m, HeadNorm)]
+    assert calls == [16] * len(heads)
+    calls.clear()
+    out_on = evaluate()
+    assert sorted(calls) == sorted(m.w.shape[0] for m in model.modules() if isinstance(m, Norm))
     native_norm.set_enabled(False)
     try:
-        loss_off, g_off = run()
+        loss_off, g_off = train()
+        out_off = evaluate()
     finally:
         native_norm.set_enabled(True)
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=1e-6)
     for a, b in zip(g_on, g_off, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(out_on, out_off, rtol=1e-5, atol=1e-5)
 
 
 def test_no_compiler_falls_back_with_one_warning(

@@ -37,6 +37,12 @@ ROWS_PER_THREAD = 512  # below this many rows a call runs on one thread
 # fewest rows for which the kernel beats torch's, without / with autograd (Intel Xeon, 1-2
 # threads, D = 16 and 64: benchmarks/probes/native_norm_rows.py)
 MIN_ROWS = {False: 256, True: 1024}
+# With autograd, only rows this narrow. Inside a training step the kernel roughly halves what
+# QK/QKV-Norm's 16-float head rows cost, but on 64-float rows its backward, with the Python
+# around it, is ~0.16 ms a step slower than ATen's on one thread and ~0.1 ms faster on two, and
+# `pre` steps timed 0.99-1.03x with it: so wide rows keep ATen's under autograd
+# (benchmarks/probes/native_norm_in_step.py, native_norm_ab.py).
+MAX_GRAD_WIDTH = 32
 
 
 def _enabled_by_env() -> bool:
@@ -154,7 +160,8 @@ def applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
     """Whether `norm` should take these: float32 on CPU, eager, enough rows, the kernel built.
 
     Below MIN_ROWS rows torch's own call is faster (the ctypes call, and with autograd the
-    Python Function, cost more than the kernel saves), so small inputs keep F.layer_norm.
+    Python Function, cost more than the kernel saves), so small inputs keep F.layer_norm; so
+    do rows wider than MAX_GRAD_WIDTH when autograd records.
     Every norm of every forward asks, so the cheapest test (size) goes first, and the bias is
     not read (a module's parameter read costs ~0.4 µs): its autograd is `norm`'s business.
     """
@@ -165,7 +172,7 @@ def applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
         return False
     if x.dtype != torch.float32 or gain.dtype != torch.float32 or x.device.type != "cpu":
         return False
-    if _needs_grad(x, gain) and n < MIN_ROWS[True] * d:
+    if _needs_grad(x, gain) and (n < MIN_ROWS[True] * d or d > MAX_GRAD_WIDTH):
         return False
     return not torch.compiler.is_compiling() and load() is not None
 
