@@ -211,6 +211,16 @@ def test_no_compiler_falls_back_with_one_warning(
         native_norm.norm(x, torch.ones(16), None, 1e-5, True)
 
 
+def test_unwritable_cache_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("NORMLAB_CACHE", str(blocker))
+    monkeypatch.setattr(native_norm, "_tried", False)
+    monkeypatch.setattr(native_norm, "_lib", None)
+    with pytest.warns(RuntimeWarning, match="NORMLAB_CACHE to a writable folder"):
+        assert native_norm.load() is None
+
+
 def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
     monkeypatch.setattr(native_norm, "_tried", False)

@@ -103,9 +103,12 @@ def _compile(cc: str, flags: tuple[str, ...], src: bytes) -> Path | None:
     out = _cache_dir() / f"native_norm-{key}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     # compile to a private name, then rename: another process never loads a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError:  # an unwritable cache: no kernel, as without a compiler
+        return None
     os.close(fd)
     cmd = [cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp]
     try:
@@ -144,8 +147,9 @@ def load() -> ctypes.CDLL | None:
         _lib, built_with = lib, flags
         return _lib
     warnings.warn(
-        f"normlab: could not compile {SOURCE.name} with {cc!r}; norms use torch's kernels "
-        "(set CC to a C compiler for the faster CPU path, or NORMLAB_NATIVE_NORM=0 to silence)",
+        f"normlab: could not compile {SOURCE.name} with {cc!r} into {_cache_dir()}; norms use "
+        "torch's kernels (set CC to a C compiler and NORMLAB_CACHE to a writable folder for the "
+        "faster CPU path, or NORMLAB_NATIVE_NORM=0 to silence this)",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -2,6 +2,7 @@
 
 `hook_scale` is the divisor (std or RMS, shape [..., 1]): the quantity whose spread across
 tokens is the paper's subspace interference. `hook_normalized` is the output after the gain.
+Where norms go is `block.py`'s business; how they are computed fast on CPU, `native_norm.py`'s.
 """
 
 from __future__ import annotations
