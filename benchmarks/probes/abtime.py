@@ -1,7 +1,19 @@
-"""A/B timing for probes: one switch flipped off and on, alternating, in one process."""
+"""A/B timing for probes (one switch flipped off and on, alternating, in one process), and the
+set-ups several probes time. Probes put `benchmarks/` on sys.path before importing this."""
 import statistics as st
 import time
 from collections.abc import Callable
+
+from bench_collapse import SEED, SIGMA, eval_data, naive_sweep, random_model
+from normlab.analysis.collapse import (
+    DEFAULT_MAX_TOKENS,
+    Perturbation,
+    find_sparse_rows,
+    measure_collapse,
+)
+from normlab.analysis.data import chunk_copies
+from normlab.config import RunConfig
+from normlab.tasks.addition import eval_sets, make_prompts, max_lengths
 
 
 def ab(label: str, switch: Callable[[bool], None], fn: Callable[[], object], inner: int,
@@ -22,3 +34,35 @@ def ab(label: str, switch: Callable[[bool], None], fn: Callable[[], object], inn
           f"{st.median(times[True]):8.3f} ms, {off} / {on} {st.median(ratios):.3f} "
           f"[{min(ratios):.3f}, {max(ratios):.3f}]")
     return ratios
+
+
+def n5d1_prompts(run: RunConfig) -> tuple[list[list[int]], int]:
+    """bench_decode's n5d1 cell: its first 256 questions as decoder prompts, and max_new."""
+    sets = eval_sets(run.validate())
+    cell = next(c for c in sets["extrapolation"] if c.label == "n5d1")
+    prompts = make_prompts([q for q, _ in sets["extrapolation"][cell][:256]], "decoder")
+    return prompts, max_lengths([cell])[1] + 1
+
+
+class Sweep:
+    """bench_collapse's set-up (qkv, random weights, 64 examples, 16 draws) and its contenders."""
+
+    def __init__(self) -> None:
+        run, self.model = random_model()
+        self.model.eval()
+        self.data = eval_data(run, 64)
+        self.rows = find_sparse_rows(self.model, self.data, threshold=0.9)
+        self.pert = Perturbation(self.model)
+        self.chunk = chunk_copies(self.data, DEFAULT_MAX_TOKENS, 16)
+
+    def naive(self) -> None:
+        naive_sweep(self.model, self.data, self.rows, self.pert, SIGMA, 16, self.chunk)
+
+    def vectorised(self) -> dict:
+        return measure_collapse(self.model, self.data, sigmas=[SIGMA], n_draws=16,
+                                threshold=0.9, theory_draws=1, seed=SEED)
+
+    def ab(self, switch: Callable[[bool], None], names: tuple[str, str]) -> None:
+        """Both contenders A/B, 9 rounds each."""
+        ab("naive loop", switch, self.naive, 1, rounds=9, names=names)
+        ab("measure_collapse", switch, self.vectorised, 1, rounds=9, names=names)

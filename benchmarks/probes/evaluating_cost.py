@@ -18,18 +18,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import ab
+from abtime import Sweep, ab
 
-from bench_collapse import SEED, SIGMA, eval_data, random_model
 from normlab.analysis import collapse, data
-from normlab.analysis.collapse import measure_collapse
 
 if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
     sys.exit("usage: evaluating_cost.py [THREADS]")
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-run, model = random_model()
-model.eval()
-examples = eval_data(run, 64)
+sweep = Sweep()
+model = sweep.model
 new = data.evaluating
 
 
@@ -61,9 +58,7 @@ sweeps: dict[bool, list[float]] = {False: [], True: []}
 
 
 def call() -> None:
-    res = measure_collapse(model, examples, sigmas=[SIGMA], n_draws=16, threshold=0.9,
-                           theory_draws=1, seed=SEED)
-    sweeps[data.evaluating is new].append(res["sweep_seconds"] * 1e3)
+    sweeps[data.evaluating is new].append(sweep.vectorised()["sweep_seconds"] * 1e3)
 
 
 print("measure_collapse, 9 rounds:")

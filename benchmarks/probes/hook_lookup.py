@@ -24,26 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import ab
+from abtime import Sweep, ab, n5d1_prompts
 
-from bench_collapse import SEED, SIGMA, eval_data, naive_sweep, random_model
 from bench_hooks import PointHolder
 from bench_train_step import base_config, build_contender, model_config, real_batch
 from normlab import build_model
-from normlab.analysis.collapse import (
-    DEFAULT_MAX_TOKENS,
-    Perturbation,
-    find_sparse_rows,
-    measure_collapse,
-)
-from normlab.analysis.data import chunk_copies
 from normlab.model.generate import greedy_decode
 from normlab.model.hooks import HookedModule
 from normlab.tasks.addition import (
     aux_positions,
-    eval_sets,
-    make_prompts,
-    max_lengths,
     next_aux_position,
 )
 
@@ -52,10 +41,7 @@ if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
 run = base_config()
 full = real_batch(run)
-sets = eval_sets(run.validate())
-cell = next(c for c in sets["extrapolation"] if c.label == "n5d1")
-prompts = make_prompts([q for q, _ in sets["extrapolation"][cell][:256]], "decoder")
-max_new = max_lengths([cell])[1] + 1
+prompts, max_new = n5d1_prompts(run)
 
 
 def binder(model: HookedModule) -> Callable[[bool], None]:
@@ -106,16 +92,6 @@ for placement in ("pre", "qkv"):
     trained, step = build_contender("normlab", cfg, run, full)
     ab("training step, batch 128", binder(trained), step, 3)
 
-sweep_run, sweep_model = random_model()
-sweep_model.eval()
-data = eval_data(sweep_run, 64)
-rows = find_sparse_rows(sweep_model, data, threshold=0.9)
-pert = Perturbation(sweep_model)
-chunk = chunk_copies(data, DEFAULT_MAX_TOKENS, 16)
-bind = binder(sweep_model)
-print(f"collapse sweep (qkv, {len(rows)} sparse rows x 16 draws), 9 rounds")
-ab("naive loop", bind, lambda: naive_sweep(sweep_model, data, rows, pert, SIGMA, 16, chunk), 1,
-   rounds=9)
-ab("measure_collapse", bind, lambda: measure_collapse(
-    sweep_model, data, sigmas=[SIGMA], n_draws=16, threshold=0.9, theory_draws=1, seed=SEED), 1,
-   rounds=9)
+sweep = Sweep()
+print(f"collapse sweep (qkv, {len(sweep.rows)} sparse rows x 16 draws), 9 rounds")
+sweep.ab(binder(sweep.model), ("unbound", "bound"))

@@ -39,9 +39,9 @@ ROWS_PER_THREAD = 512  # below this many rows a call runs on one thread
 MIN_ROWS = {False: 256, True: 1024}
 # With autograd, only rows this narrow. Inside a training step the kernel roughly halves what
 # QK/QKV-Norm's 16-float head rows cost, but on 64-float rows its backward, with the Python
-# around it, is ~0.16 ms a step slower than ATen's on one thread and ~0.1 ms faster on two, and
-# `pre` steps timed 0.99-1.03x with it: so wide rows keep ATen's under autograd
-# (benchmarks/probes/native_norm_in_step.py, native_norm_ab.py).
+# around it, is 0.1-0.3 ms a step slower than ATen's on one thread and 0.1-0.2 ms faster on
+# two (under 1% of a step), so wide rows keep ATen's under autograd
+# (benchmarks/probes/native_norm_in_step.py).
 MAX_GRAD_WIDTH = 32
 
 
