@@ -1,9 +1,11 @@
 """A native CPU kernel for `Norm`: LayerNorm / RMSNorm on float32 rows, compiled on first use.
 
-Why: ATen's CPU `layer_norm` reduces one row at a time, so on QKV-Norm's 16-float head rows it
-is bound by each row's reduction (~25 ns a row, 5x its cost per float on 64-float rows); that
-alone kept `qkv` ~15% behind `pre` in a training step (docs/performance.md). `native_norm.c`
-reduces eight rows at once with AVX2 and splits rows over the OpenMP threads torch uses.
+Why: ATen's CPU `layer_norm` reduces one row at a time, so on QK/QKV-Norm's 16-float head rows
+it is bound by each row's chain of adds (~22 ns a row, 2.6x its cost per float on 64-float
+rows), the main reason `qkv` trained ~15% slower than `pre` (docs/performance.md).
+`native_norm.c` reduces eight rows at once with AVX2 and splits rows over the OpenMP threads
+torch uses. `Norm` takes it where it pays (`applies`): inputs of MIN_ROWS rows or more, and
+under autograd only rows of at most MAX_GRAD_WIDTH floats.
 
 It is compiled with the system C compiler (`$CC`, else `cc`) the first time a process needs
 it, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file keyed by the
@@ -61,16 +63,12 @@ def set_enabled(on: bool) -> None:
     _enabled = on
 
 
-def enabled() -> bool:
-    return _enabled
-
-
 def describe() -> str:
     """What norms run on in this process, for result files: the kernel's build, or why not."""
     if not _enabled:
         return "off (torch's kernels)"
     if load() is None:
-        return "unavailable, no working C compiler (torch's kernels)"
+        return "unavailable: could not be built here (torch's kernels)"
     lib = _lib
     assert lib is not None and built_with is not None
     path = "AVX2 eight-row" if lib.nl_has_rows8() else "per-row"
@@ -212,7 +210,8 @@ def _reference(
     """torch's own ops for the same function, differentiable to any order."""
     if center:
         return torch.nn.functional.layer_norm(x, w.shape, w, b, eps)
-    return torch.nn.functional.rms_norm(x, w.shape, w, eps)
+    y = torch.nn.functional.rms_norm(x, w.shape, w, eps)
+    return y if b is None else y + b  # the kernel's RMSNorm takes a bias too
 
 
 class _NormFn(torch.autograd.Function):
