@@ -288,3 +288,25 @@ def test_bitwise_deterministic(n_threads: int, threads: None) -> None:
     runs = [grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy) for _ in range(3)]
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again, strict=True))
+
+
+def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Built with plain -O3 (no -march=native, so no AVX2 on x86-64), as on a CPU without it:
+    every width takes the per-row loop, with the same numbers."""
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_norm, "FLAG_SETS", (("-O3",),))
+    monkeypatch.setattr(native_norm, "_tried", False)
+    monkeypatch.setattr(native_norm, "_lib", None)
+    monkeypatch.setattr(native_norm, "built_with", None)
+    built = native_norm.describe()
+    assert built.startswith("on (-O3, "), built
+    torch.manual_seed(0)
+    x = torch.randn(1031, 16, requires_grad=True)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    gy = torch.randn(1031, 16)
+    ours = grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy)
+    ref = grads(lambda *a: torch_norm(*a, True), x, w, b, gy)
+    for go, gr in zip(ours, ref, strict=True):
+        torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
+    if "per-row" not in built:  # e.g. a compiler whose default target already has AVX2
+        pytest.skip(f"plain -O3 built the eight-row path here: {built}")
