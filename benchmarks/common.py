@@ -251,6 +251,8 @@ def header(title: str, info: Mapping[str, Any], extra: str = "") -> str:
     kernels = f", {info['cpu_capability']} kernels" if info.get("cpu_capability") else ""
     line = (f"torch {info['torch']}, {info['threads']} thread(s), {info['cpu']} "
             f"({info['cpu_count']} CPUs{kernels}), {info['date']}")
+    if info.get("native_norm"):  # recorded from the sixteenth session on
+        line += f"; normlab's CPU norm kernel: {info['native_norm']}"
     return f"### {title}\n\n{line}" + (f"\n\n{extra}" if extra else "")
 
 
