@@ -57,3 +57,10 @@ def test_modes_restored_when_the_block_raises() -> None:
     with pytest.raises(RuntimeError, match="inside"), evaluating(m):
         raise RuntimeError("inside")
     assert all(modes(m))
+
+
+def test_a_mode_switched_inside_is_undone() -> None:
+    m = model().eval()
+    with evaluating(m):
+        m.train()
+    assert not any(modes(m))

@@ -8,6 +8,9 @@ full block of eight, on one and two threads.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -102,6 +105,10 @@ def test_strided_input_and_gradient() -> None:
         torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
     assert not gy.is_contiguous()
     assert torch.equal(gy, gy_before), "the incoming gradient itself is not overwritten"
+    gy = gy.contiguous()  # a contiguous one is read in place, and must be left as it was too
+    gy_before = gy.clone()
+    grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy)
+    assert torch.equal(gy, gy_before)
 
 
 @pytest.mark.parametrize("center", [True, False], ids=["layer", "rms"])
@@ -238,8 +245,7 @@ def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -
     assert native_norm.load() is not None
     assert built[0].stat().st_mtime_ns == stamp, "found in the cache, not rebuilt"
     # another source (or flags, compiler, CPU) is another file
-    cc = native_norm.os.environ.get("CC", "cc")
-    other = native_norm._compile(cc, ("-O1",), native_norm.SOURCE.read_bytes())
+    other = native_norm._compile(native_norm.compiler(), ("-O1",), native_norm.SOURCE.read_bytes())
     assert other is not None and other != built[0]
 
 
@@ -310,3 +316,67 @@ def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) 
         torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
     if "per-row" not in built:  # e.g. a compiler whose default target already has AVX2
         pytest.skip(f"plain -O3 built the eight-row path here: {built}")
+
+
+def test_bad_shapes_get_torchs_error_not_garbage() -> None:
+    """A wrong-width input or a wrong-shape bias raises torch's usual error, kernel on or off."""
+    norm = Norm(16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"expected input with shape"):
+        norm(torch.randn(4096, 32))
+    x = torch.randn(4096, 16)
+    with pytest.raises(RuntimeError):
+        native_norm.norm(x, torch.ones(16), torch.zeros(8), 1e-5, True)
+    with pytest.raises(RuntimeError):
+        native_norm.norm(x, torch.ones(8), None, 1e-5, True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+def test_tracers_and_transforms_get_torchs_norm() -> None:
+    """jit.trace, fx and vmap never see the ctypes call (it would not be recorded)."""
+    torch.manual_seed(0)
+    norm = Norm(16)
+    x, x2 = torch.randn(4096, 16), torch.randn(4096, 16) * 3
+    with torch.no_grad():
+        traced = torch.jit.trace(norm, x)
+        torch.testing.assert_close(traced(x2), F.layer_norm(x2, (16,), norm.w, norm.b))
+    fx = torch.fx.symbolic_trace(norm)
+    torch.testing.assert_close(fx(x2), F.layer_norm(x2, (16,), norm.w, norm.b))
+    batched = torch.func.vmap(norm)(x2.reshape(4, 1024, 16))
+    torch.testing.assert_close(batched.reshape(4096, 16), F.layer_norm(x2, (16,), norm.w, norm.b))
+
+
+def test_compiler_with_arguments_and_a_damaged_cache(monkeypatch: pytest.MonkeyPatch, tmp_path
+                                                     ) -> None:
+    """`CC="env cc"` (a launcher, as `ccache gcc`) builds; a damaged cached file is rebuilt."""
+    monkeypatch.setenv("CC", "env cc")
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    src = native_norm.SOURCE.read_bytes()
+    built = native_norm._compile(native_norm.compiler(), native_norm.FLAG_SETS[0], src)
+    assert built is not None and built.read_bytes()[:4] == b"\x7fELF"
+    built.write_bytes(b"not a shared library")  # damaged before any process loads it
+    monkeypatch.setattr(native_norm, "_tried", False)
+    monkeypatch.setattr(native_norm, "_lib", None)
+    monkeypatch.setattr(native_norm, "built_with", None)
+    assert native_norm.load() is not None
+    assert native_norm.built_with == native_norm.FLAG_SETS[0]
+    assert built.read_bytes()[:4] == b"\x7fELF", "rebuilt in place"
+
+
+def test_fewer_openmp_threads_than_asked() -> None:
+    """OpenMP may give fewer threads than asked (OMP_THREAD_LIMIT): the sums still add up."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from normlab.model import native_norm\n"
+        "torch.set_num_threads(2); torch.manual_seed(0)\n"
+        "assert native_norm._threads(4099) == 2\n"
+        "x = torch.randn(4099, 16, requires_grad=True)\n"
+        "w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)\n"
+        "gy = torch.randn(4099, 16)\n"
+        "a = torch.autograd.grad(native_norm.norm(x, w, b, 1e-5, True), (x, w, b), gy)\n"
+        "r = torch.autograd.grad(F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b), gy)\n"
+        "for u, v in zip(a, r): torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-4)\n"
+    )
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

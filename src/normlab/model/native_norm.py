@@ -20,8 +20,10 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,9 @@ FLAG_SETS = (
     ("-O3",),
 )
 ROWS_PER_THREAD = 512  # below this many rows a call runs on one thread
-# fewest rows for which the kernel beats torch's, without / with autograd (Intel Xeon, 1-2
-# threads, D = 16 and 64: benchmarks/probes/native_norm_rows.py)
+# fewest rows from which the kernel is at least as fast as torch's, without / with autograd
+# (Intel Xeon, 1-2 threads, D = 16 and 64; at 1024 rows with autograd on two threads the two
+# are even: benchmarks/probes/native_norm_rows.py)
 MIN_ROWS = {False: 256, True: 1024}
 # With autograd, only rows this narrow. Inside a training step the kernel roughly halves what
 # QK/QKV-Norm's 16-float head rows cost, but on 64-float rows its backward, with the Python
@@ -54,6 +57,7 @@ def _enabled_by_env() -> bool:
 _enabled = _enabled_by_env()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_loading = threading.Lock()  # one build per process, even when threads ask at once
 built_with: tuple[str, ...] | None = None  # the flags of the loaded build, for reports
 
 
@@ -89,17 +93,23 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _compile(cc: str, flags: tuple[str, ...], src: bytes) -> Path | None:
+def compiler() -> list[str]:
+    """The C compiler command: `$CC` (it may carry words, e.g. `ccache gcc`), else `cc`."""
+    return shlex.split(os.environ.get("CC") or "cc")
+
+
+def _compile(cc: list[str], flags: tuple[str, ...], src: bytes, rebuild: bool = False
+             ) -> Path | None:
     """Build (or find) the shared library for these flags; None if the compiler refuses."""
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     key = hashlib.sha256(
         b"\0".join([src, " ".join(flags).encode(), version.stdout.encode(), _cpu_id().encode()])
     ).hexdigest()[:16]
     out = _cache_dir() / f"native_norm-{key}.so"
-    if out.exists():
+    if out.exists() and not rebuild:
         return out
     # compile to a private name, then rename: another process never loads a half-written file
     try:
@@ -108,7 +118,7 @@ def _compile(cc: str, flags: tuple[str, ...], src: bytes) -> Path | None:
     except OSError:  # an unwritable cache: no kernel, as without a compiler
         return None
     os.close(fd)
-    cmd = [cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+    cmd = [*cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp]
     try:
         ok = subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
     except (OSError, subprocess.SubprocessError):
@@ -122,20 +132,34 @@ def _compile(cc: str, flags: tuple[str, ...], src: bytes) -> Path | None:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first call; None if no build works (warned once)."""
-    global _lib, _tried, built_with
     if _tried:
         return _lib
+    with _loading:
+        return _lib if _tried else _load()
+
+
+def _open(cc: list[str], flags: tuple[str, ...], src: bytes) -> ctypes.CDLL | None:
+    """Load this build, rebuilding it once if the cached file will not load (a damaged file)."""
+    for rebuild in (False, True):
+        path = _compile(cc, flags, src, rebuild)
+        if path is None:
+            return None
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError:
+            continue
+    return None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried, built_with
     _tried = True
     if platform.system() == "Windows":
         return None
-    cc, src = os.environ.get("CC", "cc"), SOURCE.read_bytes()
+    cc, src = compiler(), SOURCE.read_bytes()
     for flags in FLAG_SETS:
-        path = _compile(cc, flags, src)
-        if path is None:
-            continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:
+        lib = _open(cc, flags, src)
+        if lib is None:
             continue
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
@@ -145,9 +169,9 @@ def load() -> ctypes.CDLL | None:
         _lib, built_with = lib, flags
         return _lib
     warnings.warn(
-        f"normlab: could not compile {SOURCE.name} with {cc!r} into {_cache_dir()}; norms use "
-        "torch's kernels (set CC to a C compiler and NORMLAB_CACHE to a writable folder for the "
-        "faster CPU path, or NORMLAB_NATIVE_NORM=0 to silence this)",
+        f"normlab: could not compile {SOURCE.name} with {' '.join(cc)!r} into {_cache_dir()}; "
+        "norms use torch's kernels (set CC to a C compiler and NORMLAB_CACHE to a writable "
+        "folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0 to silence this)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -167,16 +191,28 @@ def applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
     Every norm of every forward asks, so the cheapest test (size) goes first, and the bias is
     not read (a module's parameter read costs ~0.4 µs): its autograd is `norm`'s business.
     """
-    if not _enabled or x.ndim == 0:
+    if not _enabled or not isinstance(x, torch.Tensor) or x.ndim == 0:  # (an fx Proxy: no)
         return False
     n, d = x.numel(), x.shape[-1]
     if d == 0 or n < MIN_ROWS[False] * d:
         return False
-    if x.dtype != torch.float32 or gain.dtype != torch.float32 or x.device.type != "cpu":
+    if _tracing() or not (_plain(x) and _plain(gain) and gain.shape == (d,)):
         return False
     if _needs_grad(x, gain) and (n < MIN_ROWS[True] * d or d > MAX_GRAD_WIDTH):
         return False
-    return not torch.compiler.is_compiling() and load() is not None
+    return load() is not None
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A float32 CPU tensor whose data C can read through its pointer (not a vmap wrapper)."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu"
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def _tracing() -> bool:
+    """Under torch.compile or jit.trace a ctypes call would not be recorded (an fx trace hands
+    `applies` a Proxy, which it turns away first)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def _kernel() -> ctypes.CDLL:
@@ -259,8 +295,13 @@ def norm(
 ) -> torch.Tensor:
     """LayerNorm (`center`) or RMSNorm over the last dim, as F.layer_norm / F.rms_norm.
 
-    Float32 CPU tensors only (`applies` says when it pays); gain and bias are [D].
+    Takes float32 CPU tensors, gain and bias [D] (`applies` says when it pays); anything else
+    goes to torch's ops, which compute it or raise their usual error.
     """
+    d = x.shape[-1] if x.ndim else 0
+    ok = [t is None or (_plain(t) and t.shape == (d,)) for t in (gain, bias)]
+    if not (d and _plain(x) and all(ok)):
+        return _reference(x, gain, bias, eps, center)
     x, gain = x.contiguous(), gain.contiguous()
     bias = None if bias is None else bias.contiguous()
     if _needs_grad(x, gain, bias):
