@@ -203,10 +203,12 @@ def applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
     return load() is not None
 
 
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _plain(t: torch.Tensor) -> bool:
     """A float32 CPU tensor whose data C can read through its pointer (not a vmap wrapper)."""
-    return (t.dtype == torch.float32 and t.device.type == "cpu"
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+    return t.dtype is torch.float32 and t.is_cpu and not _wrapped(t)
 
 
 def _tracing() -> bool:
