@@ -242,10 +242,11 @@ def _forward(
     return y, mean, rstd
 
 
-def _reference(
+def torch_norm(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, center: bool
 ) -> torch.Tensor:
-    """torch's own ops for the same function, differentiable to any order."""
+    """The same norm by torch's fused ops (`Norm`'s path wherever the kernel is not taken),
+    differentiable to any order."""
     if center:
         return torch.nn.functional.layer_norm(x, w.shape, w, b, eps)
     y = torch.nn.functional.rms_norm(x, w.shape, w, eps)
@@ -275,7 +276,7 @@ class _NormFn(torch.autograd.Function):
             # through torch's ops, so that it is itself differentiable
             with torch.enable_grad():
                 ins = [t for t in (x, w, b) if t is not None]
-                y = _reference(x, w, b, ctx.eps, ctx.center)
+                y = torch_norm(x, w, b, ctx.eps, ctx.center)
                 gs = torch.autograd.grad(y, ins, gy, create_graph=True, allow_unused=True)
             return (*gs, *([None] if b is None else []), None, None)
         g = gy.contiguous()
@@ -303,7 +304,7 @@ def norm(
     d = x.shape[-1] if x.ndim else 0
     ok = [t is None or (_plain(t) and t.shape == (d,)) for t in (gain, bias)]
     if not (d and _plain(x) and all(ok)):
-        return _reference(x, gain, bias, eps, center)
+        return torch_norm(x, gain, bias, eps, center)
     x, gain = x.contiguous(), gain.contiguous()
     bias = None if bias is None else bias.contiguous()
     if _needs_grad(x, gain, bias):

@@ -8,7 +8,6 @@ Where norms go is `block.py`'s business; how they are computed fast on CPU, `nat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from normlab.model import native_norm
@@ -40,14 +39,13 @@ class Norm(nn.Module):
             # fused kernels when nobody reads the scale: same numbers to ~1e-7, 3-7x faster;
             # on CPU, normlab's own kernel where it is built (native_norm: why and how)
             gain = (1.0 + self.w) if self.gain_offset else self.w
+            center = self.kind == "layer"
             # (size first: it turns away a batch-1 forward's small inputs in ~0.1 µs; an fx
             # Proxy is no Tensor)
             if (isinstance(x, torch.Tensor) and x.numel() >= self.native_min
                     and native_norm.applies(x, gain)):
-                return native_norm.norm(x, gain, self.b, self.eps, center=self.kind == "layer")
-            if self.kind == "layer":
-                return F.layer_norm(x, gain.shape, gain, self.b, self.eps)
-            return F.rms_norm(x, gain.shape, gain, self.eps)
+                return native_norm.norm(x, gain, self.b, self.eps, center)
+            return native_norm.torch_norm(x, gain, self.b, self.eps, center)
         if self.kind == "layer":
             x = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
