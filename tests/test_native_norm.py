@@ -256,6 +256,22 @@ def test_env_switch(monkeypatch: pytest.MonkeyPatch, value: str, on: bool) -> No
     assert native_norm._enabled_by_env() is on
 
 
+def test_env_switch_turns_the_kernel_off_in_a_new_process() -> None:
+    """NORMLAB_NATIVE_NORM=0 set before normlab is imported: no norm reaches the kernel."""
+    code = (
+        "import torch\n"
+        "from normlab.model import native_norm\n"
+        "from normlab.model.norms import Norm\n"
+        "native_norm.norm = None  # any call into the kernel's path would fail\n"
+        "assert native_norm.describe() == \"off (torch's kernels)\"\n"
+        "Norm(16)(torch.randn(4096, 16))\n"
+    )
+    env = {**os.environ, "NORMLAB_NATIVE_NORM": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_torch_compile_traces_torchs_norm() -> None:
     """Under torch.compile the kernel (a ctypes call dynamo cannot trace) steps aside."""
     torch.manual_seed(0)

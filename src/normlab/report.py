@@ -211,10 +211,9 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
     write_json(out / "summary.json", summary)
 
     prov = summary["provenance"]
-    kernel = f"; CPU norm kernel {prov['native_norm']}" if prov.get("native_norm") else ""
     md = [f"# normlab reproduction — profile `{profile}`", "",
-          f"Machine: {machine or prov['machine']}; torch {prov['torch']}{kernel}; commit "
-          f"{prov['git_commit']}.",
+          f"Machine: {machine or prov['machine']}; torch {prov['torch']}; CPU norm kernel "
+          f"{prov['native_norm']}; commit {prov['git_commit']}.",
           "", "## The paper's headline claims beside ours", "",
           "| claim | paper | ours (mean [95% CI over seeds]) | seeds | verdict |",
           "|---|---|---|---|---|"]
