@@ -45,6 +45,13 @@ def as_double(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else t.detach().double().requires_grad_() for t in ts]
 
 
+def run_python(code: str, **env: str) -> None:
+    """Run `code` in a fresh interpreter with these environment variables; it must succeed."""
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def grads(fn, x, w, b, gy) -> list[torch.Tensor]:
     ins = [t for t in (x, w, b) if t is not None]
     return list(torch.autograd.grad(fn(x, w, b), ins, gy))
@@ -266,10 +273,7 @@ def test_env_switch_turns_the_kernel_off_in_a_new_process() -> None:
         "assert native_norm.describe() == \"off (torch's kernels)\"\n"
         "Norm(16)(torch.randn(4096, 16))\n"
     )
-    env = {**os.environ, "NORMLAB_NATIVE_NORM": "0"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_python(code, NORMLAB_NATIVE_NORM="0")
 
 
 def test_torch_compile_traces_torchs_norm() -> None:
@@ -392,7 +396,4 @@ def test_fewer_openmp_threads_than_asked() -> None:
         "r = torch.autograd.grad(F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b), gy)\n"
         "for u, v in zip(a, r): torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-4)\n"
     )
-    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_python(code, OMP_THREAD_LIMIT="1")
