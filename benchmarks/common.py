@@ -23,7 +23,7 @@ import torch
 
 from normlab import io
 from normlab.io import atomic_write_text, git_commit
-from normlab.model import native_norm
+from normlab.model import native
 from normlab.stats import median_ci
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +169,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": threads,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
-        "native_norm": native_norm.describe(),  # normlab's CPU norm kernel, or why not
+        "native": native.describe(),  # normlab's CPU kernels (norms, RoPE), or why not
         "git": git_commit(),  # the same record as run folders: tracked changes make it -dirty
         "loadavg_1m_at_start": round(load[0], 2),
         "cpu_counters_at_start": cpu_counters(),
@@ -251,7 +251,9 @@ def header(title: str, info: Mapping[str, Any], extra: str = "") -> str:
     kernels = f", {info['cpu_capability']} kernels" if info.get("cpu_capability") else ""
     line = (f"torch {info['torch']}, {info['threads']} thread(s), {info['cpu']} "
             f"({info['cpu_count']} CPUs{kernels}), {info['date']}")
-    if info.get("native_norm"):  # recorded from the sixteenth session on
+    if info.get("native"):  # recorded from the seventeenth session on
+        line += f"; normlab's CPU kernels: {info['native']}"
+    elif info.get("native_norm"):  # the sixteenth session's files: the norm kernel only
         line += f"; normlab's CPU norm kernel: {info['native_norm']}"
     return f"### {title}\n\n{line}" + (f"\n\n{extra}" if extra else "")
 

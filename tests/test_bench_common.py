@@ -198,21 +198,23 @@ def test_machine_info_names_the_cpu_kernels_and_the_header_shows_them() -> None:
     info = common.machine_info(1)
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert f"{info['cpu_capability']} kernels" in common.header("t", info)
-    del info["cpu_capability"]  # results written before the field existed still render
-    assert "kernels" not in common.header("t", info)
+    cap = info.pop("cpu_capability")  # results written before the field existed still render
+    assert f"{cap} kernels" not in common.header("t", info)
 
 
-def test_machine_info_records_the_norm_kernel_and_the_header_shows_it() -> None:
-    """Whether normlab's norms ran its CPU kernel is part of every result's record."""
-    from normlab.model import native_norm
+def test_machine_info_records_the_native_kernels_and_the_header_shows_them() -> None:
+    """Whether normlab's norms and RoPE ran its CPU kernels is part of every result's record."""
+    from normlab.model import native
 
     info = common.machine_info(1)
-    assert info["native_norm"] == native_norm.describe()
-    assert f"normlab's CPU norm kernel: {info['native_norm']}" in common.header("t", info)
-    native_norm.set_enabled(False)
+    assert info["native"] == native.describe()
+    assert f"normlab's CPU kernels: {info['native']}" in common.header("t", info)
+    native.set_enabled(False)
     try:
-        assert common.machine_info(1)["native_norm"] == "off (torch's kernels)"
+        assert common.machine_info(1)["native"] == "off (torch's kernels)"
     finally:
-        native_norm.set_enabled(True)
-    del info["native_norm"]  # results written before the field existed still render
+        native.set_enabled(True)
+    old = dict(info, native_norm=info.pop("native"))  # a sixteenth-session file
+    assert f"normlab's CPU norm kernel: {old['native_norm']}" in common.header("t", old)
+    assert "kernels:" not in common.header("t", info)  # and one from before the field
     assert "norm kernel" not in common.header("t", info)

@@ -28,9 +28,9 @@ def test_report_files_and_claims(smoke: Path) -> None:
         assert isinstance(c["ours"], float) and c["n_seeds"] == 2
     md = (smoke / "report.md").read_text()
     assert "| **H1**" in md and "Verdict rules" in md
-    kernel = summary["provenance"]["native_norm"]  # which norm kernel ran is on record
-    assert kernel and f"CPU norm kernel {kernel}" in md
-    assert all(r["provenance"]["native_norm"] == kernel for r in summary["runs"])
+    kernel = summary["provenance"]["native"]  # which native kernels ran is on record
+    assert kernel and f"CPU kernels {kernel}" in md
+    assert all(r["provenance"]["native"] == kernel for r in summary["runs"])
     html = (smoke / "report.html").read_text()
     assert "data:image/png;base64," in html and "<table>" in html  # self-contained
     runs = summary["runs"]

@@ -1,7 +1,9 @@
-"""One-off probe behind sixteenth-session numbers in docs/performance.md; not part of make bench.
+"""One-off probe behind sixteenth- and seventeenth-session numbers in docs/performance.md; not
+part of make bench.
 
-What does normlab's native CPU norm kernel (`normlab.model.native_norm`) change? One process,
-the kernel switched off (torch's `F.layer_norm`) and on, alternating, 15 rounds:
+What does one of normlab's native CPU kernels (`normlab.model.native`: `norm`, the default, or
+`rope`) change? One process, that kernel switched off (torch's ops) and on, alternating, 15
+rounds (the other kernel stays on; in the sixteenth session there was no RoPE kernel):
 
 - a training step of bench_train_step (d64, batch 128) for `pre`, `qk` and `qkv`, with
   nanoGPT's step timed in the same rounds, so each is also a ratio to nanoGPT, and `qkv` to `pre`,
@@ -9,7 +11,7 @@ the kernel switched off (torch's `F.layer_norm`) and on, alternating, 15 rounds:
 - a cached and an uncached greedy decode of bench_decode's n5d1 cell (256 questions),
 - bench_collapse's two contenders (qkv, random weights, 64 examples, 16 draws), 9 rounds.
 
-    .venv/bin/python benchmarks/probes/native_norm_ab.py [THREADS]
+    .venv/bin/python benchmarks/probes/native_norm_ab.py [THREADS] [norm|rope]
 """
 import statistics as st
 import sys
@@ -23,19 +25,27 @@ from abtime import Sweep, ab, n5d1_prompts
 
 from bench_train_step import base_config, build_contender, model_config, real_batch
 from normlab import build_model
-from normlab.model import native_norm
+from normlab.model import native
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import (
     aux_positions,
     next_aux_position,
 )
 
-if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
-    sys.exit("usage: native_norm_ab.py [THREADS]")
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+args = sys.argv[1:]
+if len(args) > 2 or (args and not args[0].isdigit()) or args[1:] not in ([], ["norm"], ["rope"]):
+    sys.exit("usage: native_norm_ab.py [THREADS] [norm|rope]")
+torch.set_num_threads(int(args[0]) if args else 1)
+KERNEL = args[1] if len(args) > 1 else "norm"
 NAMES = ("torch", "native")
-switch = native_norm.set_enabled
-print(f"{torch.get_num_threads()} thread(s); kernel: {native_norm.describe()}")
+
+
+def switch(on: bool) -> None:
+    native.set_enabled(on, KERNEL)
+
+
+print(f"{torch.get_num_threads()} thread(s); A/B of the {KERNEL} kernel; kernels: "
+      f"{native.describe()}")
 run = base_config()
 full = real_batch(run)
 

@@ -23,16 +23,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_train_step import base_config, build_contender, model_config, real_batch
-from normlab.model import native_norm
+from normlab.model import native
 
 if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
     sys.exit("usage: native_norm_in_step.py [THREADS]")
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-print(f"{torch.get_num_threads()} thread(s); kernel: {native_norm.describe()}")
+print(f"{torch.get_num_threads()} thread(s); kernel: {native.describe()}")
 run = base_config()
 batch = real_batch(run)
-native_norm.MAX_GRAD_WIDTH, shipped_width = 1 << 30, native_norm.MAX_GRAD_WIDTH
-lib = native_norm.load()
+native.MAX_GRAD_WIDTH, shipped_width = 1 << 30, native.MAX_GRAD_WIDTH
+lib = native.load()
 assert lib is not None, "no kernel built"
 times: dict[str, list[float]] = defaultdict(list)
 layouts: Counter = Counter()
@@ -53,9 +53,10 @@ class Timed:
 class TimedLib:
     nl_norm_fwd = Timed("nl_norm_fwd", 7)
     nl_norm_bwd = Timed("nl_norm_bwd", 9)
+    nl_rope = lib.nl_rope  # RoPE's kernel (seventeenth session), untimed here
 
 
-backward = native_norm._NormFn.backward
+backward = native._NormFn.backward
 
 
 def timed_backward(ctx: Any, gy: torch.Tensor) -> Any:
@@ -69,8 +70,8 @@ def timed_backward(ctx: Any, gy: torch.Tensor) -> Any:
 step = build_contender("normlab", model_config(run, run.model.d_model, "qkv"), run, batch)[1]
 for _ in range(3):
     step()
-native_norm._lib = TimedLib()  # type: ignore[assignment]
-native_norm._NormFn.backward = staticmethod(timed_backward)  # type: ignore[method-assign]
+native._lib = TimedLib()  # type: ignore[assignment]
+native._NormFn.backward = staticmethod(timed_backward)  # type: ignore[method-assign]
 print("1. every width through the kernel, qkv:")
 times.clear()
 layouts.clear()
@@ -81,8 +82,8 @@ for key, ts in sorted(times.items()):
 print("incoming gradients (shape, stride, contiguous): calls a step")
 for layout, n in sorted(layouts.items()):
     print(f"  {layout}: {n // 10}")
-native_norm._lib = lib
-native_norm._NormFn.backward = backward  # type: ignore[method-assign]
+native._lib = lib
+native._NormFn.backward = backward  # type: ignore[method-assign]
 
 FORWARD = ("_NormFn", "aten::native_layer_norm", "aten::_fused_rms_norm")
 BACKWARD = ("_NormFnBackward", "aten::native_layer_norm_backward",
@@ -93,8 +94,8 @@ for placement in ("pre", "qkv"):
                            batch)[1]
     for mode, on, width in (("torch", False, shipped_width), ("as shipped", True, shipped_width),
                             ("every width", True, 1 << 30)):
-        native_norm.set_enabled(on)
-        native_norm.MAX_GRAD_WIDTH = width
+        native.set_enabled(on, "norm")
+        native.MAX_GRAD_WIDTH = width
         cells = []
         for _ in range(2):
             for _ in range(2):
@@ -107,5 +108,5 @@ for placement in ("pre", "qkv"):
             bwd = sum(e.self_cpu_time_total for e in ev if e.key in BACKWARD) / 10e3
             cells.append(f"{fwd:.2f} / {bwd:.2f} / {fwd + bwd:.2f}")
         print(f"  {placement:4s} {mode:12s} {cells[0]:20s} {cells[1]}")
-native_norm.set_enabled(True)
-native_norm.MAX_GRAD_WIDTH = shipped_width
+native.set_enabled(True, "norm")
+native.MAX_GRAD_WIDTH = shipped_width

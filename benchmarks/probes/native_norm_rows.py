@@ -1,4 +1,4 @@
-"""One-off probe behind `native_norm.MIN_ROWS` (sixteenth session); not part of make bench.
+"""One-off probe behind `native.MIN_ROWS` (sixteenth session); not part of make bench.
 
 From how many rows does normlab's native norm kernel beat `F.layer_norm`? Median µs of 300
 calls each, on [rows, D] float32 for D = 16 (QKV-Norm's head rows) and 64 (d_model), without
@@ -14,12 +14,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from normlab.model import native_norm
+from normlab.model import native
 
 if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
     sys.exit("usage: native_norm_rows.py [THREADS]")
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-print(f"{torch.get_num_threads()} thread(s); kernel: {native_norm.describe()}")
+print(f"{torch.get_num_threads()} thread(s); kernel: {native.describe()}")
 
 
 def us(fn: Callable[[], object], n: int = 300) -> float:
@@ -38,7 +38,7 @@ def row(d: int, rows: int) -> str:
     gy = torch.randn(rows, d)
 
     def ours() -> torch.Tensor:
-        return native_norm.norm(x, w, b, 1e-5, True)
+        return native.norm(x, w, b, 1e-5, True)
 
     def theirs() -> torch.Tensor:
         return F.layer_norm(x, (d,), w, b, 1e-5)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import normlab
-from normlab.model import native_norm
+from normlab.model import native
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -120,5 +120,5 @@ def provenance() -> dict[str, Any]:
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus",
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch_threads": torch.get_num_threads(),
-        "native_norm": native_norm.describe(),
+        "native": native.describe(),
     }

@@ -212,8 +212,8 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
 
     prov = summary["provenance"]
     md = [f"# normlab reproduction — profile `{profile}`", "",
-          f"Machine: {machine or prov['machine']}; torch {prov['torch']}; CPU norm kernel "
-          f"{prov['native_norm']}; commit {prov['git_commit']}.",
+          f"Machine: {machine or prov['machine']}; torch {prov['torch']}; normlab's CPU kernels "
+          f"{prov['native']}; commit {prov['git_commit']}.",
           "", "## The paper's headline claims beside ours", "",
           "| claim | paper | ours (mean [95% CI over seeds]) | seeds | verdict |",
           "|---|---|---|---|---|"]

@@ -2,7 +2,7 @@
 
 `hook_scale` is the divisor (std or RMS, shape [..., 1]): the quantity whose spread across
 tokens is the paper's subspace interference. `hook_normalized` is the output after the gain.
-Where norms go is `block.py`'s business; how they are computed fast on CPU, `native_norm.py`'s.
+Where norms go is `block.py`'s business; how they are computed fast on CPU, `native.py`'s.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normlab.model import native_norm
+from normlab.model import native
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
 
@@ -32,20 +32,20 @@ class Norm(nn.Module):
         self.b = nn.Parameter(torch.zeros(dim)) if kind == "layer" and bias else None
         self.hook_scale = HookPoint()
         self.hook_normalized = HookPoint()
-        self.native_min = native_norm.MIN_ROWS[False] * dim  # fewest elements for the kernel
+        self.native_min = native.MIN_ROWS[False] * dim  # fewest elements for the kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hook_scale.fns or self.hook_normalized.fns):
             # fused kernels when nobody reads the scale: same numbers to ~1e-7, 3-7x faster;
-            # on CPU, normlab's own kernel where it is built (native_norm: why and how)
+            # on CPU, normlab's own kernel where it is built (native.py: why and how)
             gain = (1.0 + self.w) if self.gain_offset else self.w
             center = self.kind == "layer"
             # (size first: it turns away a batch-1 forward's small inputs in ~0.1 µs; an fx
             # Proxy is no Tensor)
             if (isinstance(x, torch.Tensor) and x.numel() >= self.native_min
-                    and native_norm.applies(x, gain)):
-                return native_norm.norm(x, gain, self.b, self.eps, center)
-            return native_norm.torch_norm(x, gain, self.b, self.eps, center)
+                    and native.norm_applies(x, gain)):
+                return native.norm(x, gain, self.b, self.eps, center)
+            return native.torch_norm(x, gain, self.b, self.eps, center)
         if self.kind == "layer":
             x = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())

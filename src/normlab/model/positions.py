@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normlab.model import native
 from normlab.model.config import ModelConfig
 
 
@@ -66,8 +67,11 @@ class Rope:
     """One forward's rotary tables, and the rotation of q or k by them.
 
     `cos` and `sin` are [batch, pos, 1, d_head] (rotate-half layout, so each is two copies of
-    a d_head/2 table). Two layout choices make the rotation cheap on CPU, with the very same
-    numbers as the textbook `x * cos + cat(-x2, x1) * sin` (`tests/test_positions.py`):
+    a d_head/2 table). On CPU the rotation runs normlab's native kernel (`native.rope`: one
+    pass, bitwise these torch ops) wherever it is built. The torch ops below are the
+    reference and the path everywhere else; two layout choices make them cheap on CPU, with
+    the very same numbers as the textbook `x * cos + cat(-x2, x1) * sin`
+    (`tests/test_positions.py`):
 
     - the tables are widened to [batch, pos, heads, d_head] once per head count per forward
       (every layer's q and k reuse them): a multiply broadcast over the head dim leaves ATen
@@ -85,6 +89,8 @@ class Rope:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [batch, pos, head, d_head]; norm-preserving, so q/k norms are unchanged."""
+        if native.rope_applies(x, self.cos, self.sin):
+            return native.rope(x, self.cos, self.sin)
         n = x.shape[-2]
         if n not in self._wide:
             shape = (*self.cos.shape[:-2], n, self.cos.shape[-1])

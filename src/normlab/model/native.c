@@ -1,10 +1,11 @@
-/* LayerNorm / RMSNorm over the last dim of a contiguous float32 [N, D] tensor, forward and
- * backward: the kernel behind normlab.model.native_norm (see its docstring for why).
+/* normlab's native CPU kernels, behind normlab.model.native (see its docstring for why):
+ * LayerNorm / RMSNorm over the last dim of a contiguous float32 [N, D] tensor, forward and
+ * backward; and RoPE's rotation (at the end of this file).
  *
- * ATen's CPU kernel reduces one row at a time, so on QKV-Norm's 16-float rows it is bound by
- * each row's chain of adds (~22 ns a row). Here, with AVX2, eight rows are reduced at once
- * (a tree of horizontal adds puts the eight row sums in one register); other widths and CPUs
- * take a plain per-row loop. Rows are split over `nthreads` OpenMP threads.
+ * Norms. ATen's CPU kernel reduces one row at a time, so on QKV-Norm's 16-float rows it is
+ * bound by each row's chain of adds (~22 ns a row). Here, with AVX2, eight rows are reduced at
+ * once (a tree of horizontal adds puts the eight row sums in one register); other widths and
+ * CPUs take a plain per-row loop. Rows are split over `nthreads` OpenMP threads.
  *
  * y = (x - mean) * rstd * w + b, rstd = 1 / sqrt(mean((x - mean)^2) + eps); `center` = 0 gives
  * RMSNorm (mean = 0). `b` may be NULL. mean and rstd ([N]) are saved for the backward:
@@ -229,3 +230,53 @@ void nl_norm_bwd(const float *gy, const float *x, const float *w, const float *m
       gb[j] += gb[t * D + j];
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * RoPE in the rotate-half layout on x [N, H, D] (N = batch * pos), tables cos, sin2 [N, D]
+ * shared by the H heads, h = D / 2, m(j) = (j + h) mod D, sin2 = cat(sin, -sin):
+ *   forward        y[j] = x[j] * cos[j] + x[m(j)] * sin2[m(j)]
+ *   transposed     y[j] = x[j] * cos[j] + x[m(j)] * sin2[j]     (the backward: R^T g)
+ * These are the very products and sums of torch's `x * cos + roll(x * sin2, h)` and of its
+ * autograd backward, so without contraction into FMAs (switched off below for gcc; clang
+ * contracts only within one expression) the results are bitwise torch's. ATen needs four
+ * passes over x and a widened table per head count; this is one.
+ */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+static inline void rope_rows(const float *x, const float *cs, const float *sn, float *y,
+                             int64_t s, int64_t e, int64_t H, int64_t D, int transposed) {
+  const int64_t h = D / 2;
+  for (int64_t n = s; n < e; ++n) {
+    const float *c = cs + n * D, *sin2 = sn + n * D;
+    /* the sin2 entries multiplying x[i + h] (into y[i]) and x[i] (into y[i + h]) */
+    const float *s_lo = transposed ? sin2 : sin2 + h, *s_hi = transposed ? sin2 + h : sin2;
+    for (int64_t k = 0; k < H; ++k) {
+      const float *r = x + (n * H + k) * D;
+      float *o = y + (n * H + k) * D;
+      for (int64_t i = 0; i < h; ++i) {
+        float a = r[i] * c[i];
+        float b = r[i + h] * s_lo[i];
+        float a2 = r[i + h] * c[i + h];
+        float b2 = r[i] * s_hi[i];
+        o[i] = a + b;
+        o[i + h] = a2 + b2;
+      }
+    }
+  }
+}
+
+void nl_rope(const float *x, const float *cs, const float *sn, float *y, int64_t N, int64_t H,
+             int64_t D, int transposed, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    int64_t s, e;
+    my_rows(N, &s, &e);
+    if (D == 16) rope_rows(x, cs, sn, y, s, e, H, 16, transposed); /* d_head 16, inlined */
+    else rope_rows(x, cs, sn, y, s, e, H, D, transposed);
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif

@@ -1,6 +1,7 @@
-"""The native CPU norm kernel against torch's own LayerNorm / RMSNorm (the independent truth).
+"""normlab's native CPU kernels against torch's own ops (the independent truth): the norms
+against LayerNorm / RMSNorm, RoPE against `Rope`'s torch ops (bit for bit), and the build.
 
-Every width path of native_norm.c is exercised: 16 and 64 (the inlined eight-row copies), 24
+Every width path of native.c is exercised: 16 and 64 (the inlined eight-row copies), 24
 (the generic eight-row loop), 13 (the per-row loop), 264 (eight-row forward, per-row backward:
 too many gain sums for registers), with row counts that leave a tail of rows after the last
 full block of eight, on one and two threads.
@@ -19,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
-from normlab.model import native_norm
+from normlab.model import native
 from normlab.model.attention import HeadNorm
 from normlab.model.norms import Norm
+from normlab.model.positions import Rope, Rotary
 
-pytestmark = pytest.mark.skipif(native_norm.load() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 
 
 @pytest.fixture
@@ -66,17 +68,17 @@ def test_matches_torch_forward_and_backward(
 ) -> None:
     torch.set_num_threads(n_threads)
     torch.manual_seed(d)
-    n = 2 * native_norm.ROWS_PER_THREAD + 5  # two threads' worth, and a ragged tail
+    n = 2 * native.ROWS_PER_THREAD + 5  # two threads' worth, and a ragged tail
     x = (torch.randn(n, d) * 3 + 1).requires_grad_()
     w = torch.randn(d).requires_grad_()
     b = torch.randn(d).requires_grad_() if bias else None
     gy = torch.randn(n, d)
     xd, wd, bd = as_double(x, w, b)
-    ours = native_norm.norm(x, w, b, 1e-5, center)
+    ours = native.norm(x, w, b, 1e-5, center)
     truth = torch_norm(xd, wd, bd, center)
     torch_f32 = torch_norm(x, w, b, center)  # how far float32 rounding alone moves it
     assert (ours - truth).abs().max() < 4 * (torch_f32 - truth).abs().max() + 1e-6
-    g_ours = grads(lambda *a: native_norm.norm(*a, 1e-5, center), x, w, b, gy)
+    g_ours = grads(lambda *a: native.norm(*a, 1e-5, center), x, w, b, gy)
     g_true = grads(lambda *a: torch_norm(*a, center), xd, wd, bd, gy.double())
     for go, gt in zip(g_ours, g_true, strict=True):
         assert go.dtype == torch.float32
@@ -88,7 +90,7 @@ def test_statistics_and_gain_sums_by_hand() -> None:
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 1030, requires_grad=True)
     w = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
     b = torch.zeros(4, requires_grad=True)
-    y = native_norm.norm(x, w, b, 1e-5, True)
+    y = native.norm(x, w, b, 1e-5, True)
     xhat = (torch.tensor([1.0, 2.0, 3.0, 4.0]) - 2.5) / (1.25 + 1e-5) ** 0.5
     torch.testing.assert_close(y[0], xhat * w.detach())
     y.sum().backward()
@@ -104,9 +106,9 @@ def test_strided_input_and_gradient() -> None:
     w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
     gy = torch.randn(64, 17, 4, 16).transpose(1, 2)  # strided: the kernel's gx reuses a copy
     gy_before = gy.clone()
-    y = native_norm.norm(x, w, b, 1e-5, True)
+    y = native.norm(x, w, b, 1e-5, True)
     torch.testing.assert_close(y, F.layer_norm(x, (16,), w, b, 1e-5), rtol=1e-5, atol=1e-5)
-    g = grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy)
+    g = grads(lambda *a: native.norm(*a, 1e-5, True), x, w, b, gy)
     g_ref = grads(lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5), x, w, b, gy)
     for go, gr in zip(g, g_ref, strict=True):
         torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
@@ -114,7 +116,7 @@ def test_strided_input_and_gradient() -> None:
     assert torch.equal(gy, gy_before), "the incoming gradient itself is not overwritten"
     gy = gy.contiguous()  # a contiguous one is read in place, and must be left as it was too
     gy_before = gy.clone()
-    grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy)
+    grads(lambda *a: native.norm(*a, 1e-5, True), x, w, b, gy)
     assert torch.equal(gy, gy_before)
 
 
@@ -132,7 +134,7 @@ def test_double_backward_goes_through_torch_ops(center: bool) -> None:
                                      allow_unused=True, materialize_grads=True)
         return [*first, *second]
 
-    ours = penalty(lambda *a: native_norm.norm(*a, 1e-5, center))
+    ours = penalty(lambda *a: native.norm(*a, 1e-5, center))
     ref = penalty(lambda *a: torch_norm(*a, center))
     for go, gr in zip(ours, ref, strict=True):
         torch.testing.assert_close(go, gr, rtol=1e-3, atol=1e-4 * gr.abs().max().item())
@@ -140,25 +142,30 @@ def test_double_backward_goes_through_torch_ops(center: bool) -> None:
 
 def test_applies_only_where_it_pays() -> None:
     big, w = torch.randn(4096, 16), torch.ones(16)
-    assert native_norm.applies(big, w)
-    assert not native_norm.applies(torch.randn(17, 16), w)  # a batch-1 forward
-    n_grad = native_norm.MIN_ROWS[True] - 1
-    assert native_norm.applies(torch.randn(n_grad, 16), w)  # no autograd: the lower bar
-    assert not native_norm.applies(torch.randn(n_grad, 16, requires_grad=True), w)
+    assert native.norm_applies(big, w)
+    assert not native.norm_applies(torch.randn(17, 16), w)  # a batch-1 forward
+    n_grad = native.MIN_ROWS[True] - 1
+    assert native.norm_applies(torch.randn(n_grad, 16), w)  # no autograd: the lower bar
+    assert not native.norm_applies(torch.randn(n_grad, 16, requires_grad=True), w)
     wide = torch.randn(4096, 64)
-    assert native_norm.applies(wide, torch.ones(64))
-    assert not native_norm.applies(wide.requires_grad_(), torch.ones(64))  # MAX_GRAD_WIDTH
-    assert not native_norm.applies(big.double(), w.double())
-    assert not native_norm.applies(big.bfloat16(), w.bfloat16())
-    assert not native_norm.applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
-    assert not native_norm.applies(torch.tensor(1.0), torch.ones(1))
-    assert native_norm.describe().startswith("on (")
-    native_norm.set_enabled(False)
+    assert native.norm_applies(wide, torch.ones(64))
+    assert not native.norm_applies(wide.requires_grad_(), torch.ones(64))  # MAX_GRAD_WIDTH
+    assert not native.norm_applies(big.double(), w.double())
+    assert not native.norm_applies(big.bfloat16(), w.bfloat16())
+    assert not native.norm_applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
+    assert not native.norm_applies(torch.tensor(1.0), torch.ones(1))
+    assert native.describe().startswith("on: norm and rope (")
+    native.set_enabled(False, "norm")
     try:
-        assert not native_norm.applies(big, w)
-        assert native_norm.describe() == "off (torch's kernels)"
+        assert not native.norm_applies(big, w)
+        assert native.describe().startswith("on: rope; norm off (")
+        native.set_enabled(False)
+        assert native.describe() == "off (torch's kernels)"
     finally:
-        native_norm.set_enabled(True)
+        native.set_enabled(True)
+    assert native.describe().startswith("on: norm and rope (")
+    with pytest.raises(ValueError, match="kernel: expected one of norm, rope"):
+        native.set_enabled(False, "softmax")
 
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
@@ -177,8 +184,8 @@ def test_model_same_with_and_without_kernel(
     model = build_model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (80, 17))  # 1360 rows: above both bars
     calls: list[int] = []
-    forward = native_norm._forward
-    monkeypatch.setattr(native_norm, "_forward", lambda x, *a: calls.append(x.shape[-1])
+    forward = native._forward
+    monkeypatch.setattr(native, "_forward", lambda x, *a: calls.append(x.shape[-1])
                         or forward(x, *a))
 
     def train() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -197,12 +204,12 @@ def test_model_same_with_and_without_kernel(
     calls.clear()
     out_on = evaluate()
     assert sorted(calls) == sorted(m.w.shape[0] for m in model.modules() if isinstance(m, Norm))
-    native_norm.set_enabled(False)
+    native.set_enabled(False)
     try:
         loss_off, g_off = train()
         out_off = evaluate()
     finally:
-        native_norm.set_enabled(True)
+        native.set_enabled(True)
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=1e-6)
     for a, b in zip(g_on, g_off, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
@@ -214,66 +221,79 @@ def test_no_compiler_falls_back_with_one_warning(
 ) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native_norm, "_tried", False)
-    monkeypatch.setattr(native_norm, "_lib", None)
-    with pytest.warns(RuntimeWarning, match="could not compile native_norm.c"):
-        assert native_norm.load() is None
-    assert native_norm.describe().startswith("unavailable")
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    with pytest.warns(RuntimeWarning, match="could not compile native.c"):
+        assert native.load() is None
+    assert native.describe().startswith("unavailable")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, not on every call
-        assert native_norm.load() is None
+        assert native.load() is None
         x = torch.randn(4096, 16)
-        assert not native_norm.applies(x, torch.ones(16))
+        assert not native.norm_applies(x, torch.ones(16))
         norm = Norm(16)
         torch.testing.assert_close(norm(x), F.layer_norm(x, (16,), norm.w, norm.b))
-    with pytest.raises(RuntimeError, match="kernel is not built"):
-        native_norm.norm(x, torch.ones(16), None, 1e-5, True)
+        rope = rope_tables(2, 5, 16)
+        assert not native.rope_applies(torch.randn(2, 5, 4, 16), rope.cos, rope.sin)
+        rope(torch.randn(2, 5, 4, 16))  # torch's ops, no warning
+    with pytest.raises(RuntimeError, match="kernels are not built"):
+        native.norm(x, torch.ones(16), None, 1e-5, True)
 
 
 def test_unwritable_cache_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("NORMLAB_CACHE", str(blocker))
-    monkeypatch.setattr(native_norm, "_tried", False)
-    monkeypatch.setattr(native_norm, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
     with pytest.warns(RuntimeWarning, match="NORMLAB_CACHE to a writable folder"):
-        assert native_norm.load() is None
+        assert native.load() is None
 
 
 def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
-    monkeypatch.setattr(native_norm, "_tried", False)
-    monkeypatch.setattr(native_norm, "_lib", None)
-    assert native_norm.load() is not None
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    assert native.load() is not None
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so", "one library, no temporary left"
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(native_norm, "_tried", False)
-    assert native_norm.load() is not None
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.load() is not None
     assert built[0].stat().st_mtime_ns == stamp, "found in the cache, not rebuilt"
     # another source (or flags, compiler, CPU) is another file
-    other = native_norm._compile(native_norm.compiler(), ("-O1",), native_norm.SOURCE.read_bytes())
+    other = native._compile(native.compiler(), ("-O1",), native.SOURCE.read_bytes())
     assert other is not None and other != built[0]
 
 
+@pytest.mark.parametrize("kernel", native.KERNELS)
 @pytest.mark.parametrize(("value", "on"), [("0", False), ("false", False), ("1", True),
                                            ("", True)])
-def test_env_switch(monkeypatch: pytest.MonkeyPatch, value: str, on: bool) -> None:
-    monkeypatch.setenv("NORMLAB_NATIVE_NORM", value)
-    assert native_norm._enabled_by_env() is on
+def test_env_switch(monkeypatch: pytest.MonkeyPatch, kernel: str, value: str, on: bool) -> None:
+    monkeypatch.setenv(f"NORMLAB_NATIVE_{kernel.upper()}", value)
+    assert native._enabled_by_env(kernel) is on
+    assert native._enabled_by_env("rope" if kernel == "norm" else "norm")  # the other: on
 
 
-def test_env_switch_turns_the_kernel_off_in_a_new_process() -> None:
-    """NORMLAB_NATIVE_NORM=0 set before normlab is imported: no norm reaches the kernel."""
+@pytest.mark.parametrize(("off", "on"), [("norm", "rope"), ("rope", "norm")])
+def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str, on: str) -> None:
+    """NORMLAB_NATIVE_<KERNEL>=0 set before normlab is imported: a `qkv` RoPE model's forward
+    never reaches that kernel, and still reaches the other."""
     code = (
         "import torch\n"
-        "from normlab.model import native_norm\n"
-        "from normlab.model.norms import Norm\n"
-        "native_norm.norm = None  # any call into the kernel's path would fail\n"
-        "assert native_norm.describe() == \"off (torch's kernels)\"\n"
-        "Norm(16)(torch.randn(4096, 16))\n"
+        "from normlab import ModelConfig, build_model\n"
+        "from normlab.model import native\n"
+        f"calls = {{'norm': 0, 'rope': 0}}\n"
+        "norm, rope = native.norm, native.rope\n"
+        "native.norm = lambda *a: calls.__setitem__('norm', calls['norm'] + 1) or norm(*a)\n"
+        "native.rope = lambda *a: calls.__setitem__('rope', calls['rope'] + 1) or rope(*a)\n"
+        f"assert native.describe().startswith('on: {on}; {off} off ('), native.describe()\n"
+        "cfg = ModelConfig(d_model=64, n_heads=4, norm_placement='qkv', pos_encoding='rope')\n"
+        "with torch.no_grad():\n"
+        "    build_model(cfg)(torch.randint(0, 16, (64, 17)))\n"
+        f"assert calls['{off}'] == 0 and calls['{on}'] > 0, calls\n"
     )
-    run_python(code, NORMLAB_NATIVE_NORM="0")
+    run_python(code, **{f"NORMLAB_NATIVE_{off.upper()}": "0"})
 
 
 def test_torch_compile_traces_torchs_norm() -> None:
@@ -281,7 +301,7 @@ def test_torch_compile_traces_torchs_norm() -> None:
     torch.manual_seed(0)
     norm = Norm(16)
     x = torch.randn(4096, 16, requires_grad=True)
-    assert native_norm.applies(x, norm.w)
+    assert native.norm_applies(x, norm.w)
     compiled = torch.compile(norm, fullgraph=True)  # a graph break would raise here
     torch.testing.assert_close(compiled(x), F.layer_norm(x, (16,), norm.w, norm.b))
 
@@ -292,7 +312,7 @@ def test_small_inputs_keep_torchs_kernel(monkeypatch: pytest.MonkeyPatch) -> Non
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("small input sent to the native kernel")
 
-    monkeypatch.setattr(native_norm, "norm", refuse)
+    monkeypatch.setattr(native, "norm", refuse)
     torch.manual_seed(0)
     model = build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement="qkv"))
     tokens = torch.randint(0, 16, (1, 17))
@@ -311,7 +331,7 @@ def test_bitwise_deterministic(n_threads: int, threads: None) -> None:
     x = torch.randn(4099, 16, requires_grad=True)
     w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
     gy = torch.randn(4099, 16)
-    runs = [grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy) for _ in range(3)]
+    runs = [grads(lambda *a: native.norm(*a, 1e-5, True), x, w, b, gy) for _ in range(3)]
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again, strict=True))
 
@@ -320,20 +340,21 @@ def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     """Built with plain -O3 (no -march=native, so no AVX2 on x86-64), as on a CPU without it:
     every width takes the per-row loop, with the same numbers."""
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
-    monkeypatch.setattr(native_norm, "FLAG_SETS", (("-O3",),))
-    monkeypatch.setattr(native_norm, "_tried", False)
-    monkeypatch.setattr(native_norm, "_lib", None)
-    monkeypatch.setattr(native_norm, "built_with", None)
-    built = native_norm.describe()
-    assert built.startswith("on (-O3, "), built
+    monkeypatch.setattr(native, "FLAG_SETS", (("-O3",),))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "built_with", None)
+    built = native.describe()
+    assert built.startswith("on: norm and rope (-O3, "), built
     torch.manual_seed(0)
     x = torch.randn(1031, 16, requires_grad=True)
     w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
     gy = torch.randn(1031, 16)
-    ours = grads(lambda *a: native_norm.norm(*a, 1e-5, True), x, w, b, gy)
+    ours = grads(lambda *a: native.norm(*a, 1e-5, True), x, w, b, gy)
     ref = grads(lambda *a: torch_norm(*a, True), x, w, b, gy)
     for go, gr in zip(ours, ref, strict=True):
         torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
+    assert_rope_is_torchs((3, 5, 4, 16))  # RoPE from the portable build too
     if "per-row" not in built:  # e.g. a compiler whose default target already has AVX2
         pytest.skip(f"plain -O3 built the eight-row path here: {built}")
 
@@ -345,9 +366,9 @@ def test_bad_shapes_get_torchs_error_not_garbage() -> None:
         norm(torch.randn(4096, 32))
     x = torch.randn(4096, 16)
     with pytest.raises(RuntimeError):
-        native_norm.norm(x, torch.ones(16), torch.zeros(8), 1e-5, True)
+        native.norm(x, torch.ones(16), torch.zeros(8), 1e-5, True)
     with pytest.raises(RuntimeError):
-        native_norm.norm(x, torch.ones(8), None, 1e-5, True)
+        native.norm(x, torch.ones(8), None, 1e-5, True)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
@@ -370,15 +391,15 @@ def test_compiler_with_arguments_and_a_damaged_cache(monkeypatch: pytest.MonkeyP
     """`CC="env cc"` (a launcher, as `ccache gcc`) builds; a damaged cached file is rebuilt."""
     monkeypatch.setenv("CC", "env cc")
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
-    src = native_norm.SOURCE.read_bytes()
-    built = native_norm._compile(native_norm.compiler(), native_norm.FLAG_SETS[0], src)
+    src = native.SOURCE.read_bytes()
+    built = native._compile(native.compiler(), native.FLAG_SETS[0], src)
     assert built is not None and built.read_bytes()[:4] == b"\x7fELF"
     built.write_bytes(b"not a shared library")  # damaged before any process loads it
-    monkeypatch.setattr(native_norm, "_tried", False)
-    monkeypatch.setattr(native_norm, "_lib", None)
-    monkeypatch.setattr(native_norm, "built_with", None)
-    assert native_norm.load() is not None
-    assert native_norm.built_with == native_norm.FLAG_SETS[0]
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "built_with", None)
+    assert native.load() is not None
+    assert native.built_with == native.FLAG_SETS[0]
     assert built.read_bytes()[:4] == b"\x7fELF", "rebuilt in place"
 
 
@@ -386,14 +407,162 @@ def test_fewer_openmp_threads_than_asked() -> None:
     """OpenMP may give fewer threads than asked (OMP_THREAD_LIMIT): the sums still add up."""
     code = (
         "import torch, torch.nn.functional as F\n"
-        "from normlab.model import native_norm\n"
+        "from normlab.model import native\n"
         "torch.set_num_threads(2); torch.manual_seed(0)\n"
-        "assert native_norm._threads(4099) == 2\n"
+        "assert native._threads(4099) == 2\n"
         "x = torch.randn(4099, 16, requires_grad=True)\n"
         "w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)\n"
         "gy = torch.randn(4099, 16)\n"
-        "a = torch.autograd.grad(native_norm.norm(x, w, b, 1e-5, True), (x, w, b), gy)\n"
+        "a = torch.autograd.grad(native.norm(x, w, b, 1e-5, True), (x, w, b), gy)\n"
         "r = torch.autograd.grad(F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b), gy)\n"
         "for u, v in zip(a, r): torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-4)\n"
     )
     run_python(code, OMP_THREAD_LIMIT="1")
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_tables(b: int, p: int, d: int, seed: int = 0) -> Rope:
+    """`Rope` for random positions [b, p] (decoding and packed rows start anywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    return Rotary(d, 10000.0)(torch.randint(0, 200, (b, p), generator=g))
+
+
+def rotate_both_ways(rope: Rope, x: torch.Tensor, gy: torch.Tensor, kernel: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Rope(x)` and its gradient, with the kernel on or off (torch's ops)."""
+    native.set_enabled(kernel, "rope")
+    try:
+        assert native.rope_applies(x, rope.cos, rope.sin) is kernel
+        y = rope(x)
+        (gx,) = torch.autograd.grad(y, x, gy)
+    finally:
+        native.set_enabled(True, "rope")
+    return y.detach(), gx
+
+
+def assert_rope_is_torchs(shape: tuple[int, ...]) -> None:
+    b, p, _, d = shape
+    rope = rope_tables(b, p, d)
+    x, gy = torch.randn(shape, requires_grad=True), torch.randn(shape)
+    ours, ref = rotate_both_ways(rope, x, gy, True), rotate_both_ways(rope, x, gy, False)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("shape", [(3, 5, 4, 16), (2, 300, 3, 16), (2, 3, 2, 6), (1, 1, 1, 2),
+                                   (4, 7, 1, 64)])
+def test_rope_is_bitwise_torchs(shape: tuple[int, ...], n_threads: int, threads: None) -> None:
+    """Forward and backward bit for bit torch's `x * cos + roll(x * sin2)`: the same products
+    and sums, with no FMA contraction. 2 x 300 x 3 rows split over two threads; d_head 16 takes
+    the inlined copy, 6 an odd half, 2 the smallest."""
+    torch.set_num_threads(n_threads)
+    torch.manual_seed(0)
+    assert_rope_is_torchs(shape)
+
+
+def test_rope_by_hand() -> None:
+    """One pair (x0, x1) at angle a is rotated to (x0 cos a - x1 sin a, x1 cos a + x0 sin a),
+    and the rotation keeps the norm."""
+    x = torch.tensor([[[[3.0, 4.0]]]])
+    rope = Rotary(2, 10000.0)(torch.tensor([[1]]))  # inv_freq 1: angle 1 rad
+    assert native.rope_applies(x, rope.cos, rope.sin)
+    c, sn = torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))
+    want = torch.stack([3 * c - 4 * sn, 4 * c + 3 * sn]).reshape(1, 1, 1, 2)
+    torch.testing.assert_close(rope(x), want)
+    torch.testing.assert_close(rope(x).norm(), torch.tensor(5.0))
+
+
+def test_rope_double_backward() -> None:
+    """The backward is the rotation transposed, itself differentiable: for
+    g = d(sum(R(x) * t))/dx = R^T t, d(sum(g * u))/dt = R u, as with torch's ops."""
+    torch.manual_seed(0)
+    rope = rope_tables(2, 9, 16)
+    x, u = torch.randn(2, 9, 4, 16, requires_grad=True), torch.randn(2, 9, 4, 16)
+
+    def second(kernel: bool) -> torch.Tensor:
+        native.set_enabled(kernel, "rope")
+        try:
+            t = torch.randn(2, 9, 4, 16, generator=torch.Generator().manual_seed(1),
+                            requires_grad=True)
+            (g,) = torch.autograd.grad((rope(x) * t).sum(), x, create_graph=True)
+            (gt,) = torch.autograd.grad((g * u).sum(), t)
+        finally:
+            native.set_enabled(True, "rope")
+        return gt
+
+    ours = second(True)
+    assert torch.equal(ours, second(False))
+    assert torch.equal(ours, rope(u))
+
+
+def test_rope_applies_only_to_what_it_can_read() -> None:
+    rope = rope_tables(2, 5, 16)
+    x = torch.randn(2, 5, 4, 16)
+    assert native.rope_applies(x, rope.cos, rope.sin)
+    assert native.rope_applies(x.transpose(0, 1).contiguous().transpose(0, 1), rope.cos,
+                               rope.sin)  # a strided x is copied once
+    assert not native.rope_applies(x.double(), rope.cos.double(), rope.sin.double())
+    assert not native.rope_applies(x[:1], rope.cos, rope.sin)  # tables for another batch
+    assert not native.rope_applies(x, rope.cos[:1], rope.sin[:1])  # broadcast tables
+    assert not native.rope_applies(x.flatten(-2), rope.cos, rope.sin)  # not [B, P, H, D]
+    assert not native.rope_applies(x, rope.cos.transpose(0, 1).contiguous().transpose(0, 1),
+                                   rope.sin)  # a strided table
+    assert not native.rope_applies(x, rope.cos.requires_grad_(), rope.sin)
+    with pytest.raises(ValueError, match=r"native.rope: expected float32 CPU x \[B, P, H, D\]"):
+        native.rope(x, rope.cos, rope.sin)
+
+
+def test_rope_strided_input_and_fallbacks_match() -> None:
+    """A strided x, and inputs the kernel turns away (float64, broadcast tables), give torch's
+    numbers through `Rope`."""
+    torch.manual_seed(0)
+    rope = rope_tables(3, 5, 16)
+    x = torch.randn(5, 3, 4, 16).transpose(0, 1)
+    native.set_enabled(False, "rope")
+    try:
+        ref = rope(x)
+    finally:
+        native.set_enabled(True, "rope")
+    assert torch.equal(rope(x), ref)
+    torch.testing.assert_close(rope(x.double()), ref.double(), rtol=1e-6, atol=1e-6)
+    one = Rotary(16, 10000.0)(torch.arange(5)[None])  # tables [1, 5, 1, 16], x of batch 3
+    torch.testing.assert_close(one(x), torch.cat([one(x[i : i + 1]) for i in range(3)]))
+
+
+def test_rope_model_bitwise_with_and_without_the_kernel() -> None:
+    """A RoPE model's training loss and every gradient, kernel on or off: identical bits (norms
+    on torch's kernels both times, so only RoPE differs)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement="qkv",
+                      pos_encoding="rope", max_len=24)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (32, 17))
+
+    def train(kernel: bool) -> list[torch.Tensor]:
+        native.set_enabled(False, "norm")
+        native.set_enabled(kernel, "rope")
+        try:
+            model.zero_grad()
+            loss = model(tokens).logsumexp(-1).mean()
+            loss.backward()
+        finally:
+            native.set_enabled(True)
+        return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+
+    for a, b in zip(train(True), train(False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_rope_under_tracers_gets_torchs_ops() -> None:
+    """torch.compile (fullgraph) and jit.trace record torch's ops, not the ctypes call."""
+    torch.manual_seed(0)
+    rope = rope_tables(2, 5, 16)
+    x, x2 = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 4, 16) * 3
+    compiled = torch.compile(lambda t: rope(t), fullgraph=True)
+    assert torch.equal(compiled(x2), rope(x2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(lambda t: rope(t), x)
+    assert torch.equal(traced(x2), rope(x2))

@@ -1,17 +1,25 @@
-"""A native CPU kernel for `Norm`: LayerNorm / RMSNorm on float32 rows, compiled on first use.
+"""normlab's native CPU kernels, compiled on first use: LayerNorm / RMSNorm for `Norm`, and RoPE's
+rotation for `Rope`.
 
-Why: ATen's CPU `layer_norm` reduces one row at a time, so on QK/QKV-Norm's 16-float head rows
-it is bound by each row's chain of adds (~22 ns a row, 2.6x its cost per float on 64-float
-rows), the main reason `qkv` trained ~15% slower than `pre` (docs/performance.md).
-`native_norm.c` reduces eight rows at once with AVX2 and splits rows over the OpenMP threads
-torch uses. `Norm` takes it where it pays (`applies`): inputs of MIN_ROWS rows or more, and
-under autograd only rows of at most MAX_GRAD_WIDTH floats.
+Norms. ATen's CPU `layer_norm` reduces one row at a time, so on QK/QKV-Norm's 16-float head
+rows it is bound by each row's chain of adds (~22 ns a row, 2.6x its cost per float on
+64-float rows), the main reason `qkv` trained ~15% slower than `pre` (docs/performance.md).
+`native.c` reduces eight rows at once with AVX2 and splits rows over the OpenMP threads torch
+uses. `Norm` takes it where it pays (`norm_applies`): inputs of MIN_ROWS rows or more, and under
+autograd only rows of at most MAX_GRAD_WIDTH floats.
 
-It is compiled with the system C compiler (`$CC`, else `cc`) the first time a process needs
-it, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file keyed by the
-source, the flags, the compiler and the CPU (it is built for this CPU, `-march=native`).
-Without a compiler, or with `NORMLAB_NATIVE_NORM=0`, `Norm` runs `F.layer_norm` /
-`F.rms_norm`: the same numbers to float32 rounding (tests/test_native_norm.py).
+RoPE. torch computes `x * cos + roll(x * sin2, d/2)` in four passes over x (the roll is a
+`cat` of two strided halves), plus as many again in the backward; the kernel does each in one
+pass with the very same products and sums, so its results are bitwise torch's
+(tests/test_native.py). It made a `pre` training step ~11% faster and the collapse sweep ~10%
+(benchmarks/probes/native_rope_ab.py). `Rope` takes it whenever `rope_applies`.
+
+The kernels are compiled with the system C compiler (`$CC`, else `cc`) the first time a
+process needs them, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file
+keyed by the source, the flags, the compiler and the CPU (it is built for this CPU,
+`-march=native`). Without a compiler, or with `NORMLAB_NATIVE_NORM=0` / `NORMLAB_NATIVE_ROPE=0`,
+torch's ops run instead: the same numbers to float32 rounding for the norms, bit for bit for
+RoPE.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("native_norm.c")
+SOURCE = Path(__file__).with_name("native.c")
 # tried in order: OpenMP threads, then without (e.g. Apple clang), then without -march=native
 FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -50,33 +58,44 @@ MIN_ROWS = {False: 256, True: 1024}
 MAX_GRAD_WIDTH = 32
 
 
-def _enabled_by_env() -> bool:
-    return os.environ.get("NORMLAB_NATIVE_NORM", "1").strip().lower() not in ("0", "false", "no")
+KERNELS = ("norm", "rope")
 
 
-_enabled = _enabled_by_env()
+def _enabled_by_env(kernel: str = "norm") -> bool:
+    """`NORMLAB_NATIVE_NORM` / `NORMLAB_NATIVE_ROPE`: 0, false or no switch that kernel off."""
+    value = os.environ.get(f"NORMLAB_NATIVE_{kernel.upper()}", "1")
+    return value.strip().lower() not in ("0", "false", "no")
+
+
+_enabled = {k: _enabled_by_env(k) for k in KERNELS}
 _lib: ctypes.CDLL | None = None
 _tried = False
 _loading = threading.Lock()  # one build per process, even when threads ask at once
 built_with: tuple[str, ...] | None = None  # the flags of the loaded build, for reports
 
 
-def set_enabled(on: bool) -> None:
-    """Switch the kernel on or off for this process (benchmarks A/B it; tests compare)."""
-    global _enabled
-    _enabled = on
+def set_enabled(on: bool, kernel: str | None = None) -> None:
+    """Switch one kernel (`norm`, `rope`), or both, on or off for this process (benchmarks A/B
+    them; tests compare)."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)} or None; got {kernel!r}")
+    for k in KERNELS if kernel is None else (kernel,):
+        _enabled[k] = on
 
 
 def describe() -> str:
-    """What norms run on in this process, for result files: the kernel's build, or why not."""
-    if not _enabled:
+    """Which kernels run in this process, for result files: their build, or why not."""
+    on = [k for k in KERNELS if _enabled[k]]
+    if not on:
         return "off (torch's kernels)"
     if load() is None:
         return "unavailable: could not be built here (torch's kernels)"
     lib = _lib
     assert lib is not None and built_with is not None
     path = "AVX2 eight-row" if lib.nl_has_rows8() else "per-row"
-    return f"on ({' '.join(built_with)}, {path} path)"
+    off = [k for k in KERNELS if k not in on]
+    which = " and ".join(on) + (f"; {' and '.join(off)} off" if off else "")
+    return f"on: {which} ({' '.join(built_with)}, {path} norm path)"
 
 
 def _cpu_id() -> str:
@@ -108,7 +127,7 @@ def _compile(cc: list[str], flags: tuple[str, ...], src: bytes, rebuild: bool = 
     key = hashlib.sha256(
         b"\0".join([src, " ".join(flags).encode(), version.stdout.encode(), _cpu_id().encode()])
     ).hexdigest()[:16]
-    out = _cache_dir() / f"native_norm-{key}.so"
+    out = _cache_dir() / f"native-{key}.so"
     if out.exists() and not rebuild:
         return out
     # compile to a private name, then rename: another process never loads a half-written file
@@ -164,14 +183,16 @@ def _load() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
         lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32]
-        lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = None
+        lib.nl_rope.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
+        lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = lib.nl_rope.restype = None
         lib.nl_has_rows8.restype = ctypes.c_int
         _lib, built_with = lib, flags
         return _lib
     warnings.warn(
         f"normlab: could not compile {SOURCE.name} with {' '.join(cc)!r} into {_cache_dir()}; "
-        "norms use torch's kernels (set CC to a C compiler and NORMLAB_CACHE to a writable "
-        "folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0 to silence this)",
+        "norms and RoPE use torch's ops (set CC to a C compiler and NORMLAB_CACHE to a writable "
+        "folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0 and NORMLAB_NATIVE_ROPE=0 to "
+        "silence this)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -182,7 +203,7 @@ def _needs_grad(*ts: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
-def applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
+def norm_applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
     """Whether `norm` should take these: float32 on CPU, eager, enough rows, the kernel built.
 
     Below MIN_ROWS rows torch's own call is faster (the ctypes call, and with autograd the
@@ -191,7 +212,7 @@ def applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
     Every norm of every forward asks, so the cheapest test (size) goes first, and the bias is
     not read (a module's parameter read costs ~0.4 µs): its autograd is `norm`'s business.
     """
-    if not _enabled or not isinstance(x, torch.Tensor) or x.ndim == 0:  # (an fx Proxy: no)
+    if not _enabled["norm"] or not isinstance(x, torch.Tensor) or x.ndim == 0:  # (fx Proxy: no)
         return False
     n, d = x.numel(), x.shape[-1]
     if d == 0 or n < MIN_ROWS[False] * d:
@@ -213,14 +234,14 @@ def _plain(t: torch.Tensor) -> bool:
 
 def _tracing() -> bool:
     """Under torch.compile or jit.trace a ctypes call would not be recorded (an fx trace hands
-    `applies` a Proxy, which it turns away first)."""
+    `norm_applies` a Proxy, which it turns away first)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def _kernel() -> ctypes.CDLL:
     lib = load()
     if lib is None:
-        raise RuntimeError("normlab.model.native_norm: the kernel is not built (see the warning)")
+        raise RuntimeError("normlab.model.native: the kernels are not built (see the warning)")
     return lib
 
 
@@ -298,7 +319,7 @@ def norm(
 ) -> torch.Tensor:
     """LayerNorm (`center`) or RMSNorm over the last dim, as F.layer_norm / F.rms_norm.
 
-    Takes float32 CPU tensors, gain and bias [D] (`applies` says when it pays); anything else
+    Takes float32 CPU tensors, gain and bias [D] (`norm_applies` says when it pays); anything else
     goes to torch's ops, which compute it or raise their usual error.
     """
     d = x.shape[-1] if x.ndim else 0
@@ -310,3 +331,78 @@ def norm(
     if _needs_grad(x, gain, bias):
         return _NormFn.apply(x, gain, bias, eps, center)
     return _forward(x, gain, bias, eps, center)[0]
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor) -> bool:
+    """Whether `rope` should take these: x [B, P, H, D] and contiguous tables [B, P, 1, D],
+    all float32 on CPU, tables without gradients, eager, the kernel built.
+
+    No size bar, unlike the norms: one call replaces four ATen ops and their dispatch, and it
+    was faster at every size measured, down to a decoding step's [256, 1, 4, 16]
+    (benchmarks/probes/native_rope_ab.py).
+    """
+    if not _enabled["rope"] or not isinstance(x, torch.Tensor) or x.ndim != 4:
+        return False
+    if _tracing() or not all(_plain(t) for t in (x, cos, sin2)):
+        return False
+    b, p, _, d = x.shape
+    if d % 2 or cos.shape != (b, p, 1, d) or sin2.shape != cos.shape:
+        return False
+    if cos.requires_grad or sin2.requires_grad or not (cos.is_contiguous()
+                                                        and sin2.is_contiguous()):
+        return False
+    return load() is not None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool
+            ) -> torch.Tensor:
+    """The kernel on contiguous x [B, P, H, D]."""
+    b, p, h, d = x.shape
+    y = torch.empty_like(x)
+    _kernel().nl_rope(x.data_ptr(), cos.data_ptr(), sin2.data_ptr(), y.data_ptr(), b * p, h, d,
+                      int(transposed), _threads(b * p * h))
+    return y
+
+
+class _RopeFn(torch.autograd.Function):
+    """The rotation is linear and orthogonal, so its backward is the transposed rotation: `rope`
+    again, which is why gradients of any order come from the same kernel."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin2: torch.Tensor,
+        transposed: bool,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin2)
+        ctx.transposed = transposed  # type: ignore[attr-defined]
+        return _rotate(x.contiguous(), cos, sin2, transposed)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        cos, sin2 = ctx.saved_tensors
+        return rope(gy, cos, sin2, not ctx.transposed), None, None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool = False
+         ) -> torch.Tensor:
+    """`x * cos + roll(x * sin2, D // 2, dims=-1)`, `Rope`'s rotation, on x [B, P, H, D] with
+    tables [B, P, 1, D] (`sin2 = cat(sin, -sin)`); `transposed` rotates back (the backward).
+
+    Bitwise the result of those torch ops, forward and backward. Callers check `rope_applies`
+    (`Rope` does, and runs the torch ops otherwise).
+    """
+    if not rope_applies(x, cos, sin2):
+        raise ValueError(
+            "native.rope: expected float32 CPU x [B, P, H, D] (D even) and contiguous tables "
+            f"[B, P, 1, D] without gradients, and the kernel built; got x {tuple(x.shape)}, "
+            f"cos {tuple(cos.shape)}, sin2 {tuple(sin2.shape)}"
+        )
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RopeFn.apply(x, cos, sin2, transposed)
+    return _rotate(x.contiguous(), cos, sin2, transposed)
