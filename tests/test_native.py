@@ -233,9 +233,9 @@ def test_no_compiler_falls_back_with_one_warning(
         assert not native.norm_applies(x, torch.ones(16))
         norm = Norm(16)
         torch.testing.assert_close(norm(x), F.layer_norm(x, (16,), norm.w, norm.b))
-        rope = rope_tables(2, 5, 16)
-        assert not native.rope_applies(torch.randn(2, 5, 4, 16), rope.cos, rope.sin)
-        rope(torch.randn(2, 5, 4, 16))  # torch's ops, no warning
+        rope = rope_tables(4, 64, 16)
+        assert not native.rope_applies(torch.randn(4, 64, 4, 16), rope.cos, rope.sin)
+        rope(torch.randn(4, 64, 4, 16))  # torch's ops, no warning
     with pytest.raises(RuntimeError, match="kernels are not built"):
         native.norm(x, torch.ones(16), None, 1e-5, True)
 
@@ -354,7 +354,7 @@ def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     ref = grads(lambda *a: torch_norm(*a, True), x, w, b, gy)
     for go, gr in zip(ours, ref, strict=True):
         torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
-    assert_rope_is_torchs((3, 5, 4, 16))  # RoPE from the portable build too
+    assert_rope_is_torchs((4, 64, 4, 16))  # RoPE from the portable build too (16384 elements)
     if "per-row" not in built:  # e.g. a compiler whose default target already has AVX2
         pytest.skip(f"plain -O3 built the eight-row path here: {built}")
 
@@ -423,6 +423,12 @@ def test_fewer_openmp_threads_than_asked() -> None:
 # --------------------------------------------------------------------------- RoPE
 
 
+@pytest.fixture
+def any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel for every size, so that small shapes test its paths."""
+    monkeypatch.setattr(native, "ROPE_MIN_ELEMENTS", 1)
+
+
 def rope_tables(b: int, p: int, d: int, seed: int = 0) -> Rope:
     """`Rope` for random positions [b, p] (decoding and packed rows start anywhere)."""
     g = torch.Generator().manual_seed(seed)
@@ -453,7 +459,8 @@ def assert_rope_is_torchs(shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("shape", [(3, 5, 4, 16), (2, 300, 3, 16), (2, 3, 2, 6), (1, 1, 1, 2),
                                    (4, 7, 1, 64)])
-def test_rope_is_bitwise_torchs(shape: tuple[int, ...], n_threads: int, threads: None) -> None:
+def test_rope_is_bitwise_torchs(shape: tuple[int, ...], n_threads: int, threads: None,
+                                any_size: None) -> None:
     """Forward and backward bit for bit torch's `x * cos + roll(x * sin2)`: the same products
     and sums, with no FMA contraction. 2 x 300 x 3 rows split over two threads; d_head 16 takes
     the inlined copy, 6 an odd half, 2 the smallest."""
@@ -462,7 +469,7 @@ def test_rope_is_bitwise_torchs(shape: tuple[int, ...], n_threads: int, threads:
     assert_rope_is_torchs(shape)
 
 
-def test_rope_by_hand() -> None:
+def test_rope_by_hand(any_size: None) -> None:
     """One pair (x0, x1) at angle a is rotated to (x0 cos a - x1 sin a, x1 cos a + x0 sin a),
     and the rotation keeps the norm."""
     x = torch.tensor([[[[3.0, 4.0]]]])
@@ -474,7 +481,7 @@ def test_rope_by_hand() -> None:
     torch.testing.assert_close(rope(x).norm(), torch.tensor(5.0))
 
 
-def test_rope_double_backward() -> None:
+def test_rope_double_backward(any_size: None) -> None:
     """The backward is the rotation transposed, itself differentiable: for
     g = d(sum(R(x) * t))/dx = R^T t, d(sum(g * u))/dt = R u, as with torch's ops."""
     torch.manual_seed(0)
@@ -497,7 +504,18 @@ def test_rope_double_backward() -> None:
     assert torch.equal(ours, rope(u))
 
 
-def test_rope_applies_only_to_what_it_can_read() -> None:
+def test_rope_applies_from_its_size_bar() -> None:
+    """Small rotations (a batch-1 forward's) keep torch's ops: there they are faster."""
+    p = native.ROPE_MIN_ELEMENTS // 64
+    rope = rope_tables(1, p, 16)
+    assert native.rope_applies(torch.randn(1, p, 4, 16), rope.cos, rope.sin)
+    rope = rope_tables(1, p - 1, 16)
+    assert not native.rope_applies(torch.randn(1, p - 1, 4, 16), rope.cos, rope.sin)
+    rope = rope_tables(1, 17, 16)
+    assert not native.rope_applies(torch.randn(1, 17, 4, 16), rope.cos, rope.sin)
+
+
+def test_rope_applies_only_to_what_it_can_read(any_size: None) -> None:
     rope = rope_tables(2, 5, 16)
     x = torch.randn(2, 5, 4, 16)
     assert native.rope_applies(x, rope.cos, rope.sin)
@@ -514,7 +532,7 @@ def test_rope_applies_only_to_what_it_can_read() -> None:
         native.rope(x, rope.cos, rope.sin)
 
 
-def test_rope_strided_input_and_fallbacks_match() -> None:
+def test_rope_strided_input_and_fallbacks_match(any_size: None) -> None:
     """A strided x, and inputs the kernel turns away (float64, broadcast tables), give torch's
     numbers through `Rope`."""
     torch.manual_seed(0)
@@ -531,9 +549,13 @@ def test_rope_strided_input_and_fallbacks_match() -> None:
     torch.testing.assert_close(one(x), torch.cat([one(x[i : i + 1]) for i in range(3)]))
 
 
-def test_rope_model_bitwise_with_and_without_the_kernel() -> None:
+def test_rope_model_bitwise_with_and_without_the_kernel(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
     """A RoPE model's training loss and every gradient, kernel on or off: identical bits (norms
     on torch's kernels both times, so only RoPE differs)."""
+    calls: list[bool] = []
+    rotate = native._rotate
+    monkeypatch.setattr(native, "_rotate", lambda x, c, s, t: calls.append(t) or rotate(x, c, s, t))
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement="qkv",
                       pos_encoding="rope", max_len=24)
@@ -551,11 +573,15 @@ def test_rope_model_bitwise_with_and_without_the_kernel() -> None:
             native.set_enabled(True)
         return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
 
-    for a, b in zip(train(True), train(False), strict=True):
+    on = train(True)
+    assert calls == [False] * 4 + [True] * 4  # q and k of two layers, forward then backward
+    calls.clear()
+    for a, b in zip(on, train(False), strict=True):
         assert torch.equal(a, b)
+    assert not calls
 
 
-def test_rope_under_tracers_gets_torchs_ops() -> None:
+def test_rope_under_tracers_gets_torchs_ops(any_size: None) -> None:
     """torch.compile (fullgraph) and jit.trace record torch's ops, not the ctypes call."""
     torch.manual_seed(0)
     rope = rope_tables(2, 5, 16)

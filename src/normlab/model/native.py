@@ -56,6 +56,12 @@ MIN_ROWS = {False: 256, True: 1024}
 # two (under 1% of a step), so wide rows keep ATen's under autograd
 # (benchmarks/probes/native_norm_in_step.py).
 MAX_GRAD_WIDTH = 32
+# Fewest elements of x from which RoPE's kernel is at least as fast as torch's ops. Below, the
+# Python and ctypes around one call cost more than torch's four small ops: at [1, 17, 4, 16]
+# (a batch-1 forward) the kernel is 16-17% slower, at [4, 17, 4, 16] 4-10%; at 16384
+# ([256, 1, 4, 16], a decoding step of 256 prompts) it is 1-17% faster, and 1.5-19x beyond
+# (Intel Xeon, 1-2 threads, eval and autograd: benchmarks/probes/native_rope_size.py).
+ROPE_MIN_ELEMENTS = 16384
 
 
 KERNELS = ("norm", "rope")
@@ -337,14 +343,13 @@ def norm(
 
 
 def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor) -> bool:
-    """Whether `rope` should take these: x [B, P, H, D] and contiguous tables [B, P, 1, D],
-    all float32 on CPU, tables without gradients, eager, the kernel built.
-
-    No size bar, unlike the norms: one call replaces four ATen ops and their dispatch, and it
-    was faster at every size measured, down to a decoding step's [256, 1, 4, 16]
-    (benchmarks/probes/native_rope_ab.py).
+    """Whether `rope` should take these: x [B, P, H, D] of at least ROPE_MIN_ELEMENTS elements
+    and contiguous tables [B, P, 1, D], all float32 on CPU, tables without gradients, eager,
+    the kernel built. Every rotation asks, so the cheap tests go first.
     """
     if not _enabled["rope"] or not isinstance(x, torch.Tensor) or x.ndim != 4:
+        return False
+    if x.numel() < ROPE_MIN_ELEMENTS:
         return False
     if _tracing() or not all(_plain(t) for t in (x, cos, sin2)):
         return False
@@ -399,8 +404,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: boo
     """
     if not rope_applies(x, cos, sin2):
         raise ValueError(
-            "native.rope: expected float32 CPU x [B, P, H, D] (D even) and contiguous tables "
-            f"[B, P, 1, D] without gradients, and the kernel built; got x {tuple(x.shape)}, "
+            "native.rope: expected float32 CPU x [B, P, H, D] (D even, >= ROPE_MIN_ELEMENTS) "
+            "and contiguous tables [B, P, 1, D] without gradients, and the kernel built; got x "
+            f"{tuple(x.shape)}, "
             f"cos {tuple(cos.shape)}, sin2 {tuple(sin2.shape)}"
         )
     if torch.is_grad_enabled() and x.requires_grad:
