@@ -1,7 +1,7 @@
 """One-off probe behind `native.ROPE_MIN_ELEMENTS` (seventeenth session); not part of make bench.
 
 `Rope(x)` for x [B, P, 4, 16] (d_head 16, 4 heads, as the benchmarks' d64 models) with
-normlab's RoPE kernel against torch's ops, by B * P, in eval (no_grad: a forward) and under
+normlab's RoPE kernel (its size bar lifted, so at every size) against torch's ops, by B * P, in eval (no_grad: a forward) and under
 autograd (forward + backward). One process, the kernel switched on and off, alternating,
 11 rounds; µs per call, and torch / kernel (> 1: the kernel is faster).
 
@@ -19,6 +19,7 @@ from normlab.model.positions import Rotary
 if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
     sys.exit("usage: native_rope_size.py [THREADS]")
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+native.ROPE_MIN_ELEMENTS = 0  # the kernel at every size: this probe is what sets the bar
 print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
 print(f"{'B x P':>12s} {'elements':>9s}  {'eval: torch':>11s} {'kernel':>8s} {'ratio':>6s}"
       f"  {'autograd: torch':>15s} {'kernel':>8s} {'ratio':>6s}")
