@@ -285,8 +285,12 @@ def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str, on: str) -> No
         "from normlab.model import native\n"
         f"calls = {{'norm': 0, 'rope': 0}}\n"
         "norm, rope = native.norm, native.rope\n"
-        "native.norm = lambda *a: calls.__setitem__('norm', calls['norm'] + 1) or norm(*a)\n"
-        "native.rope = lambda *a: calls.__setitem__('rope', calls['rope'] + 1) or rope(*a)\n"
+        "def count(kernel, fn):\n"
+        "    def counted(*a, **k):\n"
+        "        calls[kernel] += 1\n"
+        "        return fn(*a, **k)\n"
+        "    return counted\n"
+        "native.norm, native.rope = count('norm', norm), count('rope', rope)\n"
         f"assert native.describe().startswith('on: {on}; {off} off ('), native.describe()\n"
         "cfg = ModelConfig(d_model=64, n_heads=4, norm_placement='qkv', pos_encoding='rope')\n"
         "with torch.no_grad():\n"
@@ -469,6 +473,39 @@ def test_rope_is_bitwise_torchs(shape: tuple[int, ...], n_threads: int, threads:
     assert_rope_is_torchs(shape)
 
 
+def layouts(b: int, p: int, h: int, d: int) -> dict[str, torch.Tensor]:
+    """The same values [b, p, h, d] in the layouts the kernel meets: token-major (projections),
+    head-major (attention's gradients), and d strided (the transposed key gradient)."""
+    x = torch.randn(b, p, h, d)
+    return {"token-major": x, "head-major": x.transpose(1, 2).contiguous().transpose(1, 2),
+            "d strided": x.transpose(-1, -2).contiguous().transpose(-1, -2)}
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["out token-major", "out head-major"])
+def test_rope_reads_any_strides_and_writes_either_layout(head_major: bool, any_size: None
+                                                         ) -> None:
+    torch.manual_seed(0)
+    rope = rope_tables(3, 7, 16)
+    native.set_enabled(False, "rope")
+    try:
+        xs = layouts(3, 7, 4, 16)
+        gys = layouts(3, 7, 4, 16)
+        ref = rope(xs["token-major"])
+        x = xs["token-major"].requires_grad_()
+        gref = {k: torch.autograd.grad(rope(x), x, g)[0] for k, g in gys.items()}
+    finally:
+        native.set_enabled(True, "rope")
+    for name, x in xs.items():
+        y = native.rope(x, rope.cos, rope.sin, head_major=head_major)
+        assert torch.equal(y, ref), name
+        assert (y.transpose(1, 2) if head_major else y).is_contiguous()
+        xg = x.detach().requires_grad_()
+        for gname, g in gys.items():  # the backward reads the incoming gradient in place
+            (gx,) = torch.autograd.grad(
+                native.rope(xg, rope.cos, rope.sin, head_major=head_major), xg, g)
+            assert torch.equal(gx, gref[gname]), (name, gname)
+
+
 def test_rope_by_hand(any_size: None) -> None:
     """One pair (x0, x1) at angle a is rotated to (x0 cos a - x1 sin a, x1 cos a + x0 sin a),
     and the rotation keeps the norm."""
@@ -553,9 +590,15 @@ def test_rope_model_bitwise_with_and_without_the_kernel(monkeypatch: pytest.Monk
                                                         ) -> None:
     """A RoPE model's training loss and every gradient, kernel on or off: identical bits (norms
     on torch's kernels both times, so only RoPE differs)."""
-    calls: list[bool] = []
+    calls: list[tuple[bool, bool]] = []
     rotate = native._rotate
-    monkeypatch.setattr(native, "_rotate", lambda x, c, s, t: calls.append(t) or rotate(x, c, s, t))
+
+    def counted(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, t: bool, hm: bool
+                ) -> torch.Tensor:
+        calls.append((t, hm))
+        return rotate(x, c, s, t, hm)
+
+    monkeypatch.setattr(native, "_rotate", counted)
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement="qkv",
                       pos_encoding="rope", max_len=24)
@@ -574,7 +617,8 @@ def test_rope_model_bitwise_with_and_without_the_kernel(monkeypatch: pytest.Monk
         return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
 
     on = train(True)
-    assert calls == [False] * 4 + [True] * 4  # q and k of two layers, forward then backward
+    # q and k of two layers: forward (written head-major), then backward (token-major)
+    assert calls == [(False, True)] * 4 + [(True, False)] * 4
     calls.clear()
     for a, b in zip(on, train(False), strict=True):
         assert torch.equal(a, b)

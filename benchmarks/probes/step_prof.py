@@ -3,7 +3,7 @@
 torch.profiler op table of one training step (forward + backward + AdamW) of normlab's `pre`
 decoder and of the nanoGPT reference, d_model 64, the real quick-grid batch, one thread:
 
-    .venv/bin/python benchmarks/probes/step_prof.py [pre|qkv|...]
+    .venv/bin/python benchmarks/probes/step_prof.py [pre|qkv|...] [THREADS]
 """
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_train_step import base_config, build_contender, model_config, real_batch  # noqa: E402
 
-torch.set_num_threads(1)
+torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 placement = sys.argv[1] if len(sys.argv) > 1 else "pre"
 run = base_config()
 batch = real_batch(run)

@@ -232,49 +232,57 @@ void nl_norm_bwd(const float *gy, const float *x, const float *w, const float *m
 }
 
 /* ---------------------------------------------------------------------------------------------
- * RoPE in the rotate-half layout on x [N, H, D] (N = batch * pos), tables cos, sin2 [N, D]
- * shared by the H heads, h = D / 2, m(j) = (j + h) mod D, sin2 = cat(sin, -sin):
+ * RoPE in the rotate-half layout on x [B, T, H, D], tables cos, sin2 [B * T, D] shared by the
+ * H heads, h = D / 2, m(j) = (j + h) mod D, sin2 = cat(sin, -sin):
  *   forward        y[j] = x[j] * cos[j] + x[m(j)] * sin2[m(j)]
  *   transposed     y[j] = x[j] * cos[j] + x[m(j)] * sin2[j]     (the backward: R^T g)
  * These are the very products and sums of torch's `x * cos + roll(x * sin2, h)` and of its
  * autograd backward, so without contraction into FMAs (switched off below for gcc; clang
  * contracts only within one expression) the results are bitwise torch's. ATen needs four
  * passes over x and a widened table per head count; this is one.
+ * x is read through its strides (xs: b, t, h, d), so a transposed gradient needs no copy; y is
+ * written through its strides (ys: b, t, h; d contiguous), so q and k can be written straight
+ * into the head-major layout attention's matmuls read.
  */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
-static inline void rope_rows(const float *x, const float *cs, const float *sn, float *y,
-                             int64_t s, int64_t e, int64_t H, int64_t D, int transposed) {
+static inline void rope_rows(const float *x, const int64_t *xs, const float *cs, const float *sn,
+                             float *y, const int64_t *ys, int64_t s, int64_t e, int64_t T,
+                             int64_t H, int64_t D, int64_t xd, int transposed) {
   const int64_t h = D / 2;
   for (int64_t n = s; n < e; ++n) {
+    const int64_t b = n / T, t = n % T;
     const float *c = cs + n * D, *sin2 = sn + n * D;
     /* the sin2 entries multiplying x[i + h] (into y[i]) and x[i] (into y[i + h]) */
     const float *s_lo = transposed ? sin2 : sin2 + h, *s_hi = transposed ? sin2 + h : sin2;
     for (int64_t k = 0; k < H; ++k) {
-      const float *r = x + (n * H + k) * D;
-      float *o = y + (n * H + k) * D;
+      const float *r = x + b * xs[0] + t * xs[1] + k * xs[2];
+      float *o = y + b * ys[0] + t * ys[1] + k * ys[2];
       for (int64_t i = 0; i < h; ++i) {
-        float a = r[i] * c[i];
-        float b = r[i + h] * s_lo[i];
-        float a2 = r[i + h] * c[i + h];
-        float b2 = r[i] * s_hi[i];
-        o[i] = a + b;
+        float a = r[i * xd] * c[i];
+        float bb = r[(i + h) * xd] * s_lo[i];
+        float a2 = r[(i + h) * xd] * c[i + h];
+        float b2 = r[i * xd] * s_hi[i];
+        o[i] = a + bb;
         o[i + h] = a2 + b2;
       }
     }
   }
 }
 
-void nl_rope(const float *x, const float *cs, const float *sn, float *y, int64_t N, int64_t H,
-             int64_t D, int transposed, int nthreads) {
+void nl_rope(const float *x, const int64_t *xs, const float *cs, const float *sn, float *y,
+             const int64_t *ys, int64_t B, int64_t T, int64_t H, int64_t D, int transposed,
+             int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
     int64_t s, e;
-    my_rows(N, &s, &e);
-    if (D == 16) rope_rows(x, cs, sn, y, s, e, H, 16, transposed); /* d_head 16, inlined */
-    else rope_rows(x, cs, sn, y, s, e, H, D, transposed);
+    my_rows(B * T, &s, &e);
+    /* contiguous rows get copies with the inner stride (and d_head 16) known, to vectorise */
+    if (xs[3] == 1 && D == 16) rope_rows(x, xs, cs, sn, y, ys, s, e, T, H, 16, 1, transposed);
+    else if (xs[3] == 1) rope_rows(x, xs, cs, sn, y, ys, s, e, T, H, D, 1, transposed);
+    else rope_rows(x, xs, cs, sn, y, ys, s, e, T, H, D, xs[3], transposed);
   }
 }
 #if defined(__GNUC__) && !defined(__clang__)

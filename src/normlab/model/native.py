@@ -189,7 +189,7 @@ def _load() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
         lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32]
-        lib.nl_rope.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
+        lib.nl_rope.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i32, i32]
         lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = lib.nl_rope.restype = None
         lib.nl_has_rows8.restype = ctypes.c_int
         _lib, built_with = lib, flags
@@ -362,13 +362,16 @@ def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor) -> bool
     return load() is not None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool
-            ) -> torch.Tensor:
-    """The kernel on contiguous x [B, P, H, D]."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool,
+            head_major: bool) -> torch.Tensor:
+    """The kernel on x [B, P, H, D] of any strides; the result [B, P, H, D] is contiguous, or
+    with `head_major` a view of a contiguous [B, H, P, D]."""
     b, p, h, d = x.shape
-    y = torch.empty_like(x)
-    _kernel().nl_rope(x.data_ptr(), cos.data_ptr(), sin2.data_ptr(), y.data_ptr(), b * p, h, d,
-                      int(transposed), _threads(b * p * h))
+    y = x.new_empty(b, h, p, d).transpose(1, 2) if head_major else x.new_empty(b, p, h, d)
+    xs = (ctypes.c_int64 * 4)(*x.stride())
+    ys = (ctypes.c_int64 * 3)(*y.stride()[:3])
+    _kernel().nl_rope(x.data_ptr(), xs, cos.data_ptr(), sin2.data_ptr(), y.data_ptr(), ys,
+                      b, p, h, d, int(transposed), _threads(b * p * h))
     return y
 
 
@@ -383,32 +386,35 @@ class _RopeFn(torch.autograd.Function):
         cos: torch.Tensor,
         sin2: torch.Tensor,
         transposed: bool,
+        head_major: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(cos, sin2)
         ctx.transposed = transposed  # type: ignore[attr-defined]
-        return _rotate(x.contiguous(), cos, sin2, transposed)
+        return _rotate(x, cos, sin2, transposed, head_major)
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         cos, sin2 = ctx.saved_tensors
-        return rope(gy, cos, sin2, not ctx.transposed), None, None, None
+        # gy arrives as attention hands it back (head-major, often transposed): read in place
+        return rope(gy, cos, sin2, not ctx.transposed), None, None, None, None
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool = False
-         ) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool = False,
+         head_major: bool = False) -> torch.Tensor:
     """`x * cos + roll(x * sin2, D // 2, dims=-1)`, `Rope`'s rotation, on x [B, P, H, D] with
     tables [B, P, 1, D] (`sin2 = cat(sin, -sin)`); `transposed` rotates back (the backward).
 
-    Bitwise the result of those torch ops, forward and backward. Callers check `rope_applies`
-    (`Rope` does, and runs the torch ops otherwise).
+    Bitwise the result of those torch ops, forward and backward. x may have any strides. With
+    `head_major` the result is a [B, P, H, D] view of a contiguous [B, H, P, D] tensor, the
+    layout attention's matmuls read, so `.transpose(1, 2)` hands them q or k without a copy.
+    Callers check `rope_applies` (`Rope` does, and runs the torch ops otherwise).
     """
     if not rope_applies(x, cos, sin2):
         raise ValueError(
             "native.rope: expected float32 CPU x [B, P, H, D] (D even, >= ROPE_MIN_ELEMENTS) "
             "and contiguous tables [B, P, 1, D] without gradients, and the kernel built; got x "
-            f"{tuple(x.shape)}, "
-            f"cos {tuple(cos.shape)}, sin2 {tuple(sin2.shape)}"
+            f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin2 {tuple(sin2.shape)}"
         )
     if torch.is_grad_enabled() and x.requires_grad:
-        return _RopeFn.apply(x, cos, sin2, transposed)
-    return _rotate(x.contiguous(), cos, sin2, transposed)
+        return _RopeFn.apply(x, cos, sin2, transposed, head_major)
+    return _rotate(x, cos, sin2, transposed, head_major)

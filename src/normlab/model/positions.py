@@ -68,7 +68,10 @@ class Rope:
 
     `cos` and `sin` are [batch, pos, 1, d_head] (rotate-half layout, so each is two copies of
     a d_head/2 table). On CPU the rotation runs normlab's native kernel (`native.rope`: one
-    pass, bitwise these torch ops) wherever it is built. The torch ops below are the
+    pass, bitwise these torch ops) wherever it is built, from ROPE_MIN_ELEMENTS up. The kernel
+    writes q and k head-major (a [batch, pos, head, d_head] view of [batch, head, pos, d_head]
+    memory), so attention's matmuls read them, and its backward reads their gradients, without
+    a copy. The torch ops below are the
     reference and the path everywhere else; two layout choices make them cheap on CPU, with
     the very same numbers as the textbook `x * cos + cat(-x2, x1) * sin`
     (`tests/test_positions.py`):
@@ -90,7 +93,7 @@ class Rope:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [batch, pos, head, d_head]; norm-preserving, so q/k norms are unchanged."""
         if native.rope_applies(x, self.cos, self.sin):
-            return native.rope(x, self.cos, self.sin)
+            return native.rope(x, self.cos, self.sin, head_major=True)
         n = x.shape[-2]
         if n not in self._wide:
             shape = (*self.cos.shape[:-2], n, self.cos.shape[-1])
