@@ -240,26 +240,27 @@ void nl_norm_bwd(const float *gy, const float *x, const float *w, const float *m
  * autograd backward, so without contraction into FMAs (switched off below for gcc; clang
  * contracts only within one expression) the results are bitwise torch's. ATen needs four
  * passes over x and a widened table per head count; this is one.
- * x is read through its strides (xs: b, t, h, d), so a transposed gradient needs no copy; y is
- * written through its strides (ys: b, t, h; d contiguous), so q and k can be written straight
+ * x is read through its strides (b, t, h, d), so a transposed gradient needs no copy; y is
+ * written through its strides (b, t, h; d contiguous), so q and k can be written straight
  * into the head-major layout attention's matmuls read.
  */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
-static inline void rope_rows(const float *x, const int64_t *xs, const float *cs, const float *sn,
-                             float *y, const int64_t *ys, int64_t s, int64_t e, int64_t T,
-                             int64_t H, int64_t D, int64_t xd, int transposed) {
+static inline void rope_rows(const float *x, int64_t xb, int64_t xt, int64_t xh, int64_t xd,
+                             const float *cs, const float *sn, float *y, int64_t yb, int64_t yt,
+                             int64_t yh, int64_t s, int64_t e, int64_t T, int64_t H, int64_t D,
+                             int transposed) {
   const int64_t h = D / 2;
+  int64_t b = s / T, t = s % T; /* row n = b * T + t, stepped on without a division per row */
   for (int64_t n = s; n < e; ++n) {
-    const int64_t b = n / T, t = n % T;
     const float *c = cs + n * D, *sin2 = sn + n * D;
     /* the sin2 entries multiplying x[i + h] (into y[i]) and x[i] (into y[i + h]) */
     const float *s_lo = transposed ? sin2 : sin2 + h, *s_hi = transposed ? sin2 + h : sin2;
     for (int64_t k = 0; k < H; ++k) {
-      const float *r = x + b * xs[0] + t * xs[1] + k * xs[2];
-      float *o = y + b * ys[0] + t * ys[1] + k * ys[2];
+      const float *r = x + b * xb + t * xt + k * xh;
+      float *o = y + b * yb + t * yt + k * yh;
       for (int64_t i = 0; i < h; ++i) {
         float a = r[i * xd] * c[i];
         float bb = r[(i + h) * xd] * s_lo[i];
@@ -269,20 +270,25 @@ static inline void rope_rows(const float *x, const int64_t *xs, const float *cs,
         o[i + h] = a2 + b2;
       }
     }
+    if (++t == T) {
+      t = 0;
+      ++b;
+    }
   }
 }
 
-void nl_rope(const float *x, const int64_t *xs, const float *cs, const float *sn, float *y,
-             const int64_t *ys, int64_t B, int64_t T, int64_t H, int64_t D, int transposed,
-             int nthreads) {
+void nl_rope(const float *x, int64_t xb, int64_t xt, int64_t xh, int64_t xd, const float *cs,
+             const float *sn, float *y, int64_t yb, int64_t yt, int64_t yh, int64_t B, int64_t T,
+             int64_t H, int64_t D, int transposed, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
     int64_t s, e;
     my_rows(B * T, &s, &e);
     /* contiguous rows get copies with the inner stride (and d_head 16) known, to vectorise */
-    if (xs[3] == 1 && D == 16) rope_rows(x, xs, cs, sn, y, ys, s, e, T, H, 16, 1, transposed);
-    else if (xs[3] == 1) rope_rows(x, xs, cs, sn, y, ys, s, e, T, H, D, 1, transposed);
-    else rope_rows(x, xs, cs, sn, y, ys, s, e, T, H, D, xs[3], transposed);
+    if (xd == 1 && D == 16)
+      rope_rows(x, xb, xt, xh, 1, cs, sn, y, yb, yt, yh, s, e, T, H, 16, transposed);
+    else if (xd == 1) rope_rows(x, xb, xt, xh, 1, cs, sn, y, yb, yt, yh, s, e, T, H, D, transposed);
+    else rope_rows(x, xb, xt, xh, xd, cs, sn, y, yb, yt, yh, s, e, T, H, D, transposed);
   }
 }
 #if defined(__GNUC__) && !defined(__clang__)

@@ -189,7 +189,7 @@ def _load() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
         lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32]
-        lib.nl_rope.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i32, i32]
+        lib.nl_rope.argtypes = [p, *[i64] * 4, p, p, p, *[i64] * 3, *[i64] * 4, i32, i32]
         lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = lib.nl_rope.restype = None
         lib.nl_has_rows8.restype = ctypes.c_int
         _lib, built_with = lib, flags
@@ -368,10 +368,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: 
     with `head_major` a view of a contiguous [B, H, P, D]."""
     b, p, h, d = x.shape
     y = x.new_empty(b, h, p, d).transpose(1, 2) if head_major else x.new_empty(b, p, h, d)
-    xs = (ctypes.c_int64 * 4)(*x.stride())
-    ys = (ctypes.c_int64 * 3)(*y.stride()[:3])
-    _kernel().nl_rope(x.data_ptr(), xs, cos.data_ptr(), sin2.data_ptr(), y.data_ptr(), ys,
-                      b, p, h, d, int(transposed), _threads(b * p * h))
+    xb, xt, xh, xd = x.stride()
+    yb, yt, yh, _ = y.stride()
+    _kernel().nl_rope(x.data_ptr(), xb, xt, xh, xd, cos.data_ptr(), sin2.data_ptr(),
+                      y.data_ptr(), yb, yt, yh, b, p, h, d, int(transposed), _threads(b * p * h))
     return y
 
 
