@@ -11,8 +11,9 @@ autograd only rows of at most MAX_GRAD_WIDTH floats.
 RoPE. torch computes `x * cos + roll(x * sin2, d/2)` in four passes over x (the roll is a
 `cat` of two strided halves), plus as many again in the backward; the kernel does each in one
 pass with the very same products and sums, so its results are bitwise torch's
-(tests/test_native.py). It made a `pre` training step ~11% faster and the collapse sweep ~10%
-(benchmarks/probes/native_rope_ab.py). `Rope` takes it whenever `rope_applies`.
+(tests/test_native.py). It writes q and k head-major, so attention's matmuls read them without
+a layout copy. `Rope` takes it whenever `rope_applies`; what it buys is measured in
+docs/performance.md (seventeenth session).
 
 The kernels are compiled with the system C compiler (`$CC`, else `cc`) the first time a
 process needs them, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file
@@ -57,10 +58,11 @@ MIN_ROWS = {False: 256, True: 1024}
 # (benchmarks/probes/native_norm_in_step.py).
 MAX_GRAD_WIDTH = 32
 # Fewest elements of x from which RoPE's kernel is at least as fast as torch's ops. Below, the
-# Python and ctypes around one call cost more than torch's four small ops: at [1, 17, 4, 16]
-# (a batch-1 forward) the kernel is 16-17% slower, at [4, 17, 4, 16] 4-10%; at 16384
-# ([256, 1, 4, 16], a decoding step of 256 prompts) it is 1-17% faster, and 1.5-19x beyond
-# (Intel Xeon, 1-2 threads, eval and autograd: benchmarks/probes/native_rope_size.py).
+# Python and ctypes around one call (~12 µs) cost more than torch's four small ops: at
+# [1, 17, 4, 16] (a batch-1 forward) the kernel is 33-35% slower in eval and 15-16% with
+# autograd, at [4, 17, 4, 16] 10-23%; at 16384 ([256, 1, 4, 16], a decoding step of 256
+# prompts) it is 11% faster in eval and 22-29% with autograd, and 1.9-24x beyond (Intel Xeon,
+# 1-2 threads: benchmarks/probes/native_rope_size.py).
 ROPE_MIN_ELEMENTS = 16384
 
 
