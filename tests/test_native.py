@@ -506,6 +506,20 @@ def test_rope_reads_any_strides_and_writes_either_layout(head_major: bool, any_s
             assert torch.equal(gx, gref[gname]), (name, gname)
 
 
+def test_rope_backward_after_the_kernel_is_switched_off() -> None:
+    """A graph recorded with the kernel keeps it for its backward, whatever the switch says."""
+    rope = rope_tables(4, 64, 16)
+    x, gy = torch.randn(4, 64, 4, 16, requires_grad=True), torch.randn(4, 64, 4, 16)
+    y = rope(x)
+    (ref,) = torch.autograd.grad(y, x, gy, retain_graph=True)
+    native.set_enabled(False, "rope")
+    try:
+        (gx,) = torch.autograd.grad(y, x, gy)
+    finally:
+        native.set_enabled(True, "rope")
+    assert torch.equal(gx, ref)
+
+
 def test_rope_by_hand(any_size: None) -> None:
     """One pair (x0, x1) at angle a is rotated to (x0 cos a - x1 sin a, x1 cos a + x0 sin a),
     and the rotation keeps the norm."""

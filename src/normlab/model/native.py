@@ -378,8 +378,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: 
 
 
 class _RopeFn(torch.autograd.Function):
-    """The rotation is linear and orthogonal, so its backward is the transposed rotation: `rope`
-    again, which is why gradients of any order come from the same kernel."""
+    """The rotation is linear and orthogonal, so its backward is the transposed rotation: this
+    Function again, which is why gradients of any order come from the same kernel."""
 
     @staticmethod
     def forward(
@@ -397,8 +397,14 @@ class _RopeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         cos, sin2 = ctx.saved_tensors
-        # gy arrives as attention hands it back (head-major, often transposed): read in place
-        return rope(gy, cos, sin2, not ctx.transposed), None, None, None, None
+        # gy arrives as attention hands it back (head-major, often transposed): read in place.
+        # The forward's checks hold for it (same shape, dtype, device), so none are redone:
+        # switching the kernel off between forward and backward cannot strand the backward.
+        if torch.is_grad_enabled():  # create_graph: this backward must be differentiable too
+            gx = _RopeFn.apply(gy, cos, sin2, not ctx.transposed, False)
+        else:
+            gx = _rotate(gy, cos, sin2, not ctx.transposed, False)
+        return gx, None, None, None, None
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool = False,
