@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
@@ -461,13 +462,14 @@ def assert_rope_is_torchs(shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-@pytest.mark.parametrize("shape", [(3, 5, 4, 16), (2, 300, 3, 16), (2, 3, 2, 6), (1, 1, 1, 2),
-                                   (4, 7, 1, 64)])
+@pytest.mark.parametrize("shape", [(3, 5, 4, 16), (2, 300, 3, 16), (5, 37, 8, 64), (2, 3, 2, 6),
+                                   (3, 5, 2, 24), (1, 1, 1, 2), (4, 7, 1, 64)])
 def test_rope_is_bitwise_torchs(shape: tuple[int, ...], n_threads: int, threads: None,
                                 any_size: None) -> None:
     """Forward and backward bit for bit torch's `x * cos + roll(x * sin2)`: the same products
-    and sums, with no FMA contraction. 2 x 300 x 3 rows split over two threads; d_head 16 takes
-    the inlined copy, 6 an odd half, 2 the smallest."""
+    and sums, with no FMA contraction. Two threads split 2 x 300 rows between batches and
+    5 x 37 inside one; d_head 16 takes the inlined copy, 24 eight pairs in registers and four
+    in the tail, 6 an odd half, 2 the smallest."""
     torch.set_num_threads(n_threads)
     torch.manual_seed(0)
     assert_rope_is_torchs(shape)
@@ -475,10 +477,11 @@ def test_rope_is_bitwise_torchs(shape: tuple[int, ...], n_threads: int, threads:
 
 def layouts(b: int, p: int, h: int, d: int) -> dict[str, torch.Tensor]:
     """The same values [b, p, h, d] in the layouts the kernel meets: token-major (projections),
-    head-major (attention's gradients), and d strided (the transposed key gradient)."""
+    head-major (attention's gradients), d strided (the transposed key gradient), stride 0."""
     x = torch.randn(b, p, h, d)
     return {"token-major": x, "head-major": x.transpose(1, 2).contiguous().transpose(1, 2),
-            "d strided": x.transpose(-1, -2).contiguous().transpose(-1, -2)}
+            "d strided": x.transpose(-1, -2).contiguous().transpose(-1, -2),
+            "stride 0": torch.randn(()).expand(b, p, h, d)}  # e.g. the gradient of y.sum()
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["out token-major", "out head-major"])
@@ -490,14 +493,14 @@ def test_rope_reads_any_strides_and_writes_either_layout(head_major: bool, any_s
     try:
         xs = layouts(3, 7, 4, 16)
         gys = layouts(3, 7, 4, 16)
-        ref = rope(xs["token-major"])
+        ref = {k: rope(x) for k, x in xs.items()}
         x = xs["token-major"].requires_grad_()
         gref = {k: torch.autograd.grad(rope(x), x, g)[0] for k, g in gys.items()}
     finally:
         native.set_enabled(True, "rope")
     for name, x in xs.items():
         y = native.rope(x, rope.cos, rope.sin, head_major=head_major)
-        assert torch.equal(y, ref), name
+        assert torch.equal(y, ref[name]), name
         assert (y.transpose(1, 2) if head_major else y).is_contiguous()
         xg = x.detach().requires_grad_()
         for gname, g in gys.items():  # the backward reads the incoming gradient in place
@@ -571,7 +574,7 @@ def test_rope_applies_only_to_what_it_can_read(any_size: None) -> None:
     x = torch.randn(2, 5, 4, 16)
     assert native.rope_applies(x, rope.cos, rope.sin)
     assert native.rope_applies(x.transpose(0, 1).contiguous().transpose(0, 1), rope.cos,
-                               rope.sin)  # a strided x is copied once
+                               rope.sin)  # a strided x is read in place
     assert not native.rope_applies(x.double(), rope.cos.double(), rope.sin.double())
     assert not native.rope_applies(x[:1], rope.cos, rope.sin)  # tables for another batch
     assert not native.rope_applies(x, rope.cos[:1], rope.sin[:1])  # broadcast tables
@@ -650,3 +653,55 @@ def test_rope_under_tracers_gets_torchs_ops(any_size: None) -> None:
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(lambda t: rope(t), x)
     assert torch.equal(traced(x2), rope(x2))
+
+
+def test_rope_in_place_hook_under_autograd() -> None:
+    """A TransformerLens-style patch that writes into the rotated q in place trains as with
+    torch's ops (the head-major view is made outside the Function, so autograd allows it)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, pos_encoding="rope", max_len=24)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (32, 17))  # 34816 elements: the kernel's size
+
+    def zero_head(q: torch.Tensor, hook: object) -> torch.Tensor:
+        q[:, :, 1] = 0.0
+        return q
+
+    def grads(kernel: bool) -> list[torch.Tensor]:
+        native.set_enabled(kernel, "rope")
+        try:
+            model.zero_grad()
+            with model.hooks([("blocks.0.attn.hook_rot_q", zero_head)]):
+                model(tokens).logsumexp(-1).mean().backward()
+        finally:
+            native.set_enabled(True, "rope")
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's vmap machinery, not ours
+def test_batched_gradients_and_forward_ad_fall_back() -> None:
+    """`is_grads_batched` hands the backward storage-less gradients, and forward-mode AD would
+    lose its tangent in a ctypes call: both get torch's ops, with torch's numbers."""
+    torch.manual_seed(0)
+    rope = rope_tables(8, 64, 16)
+    x, t = torch.randn(8, 64, 4, 16, requires_grad=True), torch.randn(8, 64, 4, 16)
+    gys = torch.randn(3, 8, 64, 4, 16)
+    norm, xn = Norm(16), torch.randn(4096, 16, requires_grad=True)
+    gns = torch.randn(3, 4096, 16)
+    out = {}
+    for kernel in (True, False):
+        native.set_enabled(kernel)
+        try:
+            (batched,) = torch.autograd.grad(rope(x), x, gys, is_grads_batched=True)
+            (batched_norm,) = torch.autograd.grad(norm(xn), xn, gns, is_grads_batched=True)
+            with fwAD.dual_level():
+                tangent = fwAD.unpack_dual(rope(fwAD.make_dual(x.detach(), t))).tangent
+        finally:
+            native.set_enabled(True)
+        out[kernel] = (batched, batched_norm, tangent)
+    assert torch.equal(out[True][0], out[False][0])
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
+    assert out[True][2] is not None and torch.equal(out[True][2], out[False][2])

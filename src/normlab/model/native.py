@@ -236,14 +236,18 @@ _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """A float32 CPU tensor whose data C can read through its pointer (not a vmap wrapper)."""
-    return t.dtype is torch.float32 and t.is_cpu and not _wrapped(t)
+    """A float32 CPU tensor whose data C can read through its pointer (not a vmap wrapper, nor
+    the storage-less gradients a batched backward, `is_grads_batched`, hands a Function)."""
+    return (t.dtype is torch.float32 and t.is_cpu and not _wrapped(t)
+            and torch._C._has_storage(t))
 
 
 def _tracing() -> bool:
     """Under torch.compile or jit.trace a ctypes call would not be recorded (an fx trace hands
-    `norm_applies` a Proxy, which it turns away first)."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+    `norm_applies` a Proxy, which it turns away first); under forward-mode AD (`dual_level`) it
+    would drop the tangent, and the Functions have no `jvp`."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch.autograd.forward_ad._current_level >= 0)
 
 
 def _kernel() -> ctypes.CDLL:
@@ -300,9 +304,10 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, w, b, mean, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # create_graph=True (double backward, e.g. a gradient penalty): take the gradient
-            # through torch's ops, so that it is itself differentiable
+        if torch.is_grad_enabled() or not _plain(gy):
+            # create_graph=True (double backward, e.g. a gradient penalty), or a batched
+            # gradient C cannot read: take the gradient through torch's ops, which are
+            # differentiable and batch
             with torch.enable_grad():
                 ins = [t for t in (x, w, b) if t is not None]
                 y = torch_norm(x, w, b, ctx.eps, ctx.center)
@@ -366,20 +371,35 @@ def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor) -> bool
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool,
             head_major: bool) -> torch.Tensor:
-    """The kernel on x [B, P, H, D] of any strides; the result [B, P, H, D] is contiguous, or
-    with `head_major` a view of a contiguous [B, H, P, D]."""
+    """The kernel on x [B, P, H, D] of any strides. Returns y [B, P, H, D] contiguous, or with
+    `head_major` the contiguous [B, H, P, D] tensor whose `.transpose(1, 2)` is y."""
     b, p, h, d = x.shape
-    y = x.new_empty(b, h, p, d).transpose(1, 2) if head_major else x.new_empty(b, p, h, d)
+    out = x.new_empty(b, h, p, d) if head_major else x.new_empty(b, p, h, d)
+    y = out.transpose(1, 2) if head_major else out
     xb, xt, xh, xd = x.stride()
     yb, yt, yh, _ = y.stride()
     _kernel().nl_rope(x.data_ptr(), xb, xt, xh, xd, cos.data_ptr(), sin2.data_ptr(),
-                      y.data_ptr(), yb, yt, yh, b, p, h, d, int(transposed), _threads(b * p * h))
-    return y
+                      y.data_ptr(), yb, yt, yh, b, p, h, d, int(transposed),
+                      min(_threads(b * p * h), b * p))  # threads split the B * P rows
+    return out
+
+
+def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool
+                  ) -> torch.Tensor:
+    """The same rotation by torch's ops (the very products and sums), for the backward of
+    gradients the kernel cannot read (batched gradients, `is_grads_batched`)."""
+    h = x.shape[-1] // 2
+    if transposed:
+        return x * cos + torch.roll(x, h, dims=-1) * sin2
+    return x * cos + torch.roll(x * sin2, h, dims=-1)
 
 
 class _RopeFn(torch.autograd.Function):
     """The rotation is linear and orthogonal, so its backward is the transposed rotation: this
-    Function again, which is why gradients of any order come from the same kernel."""
+    Function again, which is why gradients of any order come from the same kernel.
+
+    With `head_major` it returns the contiguous [B, H, P, D] tensor, and `rope` transposes it
+    outside: a view made inside a Function could not be changed in place by a hook."""
 
     @staticmethod
     def forward(
@@ -391,19 +411,22 @@ class _RopeFn(torch.autograd.Function):
         head_major: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(cos, sin2)
-        ctx.transposed = transposed  # type: ignore[attr-defined]
+        ctx.transposed, ctx.head_major = transposed, head_major  # type: ignore[attr-defined]
         return _rotate(x, cos, sin2, transposed, head_major)
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         cos, sin2 = ctx.saved_tensors
+        g = gy.transpose(1, 2) if ctx.head_major else gy  # [B, P, H, D], any strides
         # gy arrives as attention hands it back (head-major, often transposed): read in place.
-        # The forward's checks hold for it (same shape, dtype, device), so none are redone:
+        # The forward's shape, dtype and device checks hold for it and are not redone, so
         # switching the kernel off between forward and backward cannot strand the backward.
-        if torch.is_grad_enabled():  # create_graph: this backward must be differentiable too
-            gx = _RopeFn.apply(gy, cos, sin2, not ctx.transposed, False)
+        if not _plain(g):  # a batched gradient (vmap): no data pointer to hand C
+            gx = _torch_rotate(g, cos, sin2, not ctx.transposed)
+        elif torch.is_grad_enabled():  # create_graph: this backward must be differentiable too
+            gx = _RopeFn.apply(g, cos, sin2, not ctx.transposed, False)
         else:
-            gx = _rotate(gy, cos, sin2, not ctx.transposed, False)
+            gx = _rotate(g, cos, sin2, not ctx.transposed, False)
         return gx, None, None, None, None
 
 
@@ -424,5 +447,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: boo
             f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin2 {tuple(sin2.shape)}"
         )
     if torch.is_grad_enabled() and x.requires_grad:
-        return _RopeFn.apply(x, cos, sin2, transposed, head_major)
-    return _rotate(x, cos, sin2, transposed, head_major)
+        out = _RopeFn.apply(x, cos, sin2, transposed, head_major)
+    else:
+        out = _rotate(x, cos, sin2, transposed, head_major)
+    return out.transpose(1, 2) if head_major else out
