@@ -9,6 +9,7 @@ full block of eight, on one and two threads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -34,6 +35,16 @@ def threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def switched(on: bool, kernel: str | None = None) -> Iterator[None]:
+    """One kernel (or both) on or off for the block; both back on after, as every test expects."""
+    native.set_enabled(on, kernel)
+    try:
+        yield
+    finally:
+        native.set_enabled(True)
 
 
 def torch_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, center: bool):
@@ -205,12 +216,9 @@ def test_model_same_with_and_without_kernel(
     calls.clear()
     out_on = evaluate()
     assert sorted(calls) == sorted(m.w.shape[0] for m in model.modules() if isinstance(m, Norm))
-    native.set_enabled(False)
-    try:
+    with switched(False):
         loss_off, g_off = train()
         out_off = evaluate()
-    finally:
-        native.set_enabled(True)
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=1e-6)
     for a, b in zip(g_on, g_off, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
@@ -443,13 +451,10 @@ def rope_tables(b: int, p: int, d: int, seed: int = 0) -> Rope:
 def rotate_both_ways(rope: Rope, x: torch.Tensor, gy: torch.Tensor, kernel: bool
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Rope(x)` and its gradient, with the kernel on or off (torch's ops)."""
-    native.set_enabled(kernel, "rope")
-    try:
+    with switched(kernel, "rope"):
         assert native.rope_applies(x, rope.cos, rope.sin) is kernel
         y = rope(x)
         (gx,) = torch.autograd.grad(y, x, gy)
-    finally:
-        native.set_enabled(True, "rope")
     return y.detach(), gx
 
 
@@ -489,15 +494,12 @@ def test_rope_reads_any_strides_and_writes_either_layout(head_major: bool, any_s
                                                          ) -> None:
     torch.manual_seed(0)
     rope = rope_tables(3, 7, 16)
-    native.set_enabled(False, "rope")
-    try:
+    with switched(False, "rope"):
         xs = layouts(3, 7, 4, 16)
         gys = layouts(3, 7, 4, 16)
         ref = {k: rope(x) for k, x in xs.items()}
         x = xs["token-major"].requires_grad_()
         gref = {k: torch.autograd.grad(rope(x), x, g)[0] for k, g in gys.items()}
-    finally:
-        native.set_enabled(True, "rope")
     for name, x in xs.items():
         y = native.rope(x, rope.cos, rope.sin, head_major=head_major)
         assert torch.equal(y, ref[name]), name
@@ -515,11 +517,8 @@ def test_rope_backward_after_the_kernel_is_switched_off() -> None:
     x, gy = torch.randn(4, 64, 4, 16, requires_grad=True), torch.randn(4, 64, 4, 16)
     y = rope(x)
     (ref,) = torch.autograd.grad(y, x, gy, retain_graph=True)
-    native.set_enabled(False, "rope")
-    try:
+    with switched(False, "rope"):
         (gx,) = torch.autograd.grad(y, x, gy)
-    finally:
-        native.set_enabled(True, "rope")
     assert torch.equal(gx, ref)
 
 
@@ -543,14 +542,11 @@ def test_rope_double_backward(any_size: None) -> None:
     x, u = torch.randn(2, 9, 4, 16, requires_grad=True), torch.randn(2, 9, 4, 16)
 
     def second(kernel: bool) -> torch.Tensor:
-        native.set_enabled(kernel, "rope")
-        try:
+        with switched(kernel, "rope"):
             t = torch.randn(2, 9, 4, 16, generator=torch.Generator().manual_seed(1),
                             requires_grad=True)
             (g,) = torch.autograd.grad((rope(x) * t).sum(), x, create_graph=True)
             (gt,) = torch.autograd.grad((g * u).sum(), t)
-        finally:
-            native.set_enabled(True, "rope")
         return gt
 
     ours = second(True)
@@ -592,11 +588,8 @@ def test_rope_strided_input_and_fallbacks_match(any_size: None) -> None:
     torch.manual_seed(0)
     rope = rope_tables(3, 5, 16)
     x = torch.randn(5, 3, 4, 16).transpose(0, 1)
-    native.set_enabled(False, "rope")
-    try:
+    with switched(False, "rope"):
         ref = rope(x)
-    finally:
-        native.set_enabled(True, "rope")
     assert torch.equal(rope(x), ref)
     torch.testing.assert_close(rope(x.double()), ref.double(), rtol=1e-6, atol=1e-6)
     one = Rotary(16, 10000.0)(torch.arange(5)[None])  # tables [1, 5, 1, 16], x of batch 3
@@ -623,14 +616,10 @@ def test_rope_model_bitwise_with_and_without_the_kernel(monkeypatch: pytest.Monk
     tokens = torch.randint(0, cfg.vocab_size, (32, 17))
 
     def train(kernel: bool) -> list[torch.Tensor]:
-        native.set_enabled(False, "norm")
-        native.set_enabled(kernel, "rope")
-        try:
+        with switched(False, "norm"), switched(kernel, "rope"):
             model.zero_grad()
             loss = model(tokens).logsumexp(-1).mean()
             loss.backward()
-        finally:
-            native.set_enabled(True)
         return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
 
     on = train(True)
@@ -668,13 +657,10 @@ def test_rope_in_place_hook_under_autograd() -> None:
         return q
 
     def grads(kernel: bool) -> list[torch.Tensor]:
-        native.set_enabled(kernel, "rope")
-        try:
+        with switched(kernel, "rope"):
             model.zero_grad()
             with model.hooks([("blocks.0.attn.hook_rot_q", zero_head)]):
                 model(tokens).logsumexp(-1).mean().backward()
-        finally:
-            native.set_enabled(True, "rope")
         return [p.grad.clone() for p in model.parameters()]
 
     for a, b in zip(grads(True), grads(False), strict=True):
@@ -693,14 +679,11 @@ def test_batched_gradients_and_forward_ad_fall_back() -> None:
     gns = torch.randn(3, 4096, 16)
     out = {}
     for kernel in (True, False):
-        native.set_enabled(kernel)
-        try:
+        with switched(kernel):
             (batched,) = torch.autograd.grad(rope(x), x, gys, is_grads_batched=True)
             (batched_norm,) = torch.autograd.grad(norm(xn), xn, gns, is_grads_batched=True)
             with fwAD.dual_level():
                 tangent = fwAD.unpack_dual(rope(fwAD.make_dual(x.detach(), t))).tangent
-        finally:
-            native.set_enabled(True)
         out[kernel] = (batched, batched_norm, tangent)
     assert torch.equal(out[True][0], out[False][0])
     torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
