@@ -69,7 +69,7 @@ ROPE_MIN_ELEMENTS = 16384
 KERNELS = ("norm", "rope")
 
 
-def _enabled_by_env(kernel: str = "norm") -> bool:
+def _enabled_by_env(kernel: str) -> bool:
     """`NORMLAB_NATIVE_NORM` / `NORMLAB_NATIVE_ROPE`: 0, false or no switch that kernel off."""
     value = os.environ.get(f"NORMLAB_NATIVE_{kernel.upper()}", "1")
     return value.strip().lower() not in ("0", "false", "no")
@@ -384,10 +384,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: 
     return out
 
 
-def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool
-                  ) -> torch.Tensor:
-    """The same rotation by torch's ops (the very products and sums), for the backward of
-    gradients the kernel cannot read (batched gradients, `is_grads_batched`)."""
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: bool = False
+               ) -> torch.Tensor:
+    """The same rotation by torch's ops, the very products and sums (`Rope`'s path wherever
+    the kernel is not taken, and the backward of gradients C cannot read), differentiable to
+    any order; tables broadcast against x."""
     h = x.shape[-1] // 2
     if transposed:
         return x * cos + torch.roll(x, h, dims=-1) * sin2
@@ -422,7 +423,7 @@ class _RopeFn(torch.autograd.Function):
         # The forward's shape, dtype and device checks hold for it and are not redone, so
         # switching the kernel off between forward and backward cannot strand the backward.
         if not _plain(g):  # a batched gradient (vmap): no data pointer to hand C
-            gx = _torch_rotate(g, cos, sin2, not ctx.transposed)
+            gx = torch_rope(g, cos, sin2, not ctx.transposed)
         elif torch.is_grad_enabled():  # create_graph: this backward must be differentiable too
             gx = _RopeFn.apply(g, cos, sin2, not ctx.transposed, False)
         else:

@@ -99,8 +99,7 @@ class Rope:
             shape = (*self.cos.shape[:-2], n, self.cos.shape[-1])
             self._wide[n] = (self.cos.expand(shape).contiguous(),
                              self.sin.expand(shape).contiguous())
-        cos, sin = self._wide[n]
-        return x * cos + torch.roll(x * sin, x.shape[-1] // 2, dims=-1)
+        return native.torch_rope(x, *self._wide[n])
 
 
 class Rotary(nn.Module):
