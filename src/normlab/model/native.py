@@ -58,11 +58,11 @@ MIN_ROWS = {False: 256, True: 1024}
 # (benchmarks/probes/native_norm_in_step.py).
 MAX_GRAD_WIDTH = 32
 # Fewest elements of x from which RoPE's kernel is at least as fast as torch's ops. Below, the
-# Python and ctypes around one call (~12 µs) cost more than torch's four small ops: at
-# [1, 17, 4, 16] (a batch-1 forward) the kernel is 33-35% slower in eval and 15-16% with
-# autograd, at [4, 17, 4, 16] 10-23%; at 16384 ([256, 1, 4, 16], a decoding step of 256
-# prompts) it is 11% faster in eval and 22-29% with autograd, and 1.9-24x beyond (Intel Xeon,
-# 1-2 threads: benchmarks/probes/native_rope_size.py).
+# Python and ctypes around one call (~12 µs) cost more than torch's four small ops: the kernel
+# runs at 0.65-0.69x torch's speed in eval and 0.83-0.85x with autograd at 64-1088 elements (a
+# batch-1 forward is 1088), 0.78x and 0.90-0.92x at 4352; at 16384 ([256, 1, 4, 16], a decoding
+# step of 256 prompts) 1.10-1.11x and 1.25-1.28x, and 1.1-4.9x beyond (Intel Xeon, 1-2
+# threads: benchmarks/probes/native_rope_size.py, results_session17/native_rope_size_*.txt).
 ROPE_MIN_ELEMENTS = 16384
 
 
