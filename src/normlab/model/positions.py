@@ -71,10 +71,9 @@ class Rope:
     pass, bitwise these torch ops) wherever it is built, from ROPE_MIN_ELEMENTS up. The kernel
     writes q and k head-major (a [batch, pos, head, d_head] view of [batch, head, pos, d_head]
     memory), so attention's matmuls read them, and its backward reads their gradients, without
-    a copy. The torch ops below are the
-    reference and the path everywhere else; two layout choices make them cheap on CPU, with
-    the very same numbers as the textbook `x * cos + cat(-x2, x1) * sin`
-    (`tests/test_positions.py`):
+    a copy. torch's ops (`native.torch_rope`) are the reference and the path everywhere else;
+    two layout choices make them cheap on CPU, with the very same numbers as the textbook
+    `x * cos + cat(-x2, x1) * sin` (`tests/test_positions.py`):
 
     - the tables are widened to [batch, pos, heads, d_head] once per head count per forward
       (every layer's q and k reuse them): a multiply broadcast over the head dim leaves ATen
