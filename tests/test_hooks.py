@@ -224,7 +224,71 @@ def test_kv_cache_steps_give_the_full_forward_logits(placement: str, kv_heads: i
         steps += [model(tokens[:, t : t + 1], cache=cache) for t in range(4, 9)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     k = cache.layers[0]["self"]["k"]
-    assert k.shape == (3, kv_heads, 9, 32 // 4) and k.is_contiguous()  # head-major
+    # head-major, each head's [kpos, d_head] rows in place: a view of a buffer with room to grow
+    assert k.shape == (3, kv_heads, 9, 32 // 4) and k.stride()[2:] == (32 // 4, 1)
+
+
+def test_kv_cache_buffers_grow_and_honour_a_reserve() -> None:
+    """Keys/values are views of buffers: `capacity` reserves exactly that many positions, a
+    cache without one doubles, and either grows past its size with the same logits."""
+    model = build_model(cfg(pos_encoding="rope")).eval()
+    tokens = torch.randint(0, 16, (2, 12))
+    with torch.no_grad():
+        full = model(tokens)
+        # positions filled after each step: 6, 8, 10, 12; a full buffer doubles what it holds
+        for capacity, sizes in ((6, [6, 16, 16, 16]), (0, [8, 8, 20, 20]), (12, [12] * 4)):
+            cache = model.new_cache(capacity)
+            out, seen = [model(tokens[:, :4], cache=cache)], []
+            for t in range(4, 12, 2):
+                out.append(model(tokens[:, t : t + 2], cache=cache))
+                seen.append(cache.layers[0]["self"]["buf_k"].shape[2])
+            torch.testing.assert_close(torch.cat(out, 1), full, atol=1e-5, rtol=1e-5)
+            assert seen == sizes, (capacity, seen)
+            assert cache.layers[1]["self"]["k"].shape[2] == 12
+    with pytest.raises(ValueError, match="capacity: expected a number of positions >= 0"):
+        model.new_cache(-1)
+
+
+def test_a_copied_kv_cache_extended_twice_keeps_both_continuations() -> None:
+    """Two continuations of one prompt from shallow copies of its cache: the second does not
+    overwrite the first's keys in the shared buffer (it gets a buffer of its own)."""
+    model = build_model(cfg(pos_encoding="rope")).eval()
+    prompt = torch.randint(0, 16, (2, 5))
+    a, b = torch.full((2, 1), 3), torch.full((2, 1), 7)
+    with torch.no_grad():
+        cache = model.new_cache(capacity=8)
+        model(prompt, cache=cache)
+        fork = attention_copy(cache)
+        step_a = model(a, cache=cache)
+        step_b = model(b, cache=fork)
+        again_a = model(torch.full((2, 1), 4), cache=cache)  # a's cache still holds a
+        full_a = model(torch.cat([prompt, a, torch.full((2, 1), 4)], 1))
+        full_b = model(torch.cat([prompt, b], 1))
+    torch.testing.assert_close(step_a[:, -1], full_a[:, 5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step_b[:, -1], full_b[:, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again_a[:, -1], full_a[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def attention_copy(cache):
+    """A shallow copy of a KV cache: new dicts, the same tensors (as `copy.copy` per block)."""
+    return type(cache)([{k: dict(d) for k, d in layer.items()} for layer in cache.layers],
+                       cache.length)
+
+
+def test_greedy_decode_leaves_the_training_mode_as_it_found_it() -> None:
+    """Decoding runs in eval mode (no dropout) and restores training mode; a module left in
+    training mode inside an eval model is switched to eval for the decode."""
+    model = build_model(cfg(pos_encoding="rope", dropout=0.5))
+    prompts = [[1, 5, 6, 2], [1, 7, 2]]
+    model.eval()
+    want = greedy_decode(model, prompts, max_new=6, eos=2)
+    model.train()
+    assert greedy_decode(model, prompts, max_new=6, eos=2) == want
+    assert all(m.training for m in model.modules())
+    model.eval()
+    model.blocks[0].train()
+    assert greedy_decode(model, prompts, max_new=6, eos=2) == want
+    assert not model.training
 
 
 def test_left_padding_does_not_change_a_decoder_prompt() -> None:

@@ -1,5 +1,6 @@
 """normlab's native CPU kernels against torch's own ops (the independent truth): the norms
-against LayerNorm / RMSNorm, RoPE against `Rope`'s torch ops (bit for bit), and the build.
+against LayerNorm / RMSNorm, RoPE against `Rope`'s torch ops (bit for bit), decoding attention
+against softmax(q k^T) v in float64, and the build.
 
 Every width path of native.c is exercised: 16 and 64 (the inlined eight-row copies), 24
 (the generic eight-row loop), 13 (the per-row loop), 264 (eight-row forward, per-row backward:
@@ -166,17 +167,17 @@ def test_applies_only_where_it_pays() -> None:
     assert not native.norm_applies(big.bfloat16(), w.bfloat16())
     assert not native.norm_applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
     assert not native.norm_applies(torch.tensor(1.0), torch.ones(1))
-    assert native.describe().startswith("on: norm and rope (")
+    assert native.describe().startswith("on: norm, rope, attn (")
     native.set_enabled(False, "norm")
     try:
         assert not native.norm_applies(big, w)
-        assert native.describe().startswith("on: rope; norm off (")
+        assert native.describe().startswith("on: rope, attn; norm off (")
         native.set_enabled(False)
         assert native.describe() == "off (torch's kernels)"
     finally:
         native.set_enabled(True)
-    assert native.describe().startswith("on: norm and rope (")
-    with pytest.raises(ValueError, match="kernel: expected one of norm, rope"):
+    assert native.describe().startswith("on: norm, rope, attn (")
+    with pytest.raises(ValueError, match="kernel: expected one of norm, rope, attn"):
         native.set_enabled(False, "softmax")
 
 
@@ -281,30 +282,35 @@ def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -
 def test_env_switch(monkeypatch: pytest.MonkeyPatch, kernel: str, value: str, on: bool) -> None:
     monkeypatch.setenv(f"NORMLAB_NATIVE_{kernel.upper()}", value)
     assert native._enabled_by_env(kernel) is on
-    assert native._enabled_by_env("rope" if kernel == "norm" else "norm")  # the other: on
+    assert all(native._enabled_by_env(k) for k in native.KERNELS if k != kernel)  # others: on
 
 
-@pytest.mark.parametrize(("off", "on"), [("norm", "rope"), ("rope", "norm")])
-def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str, on: str) -> None:
+@pytest.mark.parametrize("off", native.KERNELS)
+def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str) -> None:
     """NORMLAB_NATIVE_<KERNEL>=0 set before normlab is imported: a `qkv` RoPE model's forward
-    never reaches that kernel, and still reaches the other."""
+    and a cached decoding step never reach that kernel, and still reach the others."""
+    on = [k for k in native.KERNELS if k != off]
     code = (
         "import torch\n"
         "from normlab import ModelConfig, build_model\n"
         "from normlab.model import native\n"
-        f"calls = {{'norm': 0, 'rope': 0}}\n"
-        "norm, rope = native.norm, native.rope\n"
+        "calls = {'norm': 0, 'rope': 0, 'attn': 0}\n"
         "def count(kernel, fn):\n"
         "    def counted(*a, **k):\n"
         "        calls[kernel] += 1\n"
         "        return fn(*a, **k)\n"
         "    return counted\n"
-        "native.norm, native.rope = count('norm', norm), count('rope', rope)\n"
-        f"assert native.describe().startswith('on: {on}; {off} off ('), native.describe()\n"
+        "native.norm, native.rope, native.attend = (count(k, getattr(native, f)) for k, f in\n"
+        "    (('norm', 'norm'), ('rope', 'rope'), ('attn', 'attend')))\n"
+        f"assert native.describe().startswith('on: {', '.join(on)}; {off} off ('), "
+        "native.describe()\n"
         "cfg = ModelConfig(d_model=64, n_heads=4, norm_placement='qkv', pos_encoding='rope')\n"
+        "model, tokens = build_model(cfg).eval(), torch.randint(0, 16, (256, 17))\n"
         "with torch.no_grad():\n"
-        "    build_model(cfg)(torch.randint(0, 16, (64, 17)))\n"
-        f"assert calls['{off}'] == 0 and calls['{on}'] > 0, calls\n"
+        "    cache = model.new_cache()\n"
+        "    model(tokens[:, :16], cache=cache)\n"
+        "    model(tokens[:, 16:], cache=cache)\n"
+        f"assert calls['{off}'] == 0 and all(calls[k] > 0 for k in {on!r}), calls\n"
     )
     run_python(code, **{f"NORMLAB_NATIVE_{off.upper()}": "0"})
 
@@ -358,7 +364,7 @@ def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "built_with", None)
     built = native.describe()
-    assert built.startswith("on: norm and rope (-O3, "), built
+    assert built.startswith("on: norm, rope, attn (-O3, "), built
     torch.manual_seed(0)
     x = torch.randn(1031, 16, requires_grad=True)
     w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
@@ -688,3 +694,199 @@ def test_batched_gradients_and_forward_ad_fall_back() -> None:
     assert torch.equal(out[True][0], out[False][0])
     torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
     assert out[True][2] is not None and torch.equal(out[True][2], out[False][2])
+
+
+# --------------------------------------------------------------------------- decoding attention
+
+
+def attention_truth(q, k, v, scale, mask):
+    """softmax(q k^T * scale, masked to -inf) v in float64, k/v heads repeated for grouped q."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(rep, dim=1) for t in (k, v))
+    s = (q.double() @ k.transpose(-1, -2)) * scale.double()[:, None, None]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v).float()
+
+
+def decode_inputs(b: int, h: int, kvh: int, t: int, d: int, mask: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 1, h, d, generator=g).transpose(1, 2)  # as attention hands it: strided
+    cap = torch.randn(2, b, kvh, t + 5, d, generator=g)  # a cache's buffers, partly filled
+    k, v = cap[0, :, :, :t], cap[1, :, :, :t]
+    scale = torch.rand(h, generator=g) + 0.1
+    masks = {"none": None,
+             "shared": torch.rand(1, 1, 1, t, generator=g) > 0.3,
+             "per row": torch.rand(b, 1, 1, t, generator=g) > 0.3}
+    m = masks[mask]
+    if m is not None:
+        m[..., -1] = True  # the query's own key, as `_self_mask` always allows
+    return q, k, v, scale, m
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("mask", ["none", "shared", "per row"])
+@pytest.mark.parametrize(("h", "kvh"), [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize(("t", "d"), [(1, 16), (20, 16), (8, 64), (33, 24), (9, 6), (300, 16)])
+def test_attend_matches_float64_attention(t: int, d: int, h: int, kvh: int, mask: str,
+                                          n_threads: int, threads: None) -> None:
+    """Every path: d_head 16 (its own copy), 64 and 24 (the eight-lane loop), 6 (per key, no
+    AVX2 lanes); keys 1 to 300, a partial last block of eight; buffers read in place; 256 x 4
+    rows, so two threads split them."""
+    torch.set_num_threads(n_threads)
+    q, k, v, scale, m = decode_inputs(256, h, kvh, t, d, mask)
+    assert native.attend_applies(q, k, v, scale, m)
+    z = native.attend(q, k, v, scale, m)
+    assert z.shape == (256, h, 1, d) and z.is_contiguous()
+    torch.testing.assert_close(z, attention_truth(q, k, v, scale, m), atol=2e-6, rtol=1e-5)
+
+
+def test_attend_by_hand() -> None:
+    """One head, two keys: scores (1, 2) . k = 1 and 3, scaled by 0.5 to 0.5 and 1.5, so
+    weights 1 / (1 + e) and e / (1 + e) of v = 10 and 20; with the second key masked, v = 10."""
+    q = torch.tensor([1.0, 2.0] + [0.0] * 6).view(1, 1, 1, 8)
+    k = torch.zeros(1, 1, 2, 8)
+    k[0, 0, 0, 0], k[0, 0, 1, 1] = 1.0, 1.5
+    v = torch.zeros(1, 1, 2, 8)
+    v[0, 0, :, 0] = torch.tensor([10.0, 20.0])
+    scale = torch.tensor([0.5])
+    e = torch.tensor(1.0).exp()
+    z = native.attend(q, k, v, scale)
+    torch.testing.assert_close(z[0, 0, 0, 0], (10 + 20 * e) / (1 + e))
+    assert z[0, 0, 0, 1:].abs().max() == 0
+    z = native.attend(q, k, v, scale, torch.tensor([True, False]).view(1, 1, 1, 2))
+    assert z[0, 0, 0, 0] == 10.0
+
+
+def test_attend_extreme_scores() -> None:
+    """Scores hundreds apart (most weights underflow to 0, the rest carry float32's rounding of
+    scores ~200: the kernel is as close to float64 as torch's float32 path) and all equal."""
+    q, k, v, _, _ = decode_inputs(8, 4, 4, 40, 16, "none")
+    for scale in (torch.full((4,), 50.0), torch.zeros(4)):
+        truth = attention_truth(q, k, v, scale, None)
+        ours = (native.attend(q, k, v, scale) - truth).abs().max()
+        s = (q @ k.transpose(-1, -2)) * scale[:, None, None]
+        torchs = ((s.softmax(-1) @ v) - truth).abs().max()
+        assert ours <= 2 * torchs + 2e-6, (ours, torchs)
+
+
+@pytest.mark.parametrize("d", [16, 6], ids=["eight lanes", "per key"])
+def test_attend_weights_to_a_few_ulp(d: int) -> None:
+    """With v_t the unit vector e_t, z is the softmax weights themselves: over scores from -80
+    to 0 each is within 4 float32 ulps of float64's (the exponential's polynomial included)."""
+    x = torch.cat([torch.linspace(-80.0, 0.0, d - 1), torch.tensor([-0.3])])
+    q = torch.zeros(1, 1, 1, d)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, d, d)
+    k[0, 0, :, 0] = x
+    v = torch.eye(d).view(1, 1, d, d)
+    z = native.attend(q, k, v, torch.ones(1))[0, 0, 0].double()
+    want = x.double().softmax(-1)
+    assert ((z - want).abs() / want).max() <= 4 * 2.0**-23
+
+
+def test_attend_every_key_masked_is_nan_as_torch() -> None:
+    """A row with no key to attend to is NaN, as `softmax` of all -inf (the explicit path the
+    kernel replaces) gives; SDPA's CPU kernel gives 0 instead."""
+    q, k, v, scale, _ = decode_inputs(4, 4, 4, 9, 16, "none")
+    for d in (16, 6):
+        qq, kk, vv = q[..., :d], k[..., :d], v[..., :d]
+        m = torch.ones(4, 1, 1, 9, dtype=torch.bool)
+        m[2] = False
+        z = native.attend(qq.contiguous(), kk.contiguous(), vv.contiguous(), scale, m)
+        s = (qq @ kk.transpose(-1, -2)).masked_fill(~m, float("-inf"))
+        assert z[2].isnan().all() and (s.softmax(-1) @ vv)[2].isnan().all()
+        torch.testing.assert_close(z[[0, 1, 3]], attention_truth(qq, kk, vv, scale, m)[[0, 1, 3]],
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_attend_applies_only_to_what_it_can_read() -> None:
+    q, k, v, scale, m = decode_inputs(2, 4, 2, 5, 16, "per row")
+    assert native.attend_applies(q, k, v, scale, m)
+    refused = {
+        "two queries a row": (torch.randn(2, 4, 2, 16), k, v, scale, m),
+        "float64": (q.double(), k.double(), v.double(), scale.double(), m),
+        "heads not a multiple of kv heads": (torch.randn(2, 3, 1, 16), k, v, torch.ones(3), m),
+        "k and v shapes differ": (q, k, v[:, :, :4], scale, m),
+        "no keys": (q, k[:, :, :0], v[:, :, :0], scale, m[..., :0]),
+        "too many keys": (q, *(torch.randn(2, 2, native.ATTN_MAX_KEYS + 1, 16),) * 2, scale,
+                          None),
+        "d not contiguous": (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, scale,
+                             m),
+        "scale per head missing": (q, k, v, torch.ones(1), m),
+        "float mask": (q, k, v, scale, m.float()),
+        "mask per head": (q, k, v, scale, m.expand(2, 4, 1, 5)),
+        "wrong batch": (torch.randn(3, 4, 1, 16), k, v, scale, None),
+    }
+    for why, args in refused.items():
+        assert not native.attend_applies(*args), why
+        with pytest.raises(ValueError, match=r"^native\.attend: expected float32 CPU q"):
+            native.attend(*args)
+    needs_grad = q.clone().requires_grad_()
+    assert not native.attend_applies(needs_grad, k, v, scale, m)  # no backward: none is needed
+    with torch.no_grad():
+        assert native.attend_applies(needs_grad, k, v, scale, m)
+    with switched(False, "attn"):
+        assert not native.attend_applies(q, k, v, scale, m)
+
+
+def test_attend_portable_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Built without -march=native (no AVX2 lanes): the per-key loop and libm's exp, the same
+    attention to float32 rounding."""
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAG_SETS", (("-O3",),))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "built_with", None)
+    assert native.load() is not None and not native.load().nl_has_rows8()
+    q, k, v, scale, m = decode_inputs(16, 4, 2, 21, 16, "per row")
+    torch.testing.assert_close(native.attend(q, k, v, scale, m),
+                               attention_truth(q, k, v, scale, m), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_cached_decoding_steps_take_the_kernel(placement: str, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """A cached step (one query a row) runs `native.attend` in every block; its logits equal
+    those with the kernel off (torch's explicit path) and those of the uncached forward."""
+    calls = []
+    attend = native.attend
+    monkeypatch.setattr(native, "attend", lambda *a: calls.append(1) or attend(*a))
+    cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=3, d_mlp=64,
+                      norm_placement=placement, pos_encoding="rope", init_std=0.3)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, 16, (5, 8))
+    mask = torch.ones(5, 8, dtype=torch.bool)
+    mask[1, :3] = False  # a left-padded prompt
+    with torch.no_grad():
+        full = model(tokens, attention_mask=mask)[:, -1]
+        for on in (True, False):
+            with switched(on, "attn"):
+                cache = model.new_cache()
+                model(tokens[:, :7], attention_mask=mask[:, :7], cache=cache)
+                n = len(calls)
+                step = model(tokens[:, 7:], attention_mask=mask, cache=cache)[:, -1]
+            assert len(calls) - n == (3 if on else 0)
+            torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+
+
+def test_a_hook_on_the_pattern_takes_the_explicit_path() -> None:
+    """With a hook reading hook_pattern, a cached step computes the pattern (and the hook sees
+    [batch, head, 1, keys]); the step's output is the kernel's."""
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, d_mlp=64, pos_encoding="rope",
+                      init_std=0.3)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, 16, (3, 6))
+    seen = []
+    with torch.no_grad():
+        outs = []
+        for hooked in (False, True):
+            cache = model.new_cache()
+            model(tokens[:, :5], cache=cache)
+            fwd = [("blocks.1.attn.hook_pattern", lambda x, hook: seen.append(x.shape))]
+            with model.hooks(fwd if hooked else []):
+                outs.append(model(tokens[:, 5:], cache=cache))
+    assert seen == [(3, 4, 1, 6)]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

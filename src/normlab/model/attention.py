@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normlab.model import native
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
 from normlab.model.norms import Norm
@@ -166,25 +167,27 @@ class Attention(nn.Module):
             if rope is not None:
                 k = self.hook_rot_k(rope(k))
             # Keys/values go head-major, [batch, head, kpos, d_head], as the kernels read them;
-            # the cache keeps them contiguous in that layout, so a decoding step appends to
-            # it and reads it with no transposed copy.
+            # the cache keeps them in that layout, so a decoding step appends to it and reads
+            # it with no transposed copy.
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            if cache is not None:
-                if memory is None and "k" in cache:
-                    k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
-                k, v = k.contiguous(), v.contiguous()
-                cache["k"], cache["v"] = k, v
+            if cache is not None and memory is None:
+                k, v = append_kv(cache, k, v)
+            elif cache is not None:
+                cache["k"], cache["v"] = k, v = k.contiguous(), v.contiguous()
         if rope is not None:
             q = self.hook_rot_q(rope(q))
         q = q.transpose(1, 2)  # [batch, head, qpos, d_head]
+        scale = self.scale.to(q.dtype)
+        p_drop = self.dropout if self.training else 0.0
+        hooked = not self.fused or self.hook_attn_scores.fns or self.hook_pattern.fns
+        if not hooked and not p_drop and native.attend_applies(q, k, v, scale, mask):
+            # one query a row (a decoding step): one pass in normlab's kernel, grouped
+            # key/value heads read in place
+            return self._out(native.attend(q, k, v, scale, mask))
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scale = self.scale.to(q.dtype)
-        p_drop = self.dropout if self.training else 0.0
-        explicit = (not self.fused or self.hook_attn_scores.fns or self.hook_pattern.fns
-                    or explicit_by_default(q.device, k.shape[-2]))
-        if not explicit:
+        if not (hooked or explicit_by_default(q.device, k.shape[-2])):
             if isinstance(self.scale, nn.Parameter):  # a scale per head: fold it into q
                 q, sdpa_scale = q * scale[:, None, None], 1.0
             else:  # one fixed scale: SDPA applies it in its kernel, no extra pass over q
@@ -205,7 +208,47 @@ class Attention(nn.Module):
             if p_drop:
                 pattern = F.dropout(pattern, p_drop)
             z = pattern @ v
-        z = z.transpose(1, 2)  # [batch, qpos, head, d_head]
-        z = self.hook_z(z)
+        return self._out(z)
+
+    def _out(self, z: torch.Tensor) -> torch.Tensor:
+        """z [batch, head, qpos, d_head] -> hook_z -> W_O: [batch, qpos, d_model]."""
+        z = self.hook_z(z.transpose(1, 2))  # [batch, qpos, head, d_head]
         out = z.flatten(-2) @ self.W_O.flatten(0, 1)
         return out if self.b_O is None else out + self.b_O
+
+
+def append_kv(
+    cache: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append keys/values [batch, head, new, d_head] to a block's cache; return all of them.
+
+    They live in buffers with room to grow, and `cache["k"]`, `cache["v"]` are views of the
+    filled part, so a decoding step writes its one position in place where `torch.cat` would
+    copy the whole cache (and fault in fresh pages) in every block at every step. A buffer holds
+    `cache["reserve"]` positions when one is set (`KVCache.empty(n, capacity)`: greedy decoding
+    knows its final length), else twice what it is first given, and doubles when full. A step
+    writes in place only at the buffer's frontier (`cache["filled"]`, shared by shallow copies
+    of the dict), so a copied cache extended twice, two continuations of one prompt, gets a
+    buffer of its own instead of overwriting the other's.
+    """
+    past = cache.get("k")
+    n = 0 if past is None else past.shape[2]
+    end = n + k.shape[2]
+    buf_k, buf_v, filled = cache.get("buf_k"), cache.get("buf_v"), cache.get("filled")
+    fits = (buf_k is not None and filled is not None and int(filled) == n
+            and buf_k.shape[2] >= end and buf_k.shape[:2] == k.shape[:2]
+            and buf_k.shape[3] == k.shape[3] and buf_k.dtype == k.dtype)
+    if not fits:
+        reserve = int(cache["reserve"]) if "reserve" in cache and buf_k is None else 0
+        size = reserve if reserve >= end else 2 * end
+        b, h, _, e = k.shape
+        buf_k, buf_v = k.new_empty(b, h, size, e), v.new_empty(b, h, size, e)
+        if past is not None:
+            buf_k[:, :, :n], buf_v[:, :, :n] = past, cache["v"]
+        filled = torch.zeros((), dtype=torch.long)
+        cache["buf_k"], cache["buf_v"], cache["filled"] = buf_k, buf_v, filled
+    assert buf_k is not None and buf_v is not None and filled is not None
+    buf_k[:, :, n:end], buf_v[:, :, n:end] = k, v
+    filled.fill_(end)
+    cache["k"], cache["v"] = buf_k[:, :, :end], buf_v[:, :, :end]
+    return cache["k"], cache["v"]

@@ -305,3 +305,154 @@ void nl_rope(const float *x, int64_t xb, int64_t xt, int64_t xh, int64_t xd, con
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Attention of one query per row over T keys: a decoding step, where ATen's path is five ops
+ * (two batched matmuls of 1 x D by D x T, a bias, a scale and a softmax), each paying per-row
+ * overhead on rows of ~20 keys. Here each (b, h) row is one pass over its keys and values:
+ *   s_t = (q . k_t) * scale[h], or -inf where mask[b, t] is 0;  p = softmax(s);  z = sum_t p_t v_t
+ * q [B, H, D] (strides qb, qh), k and v [B, KVH, T, D] (strides b, h, t; d contiguous), so a
+ * cache's capacity buffer is read in place; head h reads key/value head h / rep (grouped
+ * queries). mask: bytes at b * mb + t * mt (mb = 0 broadcasts), or NULL for every key.
+ * z [B, H, D] contiguous. A row with every key masked gives NaN, as torch's softmax does.
+ * Float rounding differs from ATen's (another summation order), not the maths.
+ */
+#define ATTN_MAX_KEYS 4096 /* a row's scores live on the stack */
+
+/* one row, any D, one key at a time (CPUs without AVX2, and widths not a multiple of 8) */
+static inline void attn1_row(const float *qr, const float *kr, int64_t kt, const float *vr,
+                             int64_t vt, float scale, const uint8_t *mr, int64_t mt,
+                             float *restrict o, float *sc, int64_t T, int64_t D) {
+  float m = -INFINITY, sum = 0.f;
+  for (int64_t t = 0; t < T; ++t) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[t * kt + d];
+    sc[t] = (mr && !mr[t * mt]) ? -INFINITY : s * scale;
+    m = sc[t] > m ? sc[t] : m;
+  }
+  for (int64_t t = 0; t < T; ++t) { /* every key masked: m = -inf, so NaN, as torch's */
+    sc[t] = expf(sc[t] - m);
+    sum += sc[t];
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) o[d] += sc[t] * vr[t * vt + d];
+  for (int64_t d = 0; d < D; ++d) o[d] /= sum;
+}
+
+#if HAVE_ROWS8
+/* e^x on eight lanes for x <= 0 (a score minus its row's max): x = n ln2 + r, |r| <= ln2 / 2,
+ * e^r by a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n through the
+ * exponent bits; below -87 (a masked key's -inf included) exactly 0. A scalar `expf` per key
+ * was most of the kernel's time: one latency chain per key. */
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts */
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+/* one row, D = 8K: eight keys' dot products at once (hsum8 puts their sums in one register),
+ * the exponentials eight at a time, z in K registers. sc has room for T rounded up to 8. */
+static inline void attn1_row8(const float *qr, const float *kr, int64_t kt, const float *vr,
+                              int64_t vt, float scale, const uint8_t *mr, int64_t mt,
+                              float *restrict o, float *sc, int64_t T, int64_t K) {
+  const int64_t T8 = (T + 7) / 8 * 8;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t t = 0; t < T8; t += 8) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) {
+      const float *kj = kr + (t + j < T ? t + j : T - 1) * kt; /* past T: any key, dropped */
+      acc[j] = _mm256_mul_ps(LOAD(qr), LOAD(kj));
+      for (int64_t c = 1; c < K; ++c) acc[j] = _mm256_fmadd_ps(LOAD(qr + 8 * c), LOAD(kj + 8 * c), acc[j]);
+    }
+    _mm256_storeu_ps(sc + t, _mm256_mul_ps(hsum8(acc), vscale));
+  }
+  float m = -INFINITY;
+  for (int64_t t = 0; t < T8; ++t) {
+    if (t >= T || (mr && !mr[t * mt])) sc[t] = -INFINITY;
+    m = sc[t] > m ? sc[t] : m;
+  }
+  if (m == -INFINITY) { /* every key masked: NaN, as torch's softmax */
+    for (int64_t d = 0; d < 8 * K; ++d) o[d] = NAN;
+    return;
+  }
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < T8; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(LOAD(sc + t), vm));
+    _mm256_storeu_ps(sc + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  const __m256 inv = _mm256_set1_ps(1.f / _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))));
+  for (int64_t c = 0; c < K; ++c) { /* four chains of adds, not one: latency, not throughput */
+    const float *vc = vr + 8 * c;
+    __m256 z0 = _mm256_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) {
+      z0 = _mm256_fmadd_ps(BCAST(sc + t), LOAD(vc + t * vt), z0);
+      z1 = _mm256_fmadd_ps(BCAST(sc + t + 1), LOAD(vc + (t + 1) * vt), z1);
+      z2 = _mm256_fmadd_ps(BCAST(sc + t + 2), LOAD(vc + (t + 2) * vt), z2);
+      z3 = _mm256_fmadd_ps(BCAST(sc + t + 3), LOAD(vc + (t + 3) * vt), z3);
+    }
+    for (; t < T; ++t) z0 = _mm256_fmadd_ps(BCAST(sc + t), LOAD(vc + t * vt), z0);
+    const __m256 zs = _mm256_add_ps(_mm256_add_ps(z0, z1), _mm256_add_ps(z2, z3));
+    _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(zs, inv));
+  }
+}
+#endif
+
+static inline void attn1_rows(const float *q, int64_t qb, int64_t qh, const float *k,
+                              int64_t kb, int64_t kh, int64_t kt, const float *v, int64_t vb,
+                              int64_t vh, int64_t vt, const float *scale, const uint8_t *mask,
+                              int64_t mb, int64_t mt, float *restrict z, int64_t s, int64_t e,
+                              int64_t H, int64_t rep, int64_t T, int64_t D) {
+  float sc[ATTN_MAX_KEYS + 8];
+  for (int64_t r = s; r < e; ++r) {
+    const int64_t b = r / H, h = r % H;
+    const float *qr = q + b * qb + h * qh;
+    const float *kr = k + b * kb + (h / rep) * kh, *vr = v + b * vb + (h / rep) * vh;
+    const uint8_t *mr = mask ? mask + b * mb : NULL;
+#if HAVE_ROWS8
+    if (D % 8 == 0) {
+      attn1_row8(qr, kr, kt, vr, vt, scale[h], mr, mt, z + r * D, sc, T, D / 8);
+      continue;
+    }
+#endif
+    attn1_row(qr, kr, kt, vr, vt, scale[h], mr, mt, z + r * D, sc, T, D);
+  }
+}
+
+int nl_attn_max_keys(void) { return ATTN_MAX_KEYS; }
+
+void nl_attn1(const float *q, int64_t qb, int64_t qh, const float *k, int64_t kb, int64_t kh,
+              int64_t kt, const float *v, int64_t vb, int64_t vh, int64_t vt, const float *scale,
+              const uint8_t *mask, int64_t mb, int64_t mt, float *z, int64_t B, int64_t H,
+              int64_t rep, int64_t T, int64_t D, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    int64_t s, e;
+    my_rows(B * H, &s, &e);
+    if (D == 16) /* d_head 16 gets its own copy, with D known to the compiler */
+      attn1_rows(q, qb, qh, k, kb, kh, kt, v, vb, vh, vt, scale, mask, mb, mt, z, s, e, H, rep,
+                 T, 16);
+    else
+      attn1_rows(q, qb, qh, k, kb, kh, kt, v, vb, vh, vt, scale, mask, mb, mt, z, s, e, H, rep,
+                 T, D);
+  }
+}

@@ -66,11 +66,11 @@ MAX_GRAD_WIDTH = 32
 ROPE_MIN_ELEMENTS = 16384
 
 
-KERNELS = ("norm", "rope")
+KERNELS = ("norm", "rope", "attn")
 
 
 def _enabled_by_env(kernel: str) -> bool:
-    """`NORMLAB_NATIVE_NORM` / `NORMLAB_NATIVE_ROPE`: 0, false or no switch that kernel off."""
+    """`NORMLAB_NATIVE_NORM` / `_ROPE` / `_ATTN`: 0, false or no switch that kernel off."""
     value = os.environ.get(f"NORMLAB_NATIVE_{kernel.upper()}", "1")
     return value.strip().lower() not in ("0", "false", "no")
 
@@ -83,8 +83,8 @@ built_with: tuple[str, ...] | None = None  # the flags of the loaded build, for 
 
 
 def set_enabled(on: bool, kernel: str | None = None) -> None:
-    """Switch one kernel (`norm`, `rope`), or both, on or off for this process (benchmarks A/B
-    them; tests compare)."""
+    """Switch one kernel (`norm`, `rope`, `attn`), or all, on or off for this process
+    (benchmarks A/B them; tests compare)."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {', '.join(KERNELS)} or None; got {kernel!r}")
     for k in KERNELS if kernel is None else (kernel,):
@@ -102,7 +102,7 @@ def describe() -> str:
     assert lib is not None and built_with is not None
     path = "AVX2 eight-row" if lib.nl_has_rows8() else "per-row"
     off = [k for k in KERNELS if k not in on]
-    which = " and ".join(on) + (f"; {' and '.join(off)} off" if off else "")
+    which = ", ".join(on) + (f"; {', '.join(off)} off" if off else "")
     return f"on: {which} ({' '.join(built_with)}, {path} norm path)"
 
 
@@ -192,8 +192,11 @@ def _load() -> ctypes.CDLL | None:
         lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
         lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32]
         lib.nl_rope.argtypes = [p, *[i64] * 4, p, p, p, *[i64] * 3, *[i64] * 4, i32, i32]
+        lib.nl_attn1.argtypes = [p, i64, i64, p, *[i64] * 3, p, *[i64] * 3, p, p, i64, i64, p,
+                                 *[i64] * 5, i32]
         lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = lib.nl_rope.restype = None
-        lib.nl_has_rows8.restype = ctypes.c_int
+        lib.nl_attn1.restype = None
+        lib.nl_has_rows8.restype = lib.nl_attn_max_keys.restype = ctypes.c_int
         _lib, built_with = lib, flags
         return _lib
     warnings.warn(
@@ -452,3 +455,70 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor, transposed: boo
     else:
         out = _rotate(x, cos, sin2, transposed, head_major)
     return out.transpose(1, 2) if head_major else out
+
+
+# --------------------------------------------------------------------------- decoding attention
+
+ATTN_MAX_KEYS = 4096  # the kernel keeps a row's scores on the stack (native.c's ATTN_MAX_KEYS)
+
+
+def attend_applies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> bool:
+    """Whether `attend` should take this attention: one query a row, q [B, H, 1, D], over
+    k, v [B, KVH, T, D] (H a multiple of KVH; d contiguous, other strides free), 1 <= T <=
+    ATTN_MAX_KEYS, scale [H], mask None or bool [B or 1, 1, 1, T]; float32 on CPU, eager, no
+    autograd (the kernel has no backward: a decoding step needs none), the kernel built.
+    """
+    if not _enabled["attn"] or not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[2] != 1:
+        return False
+    if _tracing() or _needs_grad(q, k, v, scale):
+        return False
+    if not all(_plain(t) for t in (q, k, v, scale)):
+        return False
+    b, h, _, d = q.shape
+    if k.ndim != 4 or v.shape != k.shape or k.shape[0] != b or k.shape[3] != d:
+        return False
+    kvh, t = k.shape[1], k.shape[2]
+    if not (0 < t <= ATTN_MAX_KEYS and kvh and h % kvh == 0 and scale.shape == (h,)):
+        return False
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or scale.stride(0) != 1:
+        return False
+    if mask is not None and not (
+        mask.dtype is torch.bool and mask.is_cpu and mask.ndim == 4
+        and mask.shape[0] in (1, b) and mask.shape[1:] == (1, 1, t)
+    ):
+        return False
+    return load() is not None
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`softmax(q @ k.T * scale[h] masked to -inf where not mask) @ v` for one query a row:
+    q [B, H, 1, D], k, v [B, KVH, T, D] (head h reads k/v head h // (H // KVH)) -> z
+    [B, H, 1, D]. The attention of a cached decoding step in one pass, where ATen's explicit
+    path is five ops. Equal to it to float32 rounding (tests/test_native.py). Callers check
+    `attend_applies` (`Attention` does, and runs torch's ops otherwise).
+    """
+    if not attend_applies(q, k, v, scale, mask):
+        raise ValueError(
+            "native.attend: expected float32 CPU q [B, H, 1, D], k and v [B, KVH, T, D] "
+            f"(d contiguous, 1 <= T <= {ATTN_MAX_KEYS}), scale [H], mask None or bool "
+            "[B or 1, 1, 1, T], no autograd, and the kernel built; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, scale "
+            f"{tuple(scale.shape)}, mask {None if mask is None else tuple(mask.shape)}"
+        )
+    b, h, _, d = q.shape
+    kvh, t = k.shape[1], k.shape[2]
+    z = q.new_empty(b, h, 1, d)
+    mb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    _kernel().nl_attn1(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *k.stride()[:3], v.data_ptr(),
+        *v.stride()[:3], scale.data_ptr(), None if mask is None else mask.data_ptr(), mb,
+        0 if mask is None else mask.stride(3), z.data_ptr(), b, h, h // kvh, t, d,
+        _threads(b * h),
+    )  # fmt: skip
+    return z

@@ -22,14 +22,22 @@ from normlab.model.positions import PosEmbed, Rotary, lookup
 
 @dataclass
 class KVCache:
-    """Keys/values of earlier decoding steps, one dict per block (self and cross)."""
+    """Keys/values of earlier decoding steps, one dict per block (self and cross).
+
+    A block's self-attention keys/values sit in buffers with room to grow
+    (`attention.append_kv`); `capacity` reserves that many positions up front, as greedy
+    decoding does (the prompt plus `max_new`), so no buffer is copied or over-sized.
+    """
 
     layers: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
     length: int = 0
 
     @classmethod
-    def empty(cls, n_layers: int) -> KVCache:
-        return cls([{} for _ in range(n_layers)], 0)
+    def empty(cls, n_layers: int, capacity: int = 0) -> KVCache:
+        if capacity < 0:
+            raise ValueError(f"capacity: expected a number of positions >= 0, got {capacity}")
+        reserve = {"self": {"reserve": torch.tensor(capacity)}} if capacity else {}
+        return cls([{k: dict(d) for k, d in reserve.items()} for _ in range(n_layers)], 0)
 
 
 class Embed(nn.Module):
@@ -192,8 +200,9 @@ class DecoderLM(Stack, HookedModule):
                      segments=segments)
         return self.unembed(x)
 
-    def new_cache(self) -> KVCache:
-        return KVCache.empty(len(self.blocks))
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty cache; `capacity` positions reserved in each block (see `KVCache`)."""
+        return KVCache.empty(len(self.blocks), capacity)
 
 
 class EncoderDecoderLM(HookedModule):
@@ -237,8 +246,9 @@ class EncoderDecoderLM(HookedModule):
     ) -> torch.Tensor:
         return self.decode(tgt, self.encode(src, src_mask, src_aux), src_mask, aux=tgt_aux)
 
-    def new_cache(self) -> KVCache:
-        return KVCache.empty(len(self.decoder.blocks))
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty decoder cache; `capacity` positions reserved in each block (see `KVCache`)."""
+        return KVCache.empty(len(self.decoder.blocks), capacity)
 
 
 Model = DecoderLM | EncoderDecoderLM
