@@ -519,6 +519,6 @@ def attend(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *k.stride()[:3], v.data_ptr(),
         *v.stride()[:3], scale.data_ptr(), None if mask is None else mask.data_ptr(), mb,
         0 if mask is None else mask.stride(3), z.data_ptr(), b, h, h // kvh, t, d,
-        _threads(b * h),
+        min(_threads(b * h * -(-t // 8)), b * h),  # a row of t keys is worth t / 8 norm rows
     )  # fmt: skip
     return z
