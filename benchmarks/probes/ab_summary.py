@@ -32,18 +32,20 @@ def fmt(xs: list[float], spec: str) -> str:
 for t in (1, 2):
     for rule in rules:
         train, col, dec = runs("train", rule, t), runs("collapse", rule, t), runs("decode", rule, t)
-        if not train:
+        every = train or col or dec  # a folder may hold only some of the three
+        if not every:
             continue
-        print(f"== {t} thread(s), {rule}, {len(train)} runs, git {train[0]['info']['git'][:7]}")
-        for name in train[0]["widths"]["64"]["contenders"]:
+        print(f"== {t} thread(s), {rule}, {len(every)} runs, git {every[0]['info']['git'][:7]}")
+        for name in train[0]["widths"]["64"]["contenders"] if train else []:
             cs = [r["widths"]["64"]["contenders"][name] for r in train]
             ms = [1e3 * c["median_s"] for c in cs]
             line = f"  train d64 {name:15s} ms {fmt(ms, '.1f')}"
             if "vs_nanogpt" in cs[0] and name != "nanogpt":
                 line += f"; /nanoGPT {fmt([c['vs_nanogpt']['median'] for c in cs], '.3f')}"
             print(line)
-        qkv_pre = [r["widths"]["64"]["qkv_over_pre"]["median"] for r in train]
-        print(f"  train d64 qkv/pre {fmt(qkv_pre, '.3f')}")
+        if train:
+            qkv_pre = [r["widths"]["64"]["qkv_over_pre"]["median"] for r in train]
+            print(f"  train d64 qkv/pre {fmt(qkv_pre, '.3f')}")
         if col:
             sweep = [1e3 * c["vectorised_sweep"]["median_s"] for c in col]
             print(f"  collapse sweep ms {fmt(sweep, '.1f')}; "
