@@ -181,6 +181,58 @@ def test_applies_only_where_it_pays() -> None:
         native.set_enabled(False, "softmax")
 
 
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("d", [16, 64, 24, 13])
+def test_head_major_output_and_strided_gradient_are_bitwise_token_major(
+    d: int, n_threads: int, threads: None
+) -> None:
+    """`head_major` writes the same rows into [B, H, T, D] memory, and the backward reads a
+    gradient in any [B, T, H, D] strides (attention's head-major one, a head-broadcast one) in
+    place: every number equals the token-major path's, bit for bit. 3 x 37 x 5 rows leave a
+    tail after the last block of eight, and split unevenly over two threads."""
+    torch.set_num_threads(n_threads)
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 5, d, requires_grad=True)
+    w, b = torch.randn(d, requires_grad=True), torch.randn(d, requires_grad=True)
+    y_tok = native.norm(x, w, b, 1e-5, True)
+    y_head = native.norm(x, w, b, 1e-5, True, head_major=True)
+    assert y_head.shape == x.shape and y_head.transpose(1, 2).is_contiguous()
+    assert torch.equal(y_head, y_tok)
+    for gy in (torch.randn(3, 5, 37, d).transpose(1, 2),  # head-major, as attention gives
+               torch.randn(3, 37, 1, d).expand(3, 37, 5, d)):  # stride 0 over heads
+        gy_before = gy.clone()
+        want = torch.autograd.grad(y_tok, (x, w, b), gy.contiguous(), retain_graph=True)
+        got = torch.autograd.grad(y_head, (x, w, b), gy, retain_graph=True)
+        for g, h in zip(got, want, strict=True):
+            assert torch.equal(g, h)
+        assert torch.equal(gy, gy_before), "the incoming gradient is read, not overwritten"
+    with torch.no_grad():
+        assert torch.equal(native.norm(x, w, b, 1e-5, False, head_major=True),
+                           native.norm(x, w, b, 1e-5, False))
+    with pytest.raises(ValueError, match=r"native\.norm: head_major expects x \[B, T, H, D\]"):
+        native.norm(x.flatten(0, 1), w, b, 1e-5, True, head_major=True)
+
+
+def test_head_norms_hand_attention_head_major_memory() -> None:
+    """Per-head QKV-Norm without RoPE: hook_q, hook_k and hook_v see [batch, pos, head,
+    d_head] views of head-major memory (transposing them back is free), with the values of
+    torch's LayerNorm."""
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=1, norm_placement="qkv",
+                      pos_encoding="learned")
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        _, cache = model.run_with_cache(torch.randint(0, 16, (80, 17)),
+                                        names_filter=lambda n: n.endswith(("_pre_norm", "hook_q",
+                                                                           "hook_k", "hook_v")))
+    for name in "qkv":
+        y = cache[f"blocks.0.attn.hook_{name}"]
+        assert y.shape == (80, 17, 4, 16) and y.transpose(1, 2).is_contiguous(), name
+        pre = cache[f"blocks.0.attn.hook_{name}_pre_norm"]
+        norm = getattr(model.blocks[0].attn, f"{name}_norm")
+        torch.testing.assert_close(y, F.layer_norm(pre, (16,), norm.w, norm.b, norm.eps),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 @pytest.mark.parametrize("norm_type", ["layer", "rms"])
 def test_model_same_with_and_without_kernel(

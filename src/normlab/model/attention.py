@@ -77,9 +77,9 @@ class HeadNorm(Norm):
         super().__init__(dim, cfg.norm_type, cfg.norm_eps, cfg.norm_bias, cfg.norm_gain_offset)
         self.scope = cfg.qkv_norm_scope
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, head_major: bool = False) -> torch.Tensor:
         if self.scope == "head":
-            return super().forward(x)
+            return super().forward(x, head_major)
         return super().forward(x.flatten(-2)).unflatten(-1, x.shape[-2:])
 
 
@@ -131,7 +131,9 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
 
-    def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, name: str, head_major: bool = False) -> torch.Tensor:
+        """x [batch, pos, d_model] -> [batch, pos, head, d_head], normalised if configured;
+        `head_major` asks the norm for head-major memory (a view; see `HeadNorm`)."""
         W, b = getattr(self, f"W_{name.upper()}"), getattr(self, f"b_{name.upper()}")
         h, d, e = W.shape
         y = (x @ W.transpose(0, 1).reshape(d, h * e)).unflatten(-1, (h, e))  # one matmul
@@ -139,7 +141,7 @@ class Attention(nn.Module):
             y = y + b
         norm = getattr(self, f"{name}_norm")
         if norm is not None:
-            y = norm(getattr(self, f"hook_{name}_pre_norm")(y))
+            y = norm(getattr(self, f"hook_{name}_pre_norm")(y), head_major)
         return getattr(self, f"hook_{name}")(y)
 
     def forward(
@@ -158,12 +160,15 @@ class Attention(nn.Module):
         [batch, head, qpos, kpos]. `cache` holds keys/values of earlier steps (decoding),
         head-major: [batch, head, kpos, d_head].
         """
-        q = self._project(x, "q")
+        # Normalised q, k, v can come out of the norm kernel head-major, as attention reads
+        # them; q and k only without RoPE, whose kernel reads any layout and writes head-major.
+        q = self._project(x, "q", head_major=rope is None)
         if memory is not None and cache is not None and "k" in cache:
             k, v = cache["k"], cache["v"]
         else:
             source = x if memory is None else memory
-            k, v = self._project(source, "k"), self._project(source, "v")
+            k = self._project(source, "k", head_major=rope is None)
+            v = self._project(source, "v", head_major=True)
             if rope is not None:
                 k = self.hook_rot_k(rope(k))
             # Keys/values go head-major, [batch, head, kpos, d_head], as the kernels read them;

@@ -1,6 +1,7 @@
 /* normlab's native CPU kernels, behind normlab.model.native (see its docstring for why):
  * LayerNorm / RMSNorm over the last dim of a contiguous float32 [N, D] tensor, forward and
- * backward; and RoPE's rotation (at the end of this file).
+ * backward (y written and gy read through row strides: `rowmap`); RoPE's rotation; and the
+ * attention of one query a row (the last two at the end of this file).
  *
  * Norms. ATen's CPU kernel reduces one row at a time, so on QKV-Norm's 16-float rows it is
  * bound by each row's chain of adds (~22 ns a row). Here, with AVX2, eight rows are reduced at
@@ -18,12 +19,47 @@
 #include <omp.h>
 #endif
 
-/* rows [s, e), one at a time: any width */
-static void fwd_rows(const float *x, const float *w, const float *b, float *y, float *mean,
-                     float *rstd, int64_t s, int64_t e, int64_t D, int center, float eps) {
+/* Where row n of a logical [N, D] sits in a strided tensor: rows in (b, t, h) order, T and H the
+ * inner two counts, at b * sb + t * st + h * sh floats (d contiguous), so y can be written, or
+ * gy read, in QKV-Norm's head-major layout without a copy. Contiguous rows: T = H = 1, sb = D.
+ * Walked one row at a time with adds; a thread divides only where it starts. */
+typedef struct {
+  int64_t T, H, sb, st, sh;
+} rowmap;
+typedef struct {
+  rowmap m;
+  int64_t b, t, h;
+} rowwalk;
+
+static inline rowwalk walk_at(rowmap m, int64_t n) {
+  rowwalk w = {m, 0, 0, 0};
+  w.h = n % m.H;
+  n /= m.H;
+  w.t = n % m.T;
+  w.b = n / m.T;
+  return w;
+}
+
+/* the current row's offset; then steps to the next row */
+static inline int64_t walk_next(rowwalk *w) {
+  const int64_t o = w->b * w->m.sb + w->t * w->m.st + w->h * w->m.sh;
+  if (++w->h == w->m.H) {
+    w->h = 0;
+    if (++w->t == w->m.T) {
+      w->t = 0;
+      ++w->b;
+    }
+  }
+  return o;
+}
+
+/* rows [s, e), one at a time: any width; y's rows where `wy` walks */
+static inline void fwd_rows(const float *x, const float *w, const float *b, float *y,
+                            float *mean, float *rstd, int64_t s, int64_t e, int64_t D,
+                            int center, float eps, rowwalk *wy, const int strided) {
   for (int64_t i = s; i < e; ++i) {
     const float *r = x + i * D;
-    float *o = y + i * D;
+    float *o = y + (strided ? walk_next(wy) : i * D);
     float m = 0.f, v = 0.f;
     if (center) {
       for (int64_t j = 0; j < D; ++j) m += r[j];
@@ -37,11 +73,12 @@ static void fwd_rows(const float *x, const float *w, const float *b, float *y, f
   }
 }
 
-static void bwd_rows(const float *gy, const float *x, const float *w, const float *mean,
-                     const float *rstd, float *gx, float *gw, float *gb, int64_t s, int64_t e,
-                     int64_t D, int center) {
+/* gy's rows where `wg` walks */
+static inline void bwd_rows(const float *gy, const float *x, const float *w, const float *mean,
+                            const float *rstd, float *gx, float *gw, float *gb, int64_t s,
+                            int64_t e, int64_t D, int center, rowwalk *wg, const int strided) {
   for (int64_t i = s; i < e; ++i) {
-    const float *g = gy + i * D, *r = x + i * D;
+    const float *g = gy + (strided ? walk_next(wg) : i * D), *r = x + i * D;
     float *o = gx + i * D;
     float m = mean[i], rs = rstd[i], a = 0.f, c = 0.f;
     for (int64_t j = 0; j < D; ++j) {
@@ -74,7 +111,7 @@ static inline __m256 hsum8(const __m256 *v) {
 /* rows of D = 8K floats, eight at a time; returns the first row left for fwd_rows */
 static inline int64_t fwd_rows8(const float *x, const float *w, const float *b, float *y,
                                 float *mean, float *rstd, int64_t s, int64_t e, int64_t K,
-                                int center, float eps) {
+                                int center, float eps, rowwalk *wy, const int strided) {
   const int64_t D = 8 * K;
   const __m256 inv_d = _mm256_set1_ps(1.f / (float)D), veps = _mm256_set1_ps(eps);
   int64_t i = s;
@@ -103,11 +140,12 @@ static inline int64_t fwd_rows8(const float *x, const float *w, const float *b, 
     _mm256_storeu_ps(rstd + i, rs);
     for (int q = 0; q < 8; ++q) {
       __m256 m = BCAST(mean + i + q), a = BCAST(rstd + i + q);
+      float *yq = y + (strided ? walk_next(wy) : (i + q) * D);
       for (int64_t k = 0; k < K; ++k) {
         __m256 xh = _mm256_mul_ps(_mm256_sub_ps(LOAD(r + q * D + 8 * k), m), a);
         __m256 o = b ? _mm256_fmadd_ps(xh, LOAD(w + 8 * k), LOAD(b + 8 * k))
                      : _mm256_mul_ps(xh, LOAD(w + 8 * k));
-        _mm256_storeu_ps(y + (i + q) * D + 8 * k, o);
+        _mm256_storeu_ps(yq + 8 * k, o);
       }
     }
   }
@@ -116,7 +154,8 @@ static inline int64_t fwd_rows8(const float *x, const float *w, const float *b, 
 
 static inline int64_t bwd_rows8(const float *gy, const float *x, const float *w,
                                 const float *mean, const float *rstd, float *gx, float *gw,
-                                float *gb, int64_t s, int64_t e, int64_t K, int center) {
+                                float *gb, int64_t s, int64_t e, int64_t K, int center,
+                                rowwalk *wg, const int strided) {
   const int64_t D = 8 * K;
   const __m256 inv_d = _mm256_set1_ps(1.f / (float)D);
   /* gw, gb partial sums stay in registers over all rows (K is 2 or 8 in the inlined copies) */
@@ -128,8 +167,10 @@ static inline int64_t bwd_rows8(const float *gy, const float *x, const float *w,
   int64_t i = s;
   for (; i + 8 <= e; i += 8) {
     __m256 sa[8], sc[8];
+    const float *gq[8];
+    for (int q = 0; q < 8; ++q) gq[q] = gy + (strided ? walk_next(wg) : (i + q) * D);
     for (int q = 0; q < 8; ++q) {
-      const float *g = gy + (i + q) * D, *r = x + (i + q) * D;
+      const float *g = gq[q], *r = x + (i + q) * D;
       __m256 m = BCAST(mean + i + q), a = BCAST(rstd + i + q);
       __m256 ta = _mm256_setzero_ps(), tc = _mm256_setzero_ps();
       for (int64_t k = 0; k < K; ++k) {
@@ -148,7 +189,7 @@ static inline int64_t bwd_rows8(const float *gy, const float *x, const float *w,
     _mm256_storeu_ps(cv, _mm256_mul_ps(hsum8(sc), inv_d));
     /* gx may be gy's own buffer: each float of g is read before its gx is written */
     for (int q = 0; q < 8; ++q) {
-      const float *g = gy + (i + q) * D, *r = x + (i + q) * D;
+      const float *g = gq[q], *r = x + (i + q) * D;
       __m256 m = BCAST(mean + i + q), a = BCAST(rstd + i + q);
       __m256 A = BCAST(av + q), C = BCAST(cv + q);
       for (int64_t k = 0; k < K; ++k) {
@@ -184,26 +225,58 @@ static void my_rows(int64_t N, int64_t *s, int64_t *e) {
 /* 1 when widths that are multiples of 8 take the eight-rows-at-once path */
 int nl_has_rows8(void) { return HAVE_ROWS8; }
 
+/* rows [s, e) of the forward, by width; `strided` is a constant at each call, so contiguous
+ * rows (the common case) keep plain row arithmetic and pay nothing for the walk */
+static inline void fwd_part(const float *x, const float *w, const float *b, float *y,
+                            float *mean, float *rstd, int64_t s, int64_t e, int64_t D,
+                            int center, float eps, rowwalk *wy, const int strided) {
+#if HAVE_ROWS8
+  /* the common widths get their own inlined copies, with K known to the compiler */
+  if (D == 16) s = fwd_rows8(x, w, b, y, mean, rstd, s, e, 2, center, eps, wy, strided);
+  else if (D == 64) s = fwd_rows8(x, w, b, y, mean, rstd, s, e, 8, center, eps, wy, strided);
+  else if (D % 8 == 0)
+    s = fwd_rows8(x, w, b, y, mean, rstd, s, e, D / 8, center, eps, wy, strided);
+#endif
+  fwd_rows(x, w, b, y, mean, rstd, s, e, D, center, eps, wy, strided);
+}
+
+/* y's rows at (T, H, yb, yt, yh): see rowmap; 1, 1, D, 0, 0 for contiguous rows */
 void nl_norm_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
-                 float *rstd, int64_t N, int64_t D, int center, float eps, int nthreads) {
+                 float *rstd, int64_t N, int64_t D, int center, float eps, int nthreads,
+                 int64_t T, int64_t H, int64_t yb, int64_t yt, int64_t yh) {
+  const rowmap ym = {T, H, yb, yt, yh};
+  const int strided = !(T == 1 && H == 1 && yb == D);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
     int64_t s, e;
     my_rows(N, &s, &e);
-#if HAVE_ROWS8
-    /* the common widths get their own inlined copies, with K known to the compiler */
-    if (D == 16) s = fwd_rows8(x, w, b, y, mean, rstd, s, e, 2, center, eps);
-    else if (D == 64) s = fwd_rows8(x, w, b, y, mean, rstd, s, e, 8, center, eps);
-    else if (D % 8 == 0) s = fwd_rows8(x, w, b, y, mean, rstd, s, e, D / 8, center, eps);
-#endif
-    fwd_rows(x, w, b, y, mean, rstd, s, e, D, center, eps);
+    rowwalk wy = walk_at(ym, s);
+    if (strided) fwd_part(x, w, b, y, mean, rstd, s, e, D, center, eps, &wy, 1);
+    else fwd_part(x, w, b, y, mean, rstd, s, e, D, center, eps, &wy, 0);
   }
 }
 
-/* gw, gb: [nthreads, D] scratch; on return row 0 holds the totals */
+static inline void bwd_part(const float *gy, const float *x, const float *w, const float *mean,
+                            const float *rstd, float *gx, float *tw, float *tb, int64_t s,
+                            int64_t e, int64_t D, int center, rowwalk *wg, const int strided) {
+#if HAVE_ROWS8
+  if (D == 16) s = bwd_rows8(gy, x, w, mean, rstd, gx, tw, tb, s, e, 2, center, wg, strided);
+  else if (D == 64)
+    s = bwd_rows8(gy, x, w, mean, rstd, gx, tw, tb, s, e, 8, center, wg, strided);
+  else if (D % 8 == 0 && D <= 256) /* bwd_rows8 keeps D / 8 <= 32 sums in registers */
+    s = bwd_rows8(gy, x, w, mean, rstd, gx, tw, tb, s, e, D / 8, center, wg, strided);
+#endif
+  bwd_rows(gy, x, w, mean, rstd, gx, tw, tb, s, e, D, center, wg, strided);
+}
+
+/* gw, gb: [nthreads, D] scratch; on return row 0 holds the totals. gy's rows at
+ * (T, H, gsb, gst, gsh): see rowmap */
 void nl_norm_bwd(const float *gy, const float *x, const float *w, const float *mean,
                  const float *rstd, float *gx, float *gw, float *gb, int64_t N, int64_t D,
-                 int center, int nthreads) {
+                 int center, int nthreads, int64_t T, int64_t H, int64_t gsb, int64_t gst,
+                 int64_t gsh) {
+  const rowmap gm = {T, H, gsb, gst, gsh};
+  const int strided = !(T == 1 && H == 1 && gsb == D);
   int used = 1;
   memset(gw, 0, sizeof(float) * D * nthreads);
   memset(gb, 0, sizeof(float) * D * nthreads);
@@ -215,14 +288,10 @@ void nl_norm_bwd(const float *gy, const float *x, const float *w, const float *m
     if (t == 0) used = omp_get_num_threads();
 #endif
     my_rows(N, &s, &e);
+    rowwalk wg = walk_at(gm, s);
     float *tw = gw + t * D, *tb = gb + t * D;
-#if HAVE_ROWS8
-    if (D == 16) s = bwd_rows8(gy, x, w, mean, rstd, gx, tw, tb, s, e, 2, center);
-    else if (D == 64) s = bwd_rows8(gy, x, w, mean, rstd, gx, tw, tb, s, e, 8, center);
-    else if (D % 8 == 0 && D <= 256) /* bwd_rows8 keeps D / 8 <= 32 sums in registers */
-      s = bwd_rows8(gy, x, w, mean, rstd, gx, tw, tb, s, e, D / 8, center);
-#endif
-    bwd_rows(gy, x, w, mean, rstd, gx, tw, tb, s, e, D, center);
+    if (strided) bwd_part(gy, x, w, mean, rstd, gx, tw, tb, s, e, D, center, &wg, 1);
+    else bwd_part(gy, x, w, mean, rstd, gx, tw, tb, s, e, D, center, &wg, 0);
   }
   for (int t = 1; t < used; ++t)
     for (int64_t j = 0; j < D; ++j) {

@@ -189,8 +189,9 @@ def _load() -> ctypes.CDLL | None:
         if lib is None:
             continue
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32]
-        lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32]
+        lib.nl_norm_fwd.argtypes = [p, p, p, p, p, p, i64, i64, i32, ctypes.c_float, i32,
+                                    *[i64] * 5]
+        lib.nl_norm_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, *[i64] * 5]
         lib.nl_rope.argtypes = [p, *[i64] * 4, p, p, p, *[i64] * 3, *[i64] * 4, i32, i32]
         lib.nl_attn1.argtypes = [p, i64, i64, p, *[i64] * 3, p, *[i64] * 3, p, p, i64, i64, p,
                                  *[i64] * 5, i32]
@@ -264,16 +265,37 @@ def _threads(n_rows: int) -> int:
     return max(1, min(torch.get_num_threads(), n_rows // ROWS_PER_THREAD))
 
 
+def _rows(t: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Where C finds the rows of t (its `rowmap`): a contiguous [..., D] tensor, or a
+    [B, T, H, D] view with D contiguous (rows in (b, t, h) order, any other strides)."""
+    if t.is_contiguous():
+        return 1, 1, t.shape[-1], 0, 0
+    _, n_t, n_h, _ = t.shape
+    return n_t, n_h, t.stride(0), t.stride(1), t.stride(2)
+
+
+def _strided_rows(t: torch.Tensor) -> bool:
+    """Whether C can read t's rows in place (`_rows`)."""
+    return t.is_contiguous() or (t.ndim == 4 and t.stride(3) == 1)
+
+
 def _forward(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, center: bool
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, center: bool,
+    head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: contiguous [..., D] -> (y [..., D], mean [N], rstd [N])."""
+    """x: contiguous [..., D] -> (y, mean [N], rstd [N]); y is [..., D], or with `head_major`
+    (x [B, T, H, D]) the contiguous [B, H, T, D] tensor whose `.transpose(1, 2)` is the norm."""
     d = x.shape[-1]
     n = x.numel() // d
-    y, mean, rstd = torch.empty_like(x), x.new_empty(n), x.new_empty(n)
+    if head_major:
+        y = x.new_empty(x.shape[0], x.shape[2], x.shape[1], d)
+        rows = _rows(y.transpose(1, 2))
+    else:
+        y, rows = torch.empty_like(x), (1, 1, d, 0, 0)
+    mean, rstd = x.new_empty(n), x.new_empty(n)
     _kernel().nl_norm_fwd(
         x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-        mean.data_ptr(), rstd.data_ptr(), n, d, int(center), eps, _threads(n),
+        mean.data_ptr(), rstd.data_ptr(), n, d, int(center), eps, _threads(n), *rows,
     )  # fmt: skip
     return y, mean, rstd
 
@@ -290,6 +312,10 @@ def torch_norm(
 
 
 class _NormFn(torch.autograd.Function):
+    """With `head_major` it returns the contiguous [B, H, T, D] tensor, and `norm` transposes
+    it outside (as `_RopeFn`: a view made inside a Function could not be changed in place by a
+    hook)."""
+
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
@@ -298,15 +324,18 @@ class _NormFn(torch.autograd.Function):
         b: torch.Tensor | None,
         eps: float,
         center: bool,
+        head_major: bool,
     ) -> torch.Tensor:
-        y, mean, rstd = _forward(x, w, b, eps, center)
+        y, mean, rstd = _forward(x, w, b, eps, center, head_major)
         ctx.save_for_backward(x, w, b, mean, rstd)
-        ctx.eps, ctx.center = eps, center  # type: ignore[attr-defined]
+        ctx.eps, ctx.center, ctx.head_major = eps, center, head_major  # type: ignore[attr-defined]
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, w, b, mean, rstd = ctx.saved_tensors
+        if ctx.head_major:
+            gy = gy.transpose(1, 2)  # x's layout, [B, T, H, D], whatever its strides
         if torch.is_grad_enabled() or not _plain(gy):
             # create_graph=True (double backward, e.g. a gradient penalty), or a batched
             # gradient C cannot read: take the gradient through torch's ops, which are
@@ -315,38 +344,47 @@ class _NormFn(torch.autograd.Function):
                 ins = [t for t in (x, w, b) if t is not None]
                 y = torch_norm(x, w, b, ctx.eps, ctx.center)
                 gs = torch.autograd.grad(y, ins, gy, create_graph=True, allow_unused=True)
-            return (*gs, *([None] if b is None else []), None, None)
-        g = gy.contiguous()
+            return (*gs, *([None] if b is None else []), None, None, None)
+        # QKV-Norm's v gradient comes back head-major from attention's matmul: read in place
+        g = gy if _strided_rows(gy) else gy.contiguous()
         d = x.shape[-1]
         n = x.numel() // d
         t = _threads(n)
-        # a strided gy was just copied into g, which nobody else holds: gx overwrites it
+        # a strided gy just copied into g is held by nobody else: gx overwrites it
         gx = g if g is not gy else torch.empty_like(x)
         gw, gb = x.new_empty(t, d), x.new_empty(t, d)
         _kernel().nl_norm_bwd(
             g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-            gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), n, d, int(ctx.center), t,
+            gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), n, d, int(ctx.center), t, *_rows(g),
         )  # fmt: skip
-        return gx, gw[0], None if b is None else gb[0], None, None
+        return gx, gw[0], None if b is None else gb[0], None, None, None
 
 
 def norm(
-    x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None, eps: float, center: bool
+    x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None, eps: float, center: bool,
+    head_major: bool = False,
 ) -> torch.Tensor:
     """LayerNorm (`center`) or RMSNorm over the last dim, as F.layer_norm / F.rms_norm.
 
     Takes float32 CPU tensors, gain and bias [D] (`norm_applies` says when it pays); anything else
-    goes to torch's ops, which compute it or raise their usual error.
+    goes to torch's ops, which compute it or raise their usual error. With `head_major`, for x
+    [B, T, H, D] (per-head QK/QKV-Norm), the result is a [B, T, H, D] view of a contiguous
+    [B, H, T, D] tensor, the layout attention's matmuls read, so `.transpose(1, 2)` hands
+    them q, k or v without a copy (and their gradient comes back without one).
     """
     d = x.shape[-1] if x.ndim else 0
     ok = [t is None or (_plain(t) and t.shape == (d,)) for t in (gain, bias)]
     if not (d and _plain(x) and all(ok)):
         return torch_norm(x, gain, bias, eps, center)
+    if head_major and x.ndim != 4:
+        raise ValueError(f"native.norm: head_major expects x [B, T, H, D], got {tuple(x.shape)}")
     x, gain = x.contiguous(), gain.contiguous()
     bias = None if bias is None else bias.contiguous()
     if _needs_grad(x, gain, bias):
-        return _NormFn.apply(x, gain, bias, eps, center)
-    return _forward(x, gain, bias, eps, center)[0]
+        y = _NormFn.apply(x, gain, bias, eps, center, head_major)
+    else:
+        y = _forward(x, gain, bias, eps, center, head_major)[0]
+    return y.transpose(1, 2) if head_major else y
 
 
 # --------------------------------------------------------------------------- RoPE

@@ -34,7 +34,10 @@ class Norm(nn.Module):
         self.hook_normalized = HookPoint()
         self.native_min = native.MIN_ROWS[False] * dim  # fewest elements for the kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, head_major: bool = False) -> torch.Tensor:
+        """`head_major` (x [B, T, H, D]): where the CPU kernel runs, the result is a view of
+        head-major memory, which attention reads without a copy (`native.norm`); elsewhere it
+        changes nothing."""
         if not (self.hook_scale.fns or self.hook_normalized.fns):
             # fused kernels when nobody reads the scale: same numbers to ~1e-7, 3-7x faster;
             # on CPU, normlab's own kernel where it is built (native.py: why and how)
@@ -44,7 +47,7 @@ class Norm(nn.Module):
             # Proxy is no Tensor)
             if (isinstance(x, torch.Tensor) and x.numel() >= self.native_min
                     and native.norm_applies(x, gain)):
-                return native.norm(x, gain, self.b, self.eps, center)
+                return native.norm(x, gain, self.b, self.eps, center, head_major)
             return native.torch_norm(x, gain, self.b, self.eps, center)
         if self.kind == "layer":
             x = x - x.mean(-1, keepdim=True)
