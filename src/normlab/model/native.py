@@ -1,12 +1,14 @@
-"""normlab's native CPU kernels, compiled on first use: LayerNorm / RMSNorm for `Norm`, and RoPE's
-rotation for `Rope`.
+"""normlab's native CPU kernels, compiled on first use: LayerNorm / RMSNorm for `Norm`, RoPE's
+rotation for `Rope`, and the attention of a decoding step for `Attention`.
 
 Norms. ATen's CPU `layer_norm` reduces one row at a time, so on QK/QKV-Norm's 16-float head
 rows it is bound by each row's chain of adds (~22 ns a row, 2.6x its cost per float on
 64-float rows), the main reason `qkv` trained ~15% slower than `pre` (docs/performance.md).
 `native.c` reduces eight rows at once with AVX2 and splits rows over the OpenMP threads torch
 uses. `Norm` takes it where it pays (`norm_applies`): inputs of MIN_ROWS rows or more, and under
-autograd only rows of at most MAX_GRAD_WIDTH floats.
+autograd only rows of at most MAX_GRAD_WIDTH floats. It writes its output, and reads its
+incoming gradient, through row strides, so per-head QK/QKV-Norm hands attention head-major
+q, k and v (`head_major`) and takes their gradients back without a layout copy.
 
 RoPE. torch computes `x * cos + roll(x * sin2, d/2)` in four passes over x (the roll is a
 `cat` of two strided halves), plus as many again in the backward; the kernel does each in one
@@ -15,12 +17,19 @@ pass with the very same products and sums, so its results are bitwise torch's
 a layout copy. `Rope` takes it whenever `rope_applies`; what it buys is measured in
 docs/performance.md (seventeenth session).
 
+Decoding attention. A cached decoding step attends with one query a row; ATen's explicit path
+is five ops (two batched matmuls of one row each, a bias, a scale, a softmax), each paying
+per-row overhead on rows of ~20 keys. The kernel makes one pass per row, reading the cache's
+buffers in place, equal to torch's attention to float32 rounding (tests against float64).
+`Attention` takes it whenever `attend_applies` and no hook reads the scores or the pattern
+(docs/performance.md, eighteenth session).
+
 The kernels are compiled with the system C compiler (`$CC`, else `cc`) the first time a
 process needs them, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file
 keyed by the source, the flags, the compiler and the CPU (it is built for this CPU,
-`-march=native`). Without a compiler, or with `NORMLAB_NATIVE_NORM=0` / `NORMLAB_NATIVE_ROPE=0`,
-torch's ops run instead: the same numbers to float32 rounding for the norms, bit for bit for
-RoPE.
+`-march=native`). Without a compiler, or with `NORMLAB_NATIVE_NORM=0` / `NORMLAB_NATIVE_ROPE=0`
+/ `NORMLAB_NATIVE_ATTN=0`, torch's ops run instead: the same numbers to float32 rounding for
+the norms and attention, bit for bit for RoPE.
 """
 
 from __future__ import annotations
