@@ -276,19 +276,68 @@ def attention_copy(cache):
 
 
 def test_greedy_decode_leaves_the_training_mode_as_it_found_it() -> None:
-    """Decoding runs in eval mode (no dropout) and restores training mode; a module left in
-    training mode inside an eval model is switched to eval for the decode."""
+    """Decoding runs every module in eval mode (no dropout) and leaves each module's mode as
+    it found it: all training, all eval, or mixed; also when decoding fails."""
     model = build_model(cfg(pos_encoding="rope", dropout=0.5))
     prompts = [[1, 5, 6, 2], [1, 7, 2]]
     model.eval()
     want = greedy_decode(model, prompts, max_new=6, eos=2)
-    model.train()
-    assert greedy_decode(model, prompts, max_new=6, eos=2) == want
-    assert all(m.training for m in model.modules())
-    model.eval()
-    model.blocks[0].train()
-    assert greedy_decode(model, prompts, max_new=6, eos=2) == want
-    assert not model.training
+    assert not any(m.training for m in model.modules())
+    for setup in (lambda: model.train(), lambda: model.blocks[0].train(),
+                  lambda: model.blocks[1].eval()):
+        setup()
+        modes = [m.training for m in model.modules()]
+        assert greedy_decode(model, prompts, max_new=6, eos=2) == want
+        assert [m.training for m in model.modules()] == modes
+    modes = [m.training for m in model.modules()]
+    with pytest.raises(IndexError, match="tokens: expected ids in"):
+        greedy_decode(model, [[1, 99]], max_new=2, eos=2)
+    assert [m.training for m in model.modules()] == modes
+
+
+def test_kv_cache_entries_a_caller_replaced_are_the_ones_extended() -> None:
+    """Beam search reorders the cache's rows, activation patching swaps keys: the next step
+    extends the tensors in the cache, not the buffers they replaced."""
+    model = build_model(cfg(pos_encoding="rope")).eval()
+    tokens = torch.randint(0, 16, (3, 6))
+    perm = torch.tensor([2, 0, 1])
+    with torch.no_grad():
+        cache = model.new_cache(capacity=8)
+        model(tokens[:, :5], cache=cache)
+        for layer in cache.layers:
+            d = layer["self"]
+            d["k"], d["v"] = d["k"][perm], d["v"][perm]
+        step = model(tokens[perm, 5:], cache=cache)
+        full = model(tokens[perm])
+    torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_decoding_under_autograd_backpropagates() -> None:
+    """Cached steps with gradients on (a differentiable decode) concatenate instead of writing
+    into buffers autograd saved: backward works and gives the full forward's gradients."""
+    model = build_model(cfg(pos_encoding="rope")).eval()
+    tokens = torch.randint(0, 16, (2, 7))
+    cache = model.new_cache(capacity=8)
+    out = [model(tokens[:, :4], cache=cache)]
+    out += [model(tokens[:, t : t + 1], cache=cache) for t in range(4, 7)]
+    torch.cat(out, 1).square().mean().backward()
+    cached = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(tokens).square().mean().backward()
+    for a, b in zip(cached, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_kv_cache_filled_in_inference_mode_steps_on_outside_it() -> None:
+    model = build_model(cfg(pos_encoding="rope")).eval()
+    tokens = torch.randint(0, 16, (2, 6))
+    cache = model.new_cache(capacity=8)
+    with torch.inference_mode():
+        model(tokens[:, :5], cache=cache)
+    with torch.no_grad():
+        step = model(tokens[:, 5:], cache=cache)
+        full = model(tokens)
+    torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_left_padding_does_not_change_a_decoder_prompt() -> None:

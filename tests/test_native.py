@@ -214,23 +214,31 @@ def test_head_major_output_and_strided_gradient_are_bitwise_token_major(
 
 
 def test_head_norms_hand_attention_head_major_memory() -> None:
-    """Per-head QKV-Norm without RoPE: hook_q, hook_k and hook_v see [batch, pos, head,
-    d_head] views of head-major memory (transposing them back is free), with the values of
-    torch's LayerNorm."""
+    """Per-head QKV-Norm without RoPE hands attention q, k and v as [batch, pos, head, d_head]
+    views of head-major memory (transposing them back is free), unless a hook reads the
+    vector: then it gets the usual contiguous tensor. The same values either way."""
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=1, norm_placement="qkv",
                       pos_encoding="learned")
-    model = build_model(cfg).eval()
+    attn = build_model(cfg).blocks[0].attn.eval()
+    x = torch.randn(80, 17, 64)
     with torch.no_grad():
-        _, cache = model.run_with_cache(torch.randint(0, 16, (80, 17)),
-                                        names_filter=lambda n: n.endswith(("_pre_norm", "hook_q",
-                                                                           "hook_k", "hook_v")))
-    for name in "qkv":
-        y = cache[f"blocks.0.attn.hook_{name}"]
-        assert y.shape == (80, 17, 4, 16) and y.transpose(1, 2).is_contiguous(), name
-        pre = cache[f"blocks.0.attn.hook_{name}_pre_norm"]
-        norm = getattr(model.blocks[0].attn, f"{name}_norm")
-        torch.testing.assert_close(y, F.layer_norm(pre, (16,), norm.w, norm.b, norm.eps),
-                                   rtol=1e-5, atol=1e-5)
+        for name in "qkv":
+            free = attn._project(x, name, head_major=True)
+            assert free.transpose(1, 2).is_contiguous() and not free.is_contiguous(), name
+            seen: list[torch.Tensor] = []
+            getattr(attn, f"hook_{name}").fns.append(lambda t, hook, seen=seen: seen.append(t))
+            try:
+                hooked = attn._project(x, name, head_major=True)
+            finally:
+                getattr(attn, f"hook_{name}").fns.clear()
+            assert hooked.is_contiguous() and seen[0] is hooked
+            assert torch.equal(hooked, free)
+
+
+def test_head_major_needs_four_dims_whatever_the_path() -> None:
+    x = torch.randn(8, 16, dtype=torch.float64)  # float64: torch's path, still refused
+    with pytest.raises(ValueError, match=r"native\.norm: head_major expects x \[B, T, H, D\]"):
+        native.norm(x, torch.ones(16, dtype=torch.float64), None, 1e-5, True, head_major=True)
 
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
@@ -835,6 +843,24 @@ def test_attend_weights_to_a_few_ulp(d: int) -> None:
     z = native.attend(q, k, v, torch.ones(1))[0, 0, 0].double()
     want = x.double().softmax(-1)
     assert ((z - want).abs() / want).max() <= 4 * 2.0**-23
+
+
+@pytest.mark.parametrize("d", [16, 6], ids=["eight lanes", "per key"])
+def test_attend_nan_scores_stay_nan_as_torch(d: int) -> None:
+    """A key whose score is NaN makes its row NaN, as torch's softmax does: a model whose keys
+    blow up must not decode finite outputs."""
+    q, k, v, scale, _ = decode_inputs(4, 4, 4, 9, d, "none")
+    k = k.clone()
+    k[1, 2, 3, 0] = float("nan")
+    z = native.attend(q, k, v, scale)
+    assert z[1, 2].isnan().all() and attention_truth(q, k, v, scale, None)[1, 2].isnan().all()
+    z[1, 2] = 0.0
+    assert not z.isnan().any()
+
+
+def test_attend_key_limit_is_the_kernels() -> None:
+    """The Python bar and native.c's stack buffer for a row's scores are one number."""
+    assert native.load().nl_attn_max_keys() == native.ATTN_MAX_KEYS
 
 
 def test_attend_every_key_masked_is_nan_as_torch() -> None:

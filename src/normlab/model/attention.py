@@ -133,16 +133,18 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor, name: str, head_major: bool = False) -> torch.Tensor:
         """x [batch, pos, d_model] -> [batch, pos, head, d_head], normalised if configured;
-        `head_major` asks the norm for head-major memory (a view; see `HeadNorm`)."""
+        `head_major` asks the norm for head-major memory (a view; `native.norm`) when no hook
+        reads the vector."""
         W, b = getattr(self, f"W_{name.upper()}"), getattr(self, f"b_{name.upper()}")
         h, d, e = W.shape
         y = (x @ W.transpose(0, 1).reshape(d, h * e)).unflatten(-1, (h, e))  # one matmul
         if b is not None:
             y = y + b
-        norm = getattr(self, f"{name}_norm")
+        norm, hook = getattr(self, f"{name}_norm"), getattr(self, f"hook_{name}")
         if norm is not None:
-            y = norm(getattr(self, f"hook_{name}_pre_norm")(y), head_major)
-        return getattr(self, f"hook_{name}")(y)
+            # a hook on the vector gets it contiguous, as it always did (`.view` works on it)
+            y = norm(getattr(self, f"hook_{name}_pre_norm")(y), head_major and not hook.fns)
+        return hook(y)
 
     def forward(
         self,
@@ -234,15 +236,33 @@ def append_kv(
     knows its final length), else twice what it is first given, and doubles when full. A step
     writes in place only at the buffer's frontier (`cache["filled"]`, shared by shallow copies
     of the dict), so a copied cache extended twice, two continuations of one prompt, gets a
-    buffer of its own instead of overwriting the other's.
+    buffer of its own instead of overwriting the other's; and only while `cache["k"]` and
+    `cache["v"]` are still the buffers' views, so keys a caller put in their place (a beam
+    reordered, keys patched) are the ones extended. Under autograd (a differentiable decode)
+    the cache concatenates instead: earlier steps' views must stay as autograd saved them.
     """
     past = cache.get("k")
+    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        # autograd keeps the views earlier steps read, so nothing is written into them: a
+        # differentiable decode concatenates, as before the buffers
+        if past is not None:
+            k, v = torch.cat([past, k], 2), torch.cat([cache["v"], v], 2)
+        for key in ("buf_k", "buf_v", "filled"):
+            cache.pop(key, None)
+        cache["k"], cache["v"] = k, v = k.contiguous(), v.contiguous()
+        return k, v
     n = 0 if past is None else past.shape[2]
     end = n + k.shape[2]
     buf_k, buf_v, filled = cache.get("buf_k"), cache.get("buf_v"), cache.get("filled")
-    fits = (buf_k is not None and filled is not None and int(filled) == n
+    fits = (buf_k is not None and buf_v is not None and filled is not None
+            and int(filled) == n and past is not None
+            # still the buffers' heads: a caller may have put other keys in their place
+            # (a beam reordered, keys patched), which a step must extend, not ignore
+            and _head_of(past, buf_k) and _head_of(cache["v"], buf_v)
             and buf_k.shape[2] >= end and buf_k.shape[:2] == k.shape[:2]
-            and buf_k.shape[3] == k.shape[3] and buf_k.dtype == k.dtype)
+            and buf_k.shape[3] == k.shape[3] and buf_k.dtype == k.dtype
+            # inference tensors cannot be written outside inference mode
+            and (torch.is_inference_mode_enabled() or not buf_k.is_inference()))
     if not fits:
         reserve = int(cache["reserve"]) if "reserve" in cache and buf_k is None else 0
         size = reserve if reserve >= end else 2 * end
@@ -257,3 +277,9 @@ def append_kv(
     filled.fill_(end)
     cache["k"], cache["v"] = buf_k[:, :, :end], buf_v[:, :, :end]
     return cache["k"], cache["v"]
+
+
+def _head_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether t is still the view `buf[:, :, :n]` that `append_kv` left in the cache."""
+    return (t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride()
+            and t.device == buf.device and t.shape[:2] == buf.shape[:2])

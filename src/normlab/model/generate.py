@@ -62,10 +62,27 @@ def greedy_decode(
     """
     if not prompts:
         return []
-    device = next(model.parameters()).device
-    was_training = model.training
-    if any(m.training for m in model.modules()):  # eval() sets every module (~0.7 ms): if needed
+    modes = [m.training for m in model.modules()]
+    if any(modes):  # eval() sets every module (~0.7 ms a call): only when one trains
         model.eval()
+    try:
+        out = _decode(model, prompts, max_new, eos, pad, bos, use_cache, aux_fn, aux_next)
+    finally:  # every module's mode as it was, also after an error
+        if any(modes):
+            for m, mode in zip(model.modules(), modes, strict=True):
+                m.training = mode
+    result = []
+    for row in out.tolist():
+        result.append(row[: row.index(eos) + 1] if eos in row else row)
+    return result
+
+
+def _decode(
+    model: Model, prompts: list[list[int]], max_new: int, eos: int, pad: int, bos: int,
+    use_cache: bool, aux_fn: AuxFn | None, aux_next: AuxNext | None,
+) -> torch.Tensor:
+    """`greedy_decode`'s loop, the model in eval mode: [batch, generated] new tokens."""
+    device = next(model.parameters()).device
     b = len(prompts)
     out = torch.empty(b, 0, dtype=torch.long, device=device)
     rows = [list(p) for p in prompts]
@@ -118,9 +135,4 @@ def greedy_decode(
             done |= nxt == eos
             if done.all():
                 break
-    if was_training:
-        model.train()
-    result = []
-    for row in out.tolist():
-        result.append(row[: row.index(eos) + 1] if eos in row else row)
-    return result
+    return out

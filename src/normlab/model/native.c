@@ -412,11 +412,12 @@ static inline void attn1_row(const float *qr, const float *kr, int64_t kt, const
 #if HAVE_ROWS8
 /* e^x on eight lanes for x <= 0 (a score minus its row's max): x = n ln2 + r, |r| <= ln2 / 2,
  * e^r by a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n through the
- * exponent bits; below -87 (a masked key's -inf included) exactly 0. A scalar `expf` per key
- * was most of the kernel's time: one latency chain per key. */
+ * exponent bits; below -87 (a masked key's -inf included) exactly 0, NaN stays NaN. A scalar
+ * `expf` per key was most of the kernel's time: one latency chain per key. */
 static inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.f);
   const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q); /* a NaN score stays NaN, as expf's */
   x = _mm256_max_ps(x, lo);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -431,7 +432,7 @@ static inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+  return _mm256_or_ps(_mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep), nan);
 }
 
 /* one row, D = 8K: eight keys' dot products at once (hsum8 puts their sums in one register),

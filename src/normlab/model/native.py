@@ -381,12 +381,12 @@ def norm(
     [B, H, T, D] tensor, the layout attention's matmuls read, so `.transpose(1, 2)` hands
     them q, k or v without a copy (and their gradient comes back without one).
     """
+    if head_major and x.ndim != 4:
+        raise ValueError(f"native.norm: head_major expects x [B, T, H, D], got {tuple(x.shape)}")
     d = x.shape[-1] if x.ndim else 0
     ok = [t is None or (_plain(t) and t.shape == (d,)) for t in (gain, bias)]
     if not (d and _plain(x) and all(ok)):
         return torch_norm(x, gain, bias, eps, center)
-    if head_major and x.ndim != 4:
-        raise ValueError(f"native.norm: head_major expects x [B, T, H, D], got {tuple(x.shape)}")
     x, gain = x.contiguous(), gain.contiguous()
     bias = None if bias is None else bias.contiguous()
     if _needs_grad(x, gain, bias):
