@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from normlab.model import DecoderLM, EncoderDecoderLM, Model
 from normlab.model.attention import Attention
+from normlab.model.transformer import evaluating
 from normlab.tasks.addition import PAD, Cell, ResolvedTask, encode, make_batch
 
 DECODER_CLASSES = ("question", "answer")
@@ -274,28 +275,6 @@ def stack_of(model: Model, prefix: str) -> torch.nn.Module:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def evaluating(model: Model) -> Iterator[None]:
-    """Eval mode (no dropout) and no autograd for the block; each module's mode is restored.
-
-    Afterwards every module gets its own mode back, so a model in mixed modes keeps its mix
-    (it used to come back all in the top module's mode). A model already all in
-    eval mode is left alone, which skips two walks of `nn.Module.__setattr__` over every
-    submodule (~0.5 ms on a 4-layer model; `benchmarks/probes/evaluating_cost.py` finds no
-    change in the collapse sweep's time within its noise).
-    """
-    modes = [(m, m.training) for m in model.modules()]
-    if any(was for _, was in modes):
-        model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for m, was in modes:  # also undoes a mode the block itself switched
-            if m.training != was:
-                m.training = was
 
 
 class _Collected(Exception):

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from normlab.model.transformer import DecoderLM, EncoderDecoderLM, Model
+from normlab.model.transformer import DecoderLM, EncoderDecoderLM, Model, evaluating
 
 #: `aux_fn(ids, part)` -> task-supplied positions for a token row; `part` is "sequence" (a
 #: decoder-only row), "question" (an encoder source) or "answer" (a decoder target row).
@@ -39,7 +39,6 @@ def _next_aux(
                         device=nxt.device)
 
 
-@torch.no_grad()
 def greedy_decode(
     model: Model,
     prompts: list[list[int]],
@@ -62,15 +61,8 @@ def greedy_decode(
     """
     if not prompts:
         return []
-    modes = [m.training for m in model.modules()]
-    if any(modes):  # eval() sets every module (~0.7 ms a call): only when one trains
-        model.eval()
-    try:
+    with evaluating(model):  # every module's mode as it was afterwards, also after an error
         out = _decode(model, prompts, max_new, eos, pad, bos, use_cache, aux_fn, aux_next)
-    finally:  # every module's mode as it was, also after an error
-        if any(modes):
-            for m, mode in zip(model.modules(), modes, strict=True):
-                m.training = mode
     result = []
     for row in out.tolist():
         result.append(row[: row.index(eos) + 1] if eos in row else row)
@@ -81,7 +73,8 @@ def _decode(
     model: Model, prompts: list[list[int]], max_new: int, eos: int, pad: int, bos: int,
     use_cache: bool, aux_fn: AuxFn | None, aux_next: AuxNext | None,
 ) -> torch.Tensor:
-    """`greedy_decode`'s loop, the model in eval mode: [batch, generated] new tokens."""
+    """`greedy_decode`'s loop (the model in eval mode, no autograd): [batch, generated] new
+    tokens."""
     device = next(model.parameters()).device
     b = len(prompts)
     out = torch.empty(b, 0, dtype=torch.long, device=device)
