@@ -245,8 +245,9 @@ def test_kv_cache_buffers_grow_and_honour_a_reserve() -> None:
             torch.testing.assert_close(torch.cat(out, 1), full, atol=1e-5, rtol=1e-5)
             assert seen == sizes, (capacity, seen)
             assert cache.layers[1]["self"]["k"].shape[2] == 12
-    with pytest.raises(ValueError, match="capacity: expected a number of positions >= 0"):
-        model.new_cache(-1)
+    for bad in (-1, "8", 2.5):
+        with pytest.raises(ValueError, match="capacity: expected a number of positions >= 0"):
+            model.new_cache(bad)
 
 
 def test_a_copied_kv_cache_extended_twice_keeps_both_continuations() -> None:

@@ -211,9 +211,9 @@ def _load() -> ctypes.CDLL | None:
         return _lib
     warnings.warn(
         f"normlab: could not compile {SOURCE.name} with {' '.join(cc)!r} into {_cache_dir()}; "
-        "norms and RoPE use torch's ops (set CC to a C compiler and NORMLAB_CACHE to a writable "
-        "folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0 and NORMLAB_NATIVE_ROPE=0 to "
-        "silence this)",
+        "norms, RoPE and decoding attention use torch's ops (set CC to a C compiler and "
+        "NORMLAB_CACHE to a writable folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0, "
+        "NORMLAB_NATIVE_ROPE=0 and NORMLAB_NATIVE_ATTN=0 to silence this)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -296,15 +296,12 @@ def _forward(
     (x [B, T, H, D]) the contiguous [B, H, T, D] tensor whose `.transpose(1, 2)` is the norm."""
     d = x.shape[-1]
     n = x.numel() // d
-    if head_major:
-        y = x.new_empty(x.shape[0], x.shape[2], x.shape[1], d)
-        rows = _rows(y.transpose(1, 2))
-    else:
-        y, rows = torch.empty_like(x), (1, 1, d, 0, 0)
+    y = x.new_empty(x.shape[0], x.shape[2], x.shape[1], d) if head_major else torch.empty_like(x)
     mean, rstd = x.new_empty(n), x.new_empty(n)
     _kernel().nl_norm_fwd(
         x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-        mean.data_ptr(), rstd.data_ptr(), n, d, int(center), eps, _threads(n), *rows,
+        mean.data_ptr(), rstd.data_ptr(), n, d, int(center), eps, _threads(n),
+        *_rows(y.transpose(1, 2) if head_major else y),
     )  # fmt: skip
     return y, mean, rstd
 

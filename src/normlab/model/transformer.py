@@ -36,10 +36,11 @@ class KVCache:
 
     @classmethod
     def empty(cls, n_layers: int, capacity: int = 0) -> KVCache:
-        if capacity < 0:
-            raise ValueError(f"capacity: expected a number of positions >= 0, got {capacity}")
-        reserve = {"self": {"reserve": torch.tensor(capacity)}} if capacity else {}
-        return cls([{k: dict(d) for k, d in reserve.items()} for _ in range(n_layers)], 0)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity: expected a number of positions >= 0, got {capacity!r}")
+        reserve = torch.tensor(capacity)
+        return cls([{"self": {"reserve": reserve}} if capacity else {} for _ in range(n_layers)],
+                   0)
 
 
 class Embed(nn.Module):
