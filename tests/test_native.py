@@ -348,7 +348,8 @@ def test_env_switch(monkeypatch: pytest.MonkeyPatch, kernel: str, value: str, on
 @pytest.mark.parametrize("off", native.KERNELS)
 def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str) -> None:
     """NORMLAB_NATIVE_<KERNEL>=0 set before normlab is imported: a `qkv` RoPE model's forward
-    and a cached decoding step never reach that kernel, and still reach the others."""
+    and a cached decoding step never reach that kernel, and still reach the others (a norm call
+    that also rotates, QK-Norm then RoPE in one, reaches both)."""
     on = [k for k in native.KERNELS if k != off]
     code = (
         "import torch\n"
@@ -358,6 +359,7 @@ def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str) -> None:
         "def count(kernel, fn):\n"
         "    def counted(*a, **k):\n"
         "        calls[kernel] += 1\n"
+        "        calls['rope'] += k.get('rope') is not None\n"
         "        return fn(*a, **k)\n"
         "    return counted\n"
         "native.norm, native.rope, native.attend = (count(k, getattr(native, f)) for k, f in\n"
@@ -434,6 +436,10 @@ def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     for go, gr in zip(ours, ref, strict=True):
         torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4)
     assert_rope_is_torchs((4, 64, 4, 16))  # RoPE from the portable build too (16384 elements)
+    rope, xq = rope_tables(64, 17, 16), torch.randn(64, 17, 4, 16)  # and the two in one call
+    with torch.no_grad():
+        assert torch.equal(native.norm(xq, w, b, 1e-5, True, rope=(rope.cos, rope.sin)),
+                           native.rope(native.norm(xq, w, b, 1e-5, True), rope.cos, rope.sin))
     if "per-row" not in built:  # e.g. a compiler whose default target already has AVX2
         pytest.skip(f"plain -O3 built the eight-row path here: {built}")
 
@@ -754,6 +760,167 @@ def test_batched_gradients_and_forward_ad_fall_back() -> None:
     assert torch.equal(out[True][0], out[False][0])
     torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)
     assert out[True][2] is not None and torch.equal(out[True][2], out[False][2])
+
+
+# --------------------------------------------------------------------------- QK-Norm then RoPE
+
+
+@pytest.fixture
+def fuse_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both kernels, and so the fused call, for every size, so that small shapes test its paths."""
+    monkeypatch.setattr(native, "ROPE_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(native, "MIN_ROWS", {False: 1, True: 1})
+
+
+def norm_then_rope(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, center: bool,
+                   rope: Rope, fused: bool) -> torch.Tensor:
+    """QK-Norm then RoPE: one fused call, or the norm kernel and RoPE's kernel in turn."""
+    if fused:
+        return native.norm(x, w, b, 1e-5, center, rope=(rope.cos, rope.sin))
+    return native.rope(native.norm(x, w, b, 1e-5, center), rope.cos, rope.sin, head_major=True)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("center", [True, False], ids=["layer", "rms"])
+@pytest.mark.parametrize("shape", [(128, 17, 4, 16), (3, 37, 5, 24), (2, 41, 3, 6),
+                                   (64, 5, 2, 32)])
+def test_norm_rope_is_bitwise_the_two_kernels(shape: tuple[int, int, int, int], center: bool,
+                                              n_threads: int, threads: None,
+                                              fuse_any_size: None) -> None:
+    """The fused call's forward, and the gradients of x, gain and bias for a gradient in each
+    layout it meets, equal the norm kernel then RoPE's bit for bit: the same block routines.
+    128 x 17 positions fill several scratch blocks; 3 x 37 x 5 rows leave a tail after the
+    last eight and split unevenly over two threads; d_head 24 and 6 take the generic eight-row
+    loop and the per-row loops of both kernels. Written head-major, as RoPE's kernel writes."""
+    torch.set_num_threads(n_threads)
+    torch.manual_seed(0)
+    b, p, h, d = shape
+    rope = rope_tables(b, p, d)
+    x = (torch.randn(shape) * 3 + 1).requires_grad_()
+    w, bias = torch.randn(d, requires_grad=True), torch.randn(d, requires_grad=True)
+    assert native.norm_rope_applies(x, rope.cos, rope.sin)
+    y_two = norm_then_rope(x, w, bias, center, rope, fused=False)
+    y_one = norm_then_rope(x, w, bias, center, rope, fused=True)
+    assert y_one.shape == x.shape and y_one.transpose(1, 2).is_contiguous()
+    assert torch.equal(y_one, y_two)
+    xd, wd, bd = as_double(x, w, bias)  # and both are the maths, to float32 rounding
+    truth = native.torch_rope(torch_norm(xd, wd, bd, center), rope.cos.double(),
+                              rope.sin.double())
+    torch.testing.assert_close(y_one.double(), truth, rtol=1e-5, atol=1e-5)
+    for name, gy in layouts(b, p, h, d).items():
+        gy_before = gy.clone()
+        want = torch.autograd.grad(y_two, (x, w, bias), gy, retain_graph=True)
+        got = torch.autograd.grad(y_one, (x, w, bias), gy, retain_graph=True)
+        for g, g_ref in zip(got, want, strict=True):
+            assert torch.equal(g, g_ref), name
+        assert torch.equal(gy, gy_before), name  # read, not overwritten
+    with torch.no_grad():  # inference: the same numbers without the Function
+        assert torch.equal(norm_then_rope(x, w, None, center, rope, fused=True),
+                           norm_then_rope(x, w, None, center, rope, fused=False))
+
+
+def test_norm_rope_double_backward_goes_through_torch_ops(fuse_any_size: None) -> None:
+    """create_graph=True through the fused call: torch's norm and rotation, differentiable."""
+    torch.manual_seed(0)
+    rope = rope_tables(4, 9, 16)
+    x = torch.randn(4, 9, 4, 16, requires_grad=True)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    gy = torch.randn(4, 9, 4, 16)
+
+    def penalty(fused: bool) -> list[torch.Tensor]:
+        y = norm_then_rope(x, w, b, True, rope, fused)
+        first = torch.autograd.grad((y * gy).sum(), (x, w, b), create_graph=True)
+        second = torch.autograd.grad(sum(g.pow(2).sum() for g in first), (x, w, b),
+                                     allow_unused=True, materialize_grads=True)
+        return [*first, *second]
+
+    for got, want in zip(penalty(True), penalty(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_norm_rope_applies_and_refuses(fuse_any_size: None) -> None:
+    """Only what both kernels take, up to the C scratch's widest position (the same limit on
+    both sides); anything else is a one-line error naming what was expected."""
+    lib = native.load()
+    assert lib is not None and lib.nl_fuse_max_row() == native.FUSE_MAX_ROW
+    rope = rope_tables(2, 3, 16)
+    w = torch.ones(16)
+    assert native.norm_rope_applies(torch.randn(2, 3, 64, 16), rope.cos, rope.sin)
+    too_wide = torch.randn(2, 3, native.FUSE_MAX_ROW // 16 + 1, 16)
+    assert not native.norm_rope_applies(too_wide, rope.cos, rope.sin)
+    assert not native.norm_rope_applies(torch.randn(2, 4, 4, 16), rope.cos, rope.sin)  # tables
+    with switched(False, "rope"):
+        assert not native.norm_rope_applies(torch.randn(2, 3, 4, 16), rope.cos, rope.sin)
+    for x in (too_wide, torch.randn(2, 3, 4, 16).double()):
+        with pytest.raises(ValueError, match=r"native\.norm: with rope, expected .* got x"):
+            native.norm(x, w.to(x.dtype), None, 1e-5, True, rope=(rope.cos, rope.sin))
+    # a Norm falls back to the two calls, with the same numbers
+    norm = HeadNorm(ModelConfig(d_model=64, n_heads=4), 4)
+    with torch.no_grad():
+        assert torch.equal(norm.rotated(too_wide, rope), rope(norm(too_wide)))
+
+
+@pytest.mark.parametrize("placement", ["qk", "qkv"])
+def test_model_with_norm_rope_fused_is_bitwise_unfused(placement: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QK/QKV-Norm RoPE model's training loss and every gradient, its eval forward and a
+    cached decoding step: identical bits with q's and k's norm and rotation in one call (four
+    calls a forward: q and k of two layers) and in two."""
+    calls: list[bool] = []
+    norm = native.norm
+    monkeypatch.setattr(native, "norm", lambda *a, **k: calls.append("rope" in k) or norm(*a, **k))
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement=placement,
+                      pos_encoding="rope", max_len=24)
+    model = build_model(cfg)
+    # 256 x 17 x 4 head rows, and a step's 256 x 4 with 16384 floats: above every bar
+    tokens = torch.randint(0, cfg.vocab_size, (256, 17))
+    applies = native.norm_rope_applies
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(native, "norm_rope_applies", applies if fused else
+                            lambda *a: False)
+        model.zero_grad()
+        loss = model(tokens).logsumexp(-1).mean()
+        loss.backward()
+        with torch.no_grad():
+            cache = model.new_cache(17)
+            model(tokens[:, :16], cache=cache)
+            step = model(tokens[:, 16:], cache=cache)  # one position, no autograd
+        return [loss.detach(), step, *(p.grad.clone() for p in model.parameters())]
+
+    one = run(True)
+    assert calls.count(True) == 3 * 4  # training, the prompt and the step: q, k of 2 layers
+    calls.clear()
+    two = run(False)
+    assert not any(calls)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_hook_between_norm_and_rotation_sees_the_vector_unrotated() -> None:
+    """With a hook on hook_q / hook_k, the norm and the rotation run apart, so the hook sees the
+    normalised vector before RoPE (and may change it); hook_rot_q sees it rotated. Without one,
+    the fused call hands hook_rot_q the same numbers."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=1, norm_placement="qkv",
+                      pos_encoding="rope", max_len=24)
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (80, 17))
+    names = [f"blocks.0.attn.hook_{n}" for n in ("q_pre_norm", "q", "rot_q", "k", "rot_k")]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=names)
+        attn = model.blocks[0].attn
+        rope = model.rotary(torch.arange(17).expand(80, 17))
+        assert torch.equal(cache[names[1]], attn.q_norm(cache[names[0]]))
+        assert torch.equal(cache[names[2]], rope(cache[names[1]]))
+        assert torch.equal(cache[names[4]], rope(cache[names[3]]))
+        _, rot_only = model.run_with_cache(tokens, names_filter=names[2])  # fused
+        assert torch.equal(rot_only[names[2]], cache[names[2]])
+        # a hook that changes q is obeyed: the rotation is of the changed vector
+        out = model.run_with_hooks(tokens, fwd_hooks=[(names[1], lambda t, hook: t * 0)])
+        zero_q = model.run_with_hooks(tokens, fwd_hooks=[(names[2], lambda t, hook: t * 0)])
+        assert torch.equal(out, zero_q)
 
 
 # --------------------------------------------------------------------------- decoding attention

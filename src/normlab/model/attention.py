@@ -82,6 +82,9 @@ class HeadNorm(Norm):
             return super().forward(x, head_major)
         return super().forward(x.flatten(-2)).unflatten(-1, x.shape[-2:])
 
+    def rotated(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return super().rotated(x, rope) if self.scope == "head" else rope(self(x))
+
 
 def learned_scale_init(cfg: ModelConfig) -> float:
     """Initial logit scale for normalised q, k (*our choice*, after Henry et al. 2020).
@@ -131,10 +134,12 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
 
-    def _project(self, x: torch.Tensor, name: str, head_major: bool = False) -> torch.Tensor:
-        """x [batch, pos, d_model] -> [batch, pos, head, d_head], normalised if configured;
-        `head_major` asks the norm for head-major memory (a view; `native.norm`) when no hook
-        reads the vector."""
+    def _project(
+        self, x: torch.Tensor, name: str, head_major: bool = False, rope: Rope | None = None
+    ) -> torch.Tensor:
+        """x [batch, pos, d_model] -> [batch, pos, head, d_head], normalised if configured,
+        then rotated by `rope` if given; `head_major` asks the norm for head-major memory (a
+        view; `native.norm`) when no hook reads the vector."""
         W, b = getattr(self, f"W_{name.upper()}"), getattr(self, f"b_{name.upper()}")
         h, d, e = W.shape
         y = (x @ W.transpose(0, 1).reshape(d, h * e)).unflatten(-1, (h, e))  # one matmul
@@ -142,9 +147,15 @@ class Attention(nn.Module):
             y = y + b
         norm, hook = getattr(self, f"{name}_norm"), getattr(self, f"hook_{name}")
         if norm is not None:
+            y = getattr(self, f"hook_{name}_pre_norm")(y)
+            if rope is not None and not hook.fns:
+                # nobody reads the vector between its norm and its rotation: one kernel call
+                # does both where the kernels run (`Norm.forward`)
+                return getattr(self, f"hook_rot_{name}")(norm.rotated(y, rope))
             # a hook on the vector gets it contiguous, as it always did (`.view` works on it)
-            y = norm(getattr(self, f"hook_{name}_pre_norm")(y), head_major and not hook.fns)
-        return hook(y)
+            y = norm(y, head_major and not hook.fns)
+        y = hook(y)
+        return y if rope is None else getattr(self, f"hook_rot_{name}")(rope(y))
 
     def forward(
         self,
@@ -162,17 +173,16 @@ class Attention(nn.Module):
         [batch, head, qpos, kpos]. `cache` holds keys/values of earlier steps (decoding),
         head-major: [batch, head, kpos, d_head].
         """
-        # Normalised q, k, v can come out of the norm kernel head-major, as attention reads
-        # them; q and k only without RoPE, whose kernel reads any layout and writes head-major.
-        q = self._project(x, "q", head_major=rope is None)
+        # q, k, v come out of the kernels head-major, as attention reads them: normalised v
+        # from the norm's; q and k from RoPE's, or from the norm's without RoPE, or from the
+        # norm's call that also rotates them (QK-Norm with RoPE).
+        q = self._project(x, "q", head_major=rope is None, rope=rope)
         if memory is not None and cache is not None and "k" in cache:
             k, v = cache["k"], cache["v"]
         else:
             source = x if memory is None else memory
-            k = self._project(source, "k", head_major=rope is None)
+            k = self._project(source, "k", head_major=rope is None, rope=rope)
             v = self._project(source, "v", head_major=True)
-            if rope is not None:
-                k = self.hook_rot_k(rope(k))
             # Keys/values go head-major, [batch, head, kpos, d_head], as the kernels read them;
             # the cache keeps them in that layout, so a decoding step appends to it and reads
             # it with no transposed copy.
@@ -181,8 +191,6 @@ class Attention(nn.Module):
                 k, v = append_kv(cache, k, v)
             elif cache is not None:
                 cache["k"], cache["v"] = k, v = k.contiguous(), v.contiguous()
-        if rope is not None:
-            q = self.hook_rot_q(rope(q))
         q = q.transpose(1, 2)  # [batch, head, qpos, d_head]
         scale = self.scale.to(q.dtype)
         p_drop = self.dropout if self.training else 0.0

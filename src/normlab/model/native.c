@@ -321,15 +321,17 @@ static inline void rope_rows(const float *x, int64_t xb, int64_t xt, int64_t xh,
                              const float *cs, const float *sn, float *y, int64_t yb, int64_t yt,
                              int64_t yh, int64_t s, int64_t e, int64_t T, int64_t H, int64_t D,
                              int transposed) {
-  const int64_t h = D / 2;
-  int64_t b = s / T, t = s % T; /* row n = b * T + t, stepped on without a division per row */
+  /* x and y point at row s (its first head): rows are found relative to it, so a caller can
+   * hand a block's scratch copy as x (nl_norm_rope_*) */
+  const int64_t h = D / 2, b0 = s / T, t0 = s % T;
+  int64_t b = b0, t = t0; /* row n = b * T + t, stepped on without a division per row */
   for (int64_t n = s; n < e; ++n) {
     const float *c = cs + n * D, *sin2 = sn + n * D;
     /* the sin2 entries multiplying x[i + h] (into y[i]) and x[i] (into y[i + h]) */
     const float *s_lo = transposed ? sin2 : sin2 + h, *s_hi = transposed ? sin2 + h : sin2;
     for (int64_t k = 0; k < H; ++k) {
-      const float *r = x + b * xb + t * xt + k * xh;
-      float *o = y + b * yb + t * yt + k * yh;
+      const float *r = x + (b - b0) * xb + (t - t0) * xt + k * xh;
+      float *o = y + (b - b0) * yb + (t - t0) * yt + k * yh;
       int64_t i = 0;
 #if HAVE_ROWS8
       if (xd == 1) /* eight pairs at a time: the same products and sums, in AVX registers */
@@ -364,16 +366,105 @@ void nl_rope(const float *x, int64_t xb, int64_t xt, int64_t xh, int64_t xd, con
   {
     int64_t s, e;
     my_rows(B * T, &s, &e);
-    /* contiguous rows get copies with the inner stride (and d_head 16) known, to vectorise */
-    if (xd == 1 && D == 16)
-      rope_rows(x, xb, xt, xh, 1, cs, sn, y, yb, yt, yh, s, e, T, H, 16, transposed);
-    else if (xd == 1) rope_rows(x, xb, xt, xh, 1, cs, sn, y, yb, yt, yh, s, e, T, H, D, transposed);
-    else rope_rows(x, xb, xt, xh, xd, cs, sn, y, yb, yt, yh, s, e, T, H, D, transposed);
+    if (s < e) {
+      const float *xs = x + (s / T) * xb + (s % T) * xt;
+      float *ys = y + (s / T) * yb + (s % T) * yt;
+      /* contiguous rows get copies with the inner stride (and d_head 16) known, to vectorise */
+      if (xd == 1 && D == 16)
+        rope_rows(xs, xb, xt, xh, 1, cs, sn, ys, yb, yt, yh, s, e, T, H, 16, transposed);
+      else if (xd == 1)
+        rope_rows(xs, xb, xt, xh, 1, cs, sn, ys, yb, yt, yh, s, e, T, H, D, transposed);
+      else rope_rows(xs, xb, xt, xh, xd, cs, sn, ys, yb, yt, yh, s, e, T, H, D, transposed);
+    }
   }
 }
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
+
+/* ---------------------------------------------------------------------------------------------
+ * QK-Norm then RoPE, as QK/QKV-Norm with RoPE computes q and k: y = R(N(x)) on x [B, T, H, D]
+ * (contiguous; rows of D floats, H rows to a position), and its backward
+ * gx = N'^T(R^T gy). Separately these are two kernel calls, each a pass over the tensor and,
+ * under autograd, a Python Function; here one call normalises a block of a position's rows
+ * into a scratch block that stays in L1, then rotates it into y (y written through its
+ * strides, as nl_rope's). The block routines are the norm's and RoPE's own, so the results
+ * are bitwise those of the two calls in turn wherever both split rows into the same blocks of
+ * eight (one thread, always); with several threads a few rows' sums may round differently.
+ * The backward rotates a block of gy back into the scratch and runs the norm's backward on it.
+ * H * D <= FUSE_MAX_ROW floats (native.py checks).
+ */
+#define FUSE_SCRATCH 8192 /* floats: 32 KB of scratch a thread */
+#define FUSE_MAX_ROW 1024 /* H * D, so that a block holds at least eight positions */
+
+int nl_fuse_max_row(void) { return FUSE_MAX_ROW; }
+
+/* positions a block holds: a multiple of 8, so its H * G rows come in whole eights */
+static inline int64_t fuse_block(int64_t H, int64_t D) {
+  return FUSE_SCRATCH / (H * D) / 8 * 8;
+}
+
+void nl_norm_rope_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
+                      float *rstd, int64_t B, int64_t T, int64_t H, int64_t D, int center,
+                      float eps, const float *cs, const float *sn, int64_t yb, int64_t yt,
+                      int64_t yh, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    float scratch[FUSE_SCRATCH];
+    const int64_t G = fuse_block(H, D);
+    int64_t s, e;
+    my_rows(B * T, &s, &e);
+    rowwalk none = walk_at((rowmap){1, 1, D, 0, 0}, 0);
+    for (int64_t g = s; g < e; g += G) {
+      const int64_t ge = g + G < e ? g + G : e, r0 = g * H;
+      fwd_part(x + r0 * D, w, b, scratch, mean + r0, rstd + r0, 0, (ge - g) * H, D, center,
+               eps, &none, 0);
+      float *ys = y + (g / T) * yb + (g % T) * yt;
+      if (D == 16)
+        rope_rows(scratch, T * H * 16, H * 16, 16, 1, cs, sn, ys, yb, yt, yh, g, ge, T, H, 16, 0);
+      else rope_rows(scratch, T * H * D, H * D, D, 1, cs, sn, ys, yb, yt, yh, g, ge, T, H, D, 0);
+    }
+  }
+}
+
+/* gy read through its strides (gsb, gst, gsh, gsd); gw, gb as nl_norm_bwd's */
+void nl_norm_rope_bwd(const float *gy, int64_t gsb, int64_t gst, int64_t gsh, int64_t gsd,
+                      const float *x, const float *w, const float *mean, const float *rstd,
+                      float *gx, float *gw, float *gb, int64_t B, int64_t T, int64_t H, int64_t D,
+                      int center, const float *cs, const float *sn, int nthreads) {
+  int used = 1;
+  memset(gw, 0, sizeof(float) * D * nthreads);
+  memset(gb, 0, sizeof(float) * D * nthreads);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    float scratch[FUSE_SCRATCH];
+    const int64_t G = fuse_block(H, D);
+    int64_t s, e, t = 0;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    if (t == 0) used = omp_get_num_threads();
+#endif
+    my_rows(B * T, &s, &e);
+    float *tw = gw + t * D, *tb = gb + t * D;
+    rowwalk none = walk_at((rowmap){1, 1, D, 0, 0}, 0);
+    for (int64_t g = s; g < e; g += G) {
+      const int64_t ge = g + G < e ? g + G : e, r0 = g * H;
+      const float *gs = gy + (g / T) * gsb + (g % T) * gst;
+      if (gsd == 1)
+        rope_rows(gs, gsb, gst, gsh, 1, cs, sn, scratch, T * H * D, H * D, D, g, ge, T, H, D, 1);
+      else rope_rows(gs, gsb, gst, gsh, gsd, cs, sn, scratch, T * H * D, H * D, D, g, ge, T, H, D,
+                     1);
+      bwd_part(scratch, x + r0 * D, w, mean + r0, rstd + r0, gx + r0 * D, tw, tb, 0,
+               (ge - g) * H, D, center, &none, 0);
+    }
+  }
+  for (int t = 1; t < used; ++t)
+    for (int64_t j = 0; j < D; ++j) {
+      gw[j] += gw[t * D + j];
+      gb[j] += gb[t * D + j];
+    }
+}
 
 /* ---------------------------------------------------------------------------------------------
  * Attention of one query per row over T keys: a decoding step, where ATen's path is five ops

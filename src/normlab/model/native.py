@@ -73,6 +73,9 @@ MAX_GRAD_WIDTH = 32
 # step of 256 prompts) 1.10-1.11x and 1.25-1.28x, and 1.1-4.9x beyond (Intel Xeon, 1-2
 # threads: benchmarks/probes/native_rope_size.py, results_session17/native_rope_size_*.txt).
 ROPE_MIN_ELEMENTS = 16384
+# Widest position (H * D floats: heads x head width) the fused QK-Norm + RoPE call takes: its
+# scratch block holds eight positions (native.c's FUSE_MAX_ROW).
+FUSE_MAX_ROW = 1024
 
 
 KERNELS = ("norm", "rope", "attn")
@@ -204,9 +207,14 @@ def _load() -> ctypes.CDLL | None:
         lib.nl_rope.argtypes = [p, *[i64] * 4, p, p, p, *[i64] * 3, *[i64] * 4, i32, i32]
         lib.nl_attn1.argtypes = [p, i64, i64, p, *[i64] * 3, p, *[i64] * 3, p, p, i64, i64, p,
                                  *[i64] * 5, i32]
+        lib.nl_norm_rope_fwd.argtypes = [p, p, p, p, p, p, *[i64] * 4, i32, ctypes.c_float,
+                                         p, p, *[i64] * 3, i32]
+        lib.nl_norm_rope_bwd.argtypes = [p, *[i64] * 4, p, p, p, p, p, p, p, *[i64] * 4, i32,
+                                         p, p, i32]
         lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = lib.nl_rope.restype = None
-        lib.nl_attn1.restype = None
+        lib.nl_attn1.restype = lib.nl_norm_rope_fwd.restype = lib.nl_norm_rope_bwd.restype = None
         lib.nl_has_rows8.restype = lib.nl_attn_max_keys.restype = ctypes.c_int
+        lib.nl_fuse_max_row.restype = ctypes.c_int
         _lib, built_with = lib, flags
         return _lib
     warnings.warn(
@@ -290,18 +298,28 @@ def _strided_rows(t: torch.Tensor) -> bool:
 
 def _forward(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, center: bool,
-    head_major: bool = False,
+    head_major: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: contiguous [..., D] -> (y, mean [N], rstd [N]); y is [..., D], or with `head_major`
-    (x [B, T, H, D]) the contiguous [B, H, T, D] tensor whose `.transpose(1, 2)` is the norm."""
+    (x [B, T, H, D]) the contiguous [B, H, T, D] tensor whose `.transpose(1, 2)` is the norm;
+    with `rope` tables (cos, sin2), head-major and rotated (`norm_rope_applies` holds)."""
     d = x.shape[-1]
     n = x.numel() // d
     y = x.new_empty(x.shape[0], x.shape[2], x.shape[1], d) if head_major else torch.empty_like(x)
     mean, rstd = x.new_empty(n), x.new_empty(n)
+    bias = None if b is None else b.data_ptr()
+    if rope is not None:
+        bt, t, h, _ = x.shape
+        yb, yt, yh, _ = y.transpose(1, 2).stride()
+        _kernel().nl_norm_rope_fwd(
+            x.data_ptr(), w.data_ptr(), bias, y.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+            bt, t, h, d, int(center), eps, rope[0].data_ptr(), rope[1].data_ptr(), yb, yt, yh,
+            min(_threads(n), bt * t),  # threads split the B * T positions
+        )  # fmt: skip
+        return y, mean, rstd
     _kernel().nl_norm_fwd(
-        x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-        mean.data_ptr(), rstd.data_ptr(), n, d, int(center), eps, _threads(n),
-        *_rows(y.transpose(1, 2) if head_major else y),
+        x.data_ptr(), w.data_ptr(), bias, y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), n, d,
+        int(center), eps, _threads(n), *_rows(y.transpose(1, 2) if head_major else y),
     )  # fmt: skip
     return y, mean, rstd
 
@@ -320,7 +338,7 @@ def torch_norm(
 class _NormFn(torch.autograd.Function):
     """With `head_major` it returns the contiguous [B, H, T, D] tensor, and `norm` transposes
     it outside (as `_RopeFn`: a view made inside a Function could not be changed in place by a
-    hook)."""
+    hook). With RoPE tables (cos, sin2) it is QK-Norm then RoPE in one kernel call each way."""
 
     @staticmethod
     def forward(
@@ -331,17 +349,21 @@ class _NormFn(torch.autograd.Function):
         eps: float,
         center: bool,
         head_major: bool,
+        cos: torch.Tensor | None,
+        sin2: torch.Tensor | None,
     ) -> torch.Tensor:
-        y, mean, rstd = _forward(x, w, b, eps, center, head_major)
-        ctx.save_for_backward(x, w, b, mean, rstd)
+        rope = None if cos is None or sin2 is None else (cos, sin2)
+        y, mean, rstd = _forward(x, w, b, eps, center, head_major, rope)
+        ctx.save_for_backward(x, w, b, mean, rstd, cos, sin2)
         ctx.eps, ctx.center, ctx.head_major = eps, center, head_major  # type: ignore[attr-defined]
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, w, b, mean, rstd = ctx.saved_tensors
+        x, w, b, mean, rstd, cos, sin2 = ctx.saved_tensors
         if ctx.head_major:
             gy = gy.transpose(1, 2)  # x's layout, [B, T, H, D], whatever its strides
+        rest = (None, None, None, None, None)  # eps, center, head_major, cos, sin2
         if torch.is_grad_enabled() or not _plain(gy):
             # create_graph=True (double backward, e.g. a gradient penalty), or a batched
             # gradient C cannot read: take the gradient through torch's ops, which are
@@ -349,12 +371,24 @@ class _NormFn(torch.autograd.Function):
             with torch.enable_grad():
                 ins = [t for t in (x, w, b) if t is not None]
                 y = torch_norm(x, w, b, ctx.eps, ctx.center)
+                if cos is not None:
+                    y = torch_rope(y, cos, sin2)
                 gs = torch.autograd.grad(y, ins, gy, create_graph=True, allow_unused=True)
-            return (*gs, *([None] if b is None else []), None, None, None)
-        # QKV-Norm's v gradient comes back head-major from attention's matmul: read in place
-        g = gy if _strided_rows(gy) else gy.contiguous()
+            return (*gs, *([None] if b is None else []), *rest)
         d = x.shape[-1]
         n = x.numel() // d
+        if cos is not None:  # the rotation undone block by block, inside the kernel
+            bt, tt, h, _ = x.shape
+            t = min(_threads(n), bt * tt)
+            gx, gw, gb = torch.empty_like(x), x.new_empty(t, d), x.new_empty(t, d)
+            _kernel().nl_norm_rope_bwd(
+                gy.data_ptr(), *gy.stride(), x.data_ptr(), w.data_ptr(), mean.data_ptr(),
+                rstd.data_ptr(), gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), bt, tt, h, d,
+                int(ctx.center), cos.data_ptr(), sin2.data_ptr(), t,
+            )  # fmt: skip
+            return gx, gw[0], None if b is None else gb[0], *rest
+        # QKV-Norm's v gradient comes back head-major from attention's matmul: read in place
+        g = gy if _strided_rows(gy) else gy.contiguous()
         t = _threads(n)
         # a strided gy just copied into g is held by nobody else: gx overwrites it
         gx = g if g is not gy else torch.empty_like(x)
@@ -363,12 +397,12 @@ class _NormFn(torch.autograd.Function):
             g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
             gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), n, d, int(ctx.center), t, *_rows(g),
         )  # fmt: skip
-        return gx, gw[0], None if b is None else gb[0], None, None, None
+        return gx, gw[0], None if b is None else gb[0], *rest
 
 
 def norm(
     x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None, eps: float, center: bool,
-    head_major: bool = False,
+    head_major: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """LayerNorm (`center`) or RMSNorm over the last dim, as F.layer_norm / F.rms_norm.
 
@@ -377,20 +411,38 @@ def norm(
     [B, T, H, D] (per-head QK/QKV-Norm), the result is a [B, T, H, D] view of a contiguous
     [B, H, T, D] tensor, the layout attention's matmuls read, so `.transpose(1, 2)` hands
     them q, k or v without a copy (and their gradient comes back without one).
+    With `rope` tables (cos, sin2, as `rope` takes them) the result is also rotated, as
+    `rope(norm(x), cos, sin2)`, head-major, in one kernel call each way (QK-Norm then RoPE);
+    callers check `norm_rope_applies` (`Norm` does, and calls the two otherwise).
     """
     if head_major and x.ndim != 4:
         raise ValueError(f"native.norm: head_major expects x [B, T, H, D], got {tuple(x.shape)}")
+    if rope is not None:
+        if not (norm_applies(x, gain) and norm_rope_applies(x, *rope)):
+            raise ValueError(
+                "native.norm: with rope, expected what norm_applies and rope_applies take and "
+                f"H * D <= {FUSE_MAX_ROW}; got x {tuple(x.shape)}, gain {tuple(gain.shape)}, "
+                f"cos {tuple(rope[0].shape)}, sin2 {tuple(rope[1].shape)}"
+            )
+        head_major = True  # as RoPE's kernel writes q and k
     d = x.shape[-1] if x.ndim else 0
     ok = [t is None or (_plain(t) and t.shape == (d,)) for t in (gain, bias)]
     if not (d and _plain(x) and all(ok)):
         return torch_norm(x, gain, bias, eps, center)
     x, gain = x.contiguous(), gain.contiguous()
     bias = None if bias is None else bias.contiguous()
+    cos, sin2 = (None, None) if rope is None else rope
     if _needs_grad(x, gain, bias):
-        y = _NormFn.apply(x, gain, bias, eps, center, head_major)
+        y = _NormFn.apply(x, gain, bias, eps, center, head_major, cos, sin2)
     else:
-        y = _forward(x, gain, bias, eps, center, head_major)[0]
+        y = _forward(x, gain, bias, eps, center, head_major, rope)[0]
     return y.transpose(1, 2) if head_major else y
+
+
+def norm_rope_applies(x: torch.Tensor, cos: torch.Tensor, sin2: torch.Tensor) -> bool:
+    """Whether `norm(..., rope=(cos, sin2))` takes these, given that `norm_applies` does: RoPE's
+    kernel takes them (`rope_applies`) and a position's H * D floats fit FUSE_MAX_ROW."""
+    return rope_applies(x, cos, sin2) and x.shape[2] * x.shape[3] <= FUSE_MAX_ROW
 
 
 # --------------------------------------------------------------------------- RoPE

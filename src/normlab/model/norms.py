@@ -13,6 +13,7 @@ from torch import nn
 from normlab.model import native
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
+from normlab.model.positions import Rope
 
 
 class Norm(nn.Module):
@@ -38,6 +39,14 @@ class Norm(nn.Module):
         """`head_major` (x [B, T, H, D]): where the CPU kernel runs, the result is a view of
         head-major memory, which attention reads without a copy (`native.norm`); elsewhere it
         changes nothing."""
+        return self._norm(x, head_major, None)
+
+    def rotated(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """`rope(self(x))`, QK-Norm then RoPE: one kernel call where both kernels would run
+        (`native.norm_rope_applies`), one pass over q or k each way instead of two."""
+        return self._norm(x, False, rope)
+
+    def _norm(self, x: torch.Tensor, head_major: bool, rope: Rope | None) -> torch.Tensor:
         if not (self.hook_scale.fns or self.hook_normalized.fns):
             # fused kernels when nobody reads the scale: same numbers to ~1e-7, 3-7x faster;
             # on CPU, normlab's own kernel where it is built (native.py: why and how)
@@ -47,15 +56,21 @@ class Norm(nn.Module):
             # Proxy is no Tensor)
             if (isinstance(x, torch.Tensor) and x.numel() >= self.native_min
                     and native.norm_applies(x, gain)):
-                return native.norm(x, gain, self.b, self.eps, center, head_major)
-            return native.torch_norm(x, gain, self.b, self.eps, center)
-        if self.kind == "layer":
-            x = x - x.mean(-1, keepdim=True)
-        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        y = x / scale * ((1.0 + self.w) if self.gain_offset else self.w)
-        if self.b is not None:
-            y = y + self.b
-        return self.hook_normalized(y)
+                if rope is not None and native.norm_rope_applies(x, rope.cos, rope.sin):
+                    return native.norm(x, gain, self.b, self.eps, center,
+                                       rope=(rope.cos, rope.sin))
+                y = native.norm(x, gain, self.b, self.eps, center, head_major)
+            else:
+                y = native.torch_norm(x, gain, self.b, self.eps, center)
+        else:
+            if self.kind == "layer":
+                x = x - x.mean(-1, keepdim=True)
+            scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+            y = x / scale * ((1.0 + self.w) if self.gain_offset else self.w)
+            if self.b is not None:
+                y = y + self.b
+            y = self.hook_normalized(y)
+        return y if rope is None else rope(y)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, dim={self.w.shape[0]}, eps={self.eps}"
