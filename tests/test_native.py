@@ -788,10 +788,12 @@ def test_norm_rope_is_bitwise_the_two_kernels(shape: tuple[int, int, int, int], 
                                               n_threads: int, threads: None,
                                               fuse_any_size: None) -> None:
     """The fused call's forward, and the gradients of x, gain and bias for a gradient in each
-    layout it meets, equal the norm kernel then RoPE's bit for bit: the same block routines.
-    128 x 17 positions fill several scratch blocks; 3 x 37 x 5 rows leave a tail after the
-    last eight and split unevenly over two threads; d_head 24 and 6 take the generic eight-row
-    loop and the per-row loops of both kernels. Written head-major, as RoPE's kernel writes."""
+    layout it meets, equal the norm kernel then RoPE's bit for bit: the same block routines,
+    and here the same split of rows over threads (128 x 17 positions split at the same row
+    on two threads; the smaller shapes run on one). 128 x 17 positions fill several scratch
+    blocks; 3 x 37 x 5 rows leave a tail after the last eight; d_head 24 and 6 take the
+    generic eight-row loop and the per-row loops of both kernels. Written head-major, as
+    RoPE's kernel writes."""
     torch.set_num_threads(n_threads)
     torch.manual_seed(0)
     b, p, h, d = shape
@@ -817,6 +819,30 @@ def test_norm_rope_is_bitwise_the_two_kernels(shape: tuple[int, int, int, int], 
     with torch.no_grad():  # inference: the same numbers without the Function
         assert torch.equal(norm_then_rope(x, w, None, center, rope, fused=True),
                            norm_then_rope(x, w, None, center, rope, fused=False))
+
+
+@pytest.mark.parametrize("shape", [(129, 17, 4, 16), (131, 17, 3, 24)])
+def test_norm_rope_split_apart_over_threads_equals_to_rounding(
+    shape: tuple[int, int, int, int], threads: None
+) -> None:
+    """On two threads the fused call splits positions, the two calls split rows: 129 x 17
+    positions put the split four rows apart, so a few rows and the gain sums round
+    differently. Still the same numbers to float32 rounding (and a fixed result either way)."""
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    b, p, h, d = shape
+    rope = rope_tables(b, p, d)
+    x = (torch.randn(shape) * 3 + 1).requires_grad_()
+    w, bias = torch.randn(d, requires_grad=True), torch.randn(d, requires_grad=True)
+    assert native._threads(b * p * h) == 2
+    gy = torch.randn(shape)
+    outs = []
+    for fused in (True, False, True):
+        y = norm_then_rope(x, w, bias, True, rope, fused)
+        outs.append([y, *torch.autograd.grad(y, (x, w, bias), gy)])
+    for got, want, again in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(got, again)
 
 
 def test_norm_rope_double_backward_goes_through_torch_ops(fuse_any_size: None) -> None:

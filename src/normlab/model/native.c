@@ -390,8 +390,9 @@ void nl_rope(const float *x, int64_t xb, int64_t xt, int64_t xh, int64_t xd, con
  * under autograd, a Python Function; here one call normalises a block of a position's rows
  * into a scratch block that stays in L1, then rotates it into y (y written through its
  * strides, as nl_rope's). The block routines are the norm's and RoPE's own, so the results
- * are bitwise those of the two calls in turn wherever both split rows into the same blocks of
- * eight (one thread, always); with several threads a few rows' sums may round differently.
+ * are bitwise those of the two calls in turn wherever threads split the rows at the same
+ * places (one thread, always): threads here split positions, the norm call splits rows, and
+ * where those differ a few rows near the split, and the gain sums, round differently.
  * The backward rotates a block of gy back into the scratch and runs the norm's backward on it.
  * H * D <= FUSE_MAX_ROW floats (native.py checks).
  */
