@@ -259,3 +259,28 @@ def test_bad_config_is_a_one_line_error(kwargs: dict, field: str) -> None:
 def test_unknown_field_from_dict() -> None:
     with pytest.raises(ValueError, match="unknown field 'd_modle'"):
         ModelConfig.from_dict({"d_modle": 3})
+
+
+def test_dropout_only_where_it_drops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout modules run only in training with p > 0 (where they draw masks); in eval mode
+    or with p = 0 they are skipped, which torch's dropout would return x for anyway: the same
+    output, and no random numbers drawn."""
+    calls: list[int] = []
+    forward = torch.nn.Dropout.forward
+    monkeypatch.setattr(torch.nn.Dropout, "forward",
+                        lambda self, x: calls.append(1) or forward(self, x))
+    tokens = torch.randint(0, 16, (4, 9))
+    torch.manual_seed(0)
+    model = build_model(tiny(n_layers=2, dropout=0.5)).train()
+    a, b = model(tokens), model(tokens)
+    assert len(calls) == 2 * (1 + 2 * 2) and not torch.equal(a, b)  # embed + 2 a block
+    calls.clear()
+    model.eval()
+    assert torch.equal(model(tokens), model(tokens)) and not calls
+    torch.manual_seed(0)
+    plain = build_model(tiny(n_layers=2, dropout=0.0)).train()
+    rng = torch.get_rng_state()
+    y = plain(tokens)
+    assert not calls and torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(plain.eval()(tokens), y)
+

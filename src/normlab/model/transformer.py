@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from normlab.model.block import PLACEMENTS, Block
+from normlab.model.block import PLACEMENTS, Block, dropped
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookedModule, HookPoint
 from normlab.model.norms import make_norm
@@ -120,7 +120,7 @@ class Stack(nn.Module):
                 )
             x = x + self.hook_aux_embed(lookup(self.W_aux, aux, "aux"))
         rope = self.rotary(positions) if self.rotary is not None else None
-        x = self.drop(x)
+        x = dropped(self.drop, x)
         mask = self._self_mask(b, p, past, key_mask, tokens.device)
         if segments is not None:  # block-diagonal: causal within each packed problem
             mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
