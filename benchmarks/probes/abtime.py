@@ -1,8 +1,11 @@
 """A/B timing for probes (one switch flipped off and on, alternating, in one process), and the
 set-ups several probes time. Probes put `benchmarks/` on sys.path before importing this."""
 import statistics as st
+import sys
 import time
 from collections.abc import Callable
+
+import torch
 
 from bench_collapse import SEED, SIGMA, eval_data, naive_sweep, random_model
 from normlab.analysis.collapse import (
@@ -13,7 +16,17 @@ from normlab.analysis.collapse import (
 )
 from normlab.analysis.data import chunk_copies
 from normlab.config import RunConfig
+from normlab.model import native
 from normlab.tasks.addition import eval_sets, make_prompts, max_lengths
+
+
+def threads_from_argv(usage: str) -> None:
+    """A probe's one optional argument, THREADS (default 1): set torch's thread count and print
+    it with the kernels that run; anything else exits with the usage line."""
+    if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
+        sys.exit(f"usage: {usage} [THREADS]")
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
 
 
 def ab(label: str, switch: Callable[[bool], None], fn: Callable[[], object], inner: int,

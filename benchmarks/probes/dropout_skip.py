@@ -15,18 +15,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import ab, n5d1_prompts
+from abtime import ab, n5d1_prompts, threads_from_argv
 
 from bench_train_step import base_config, model_config
 from normlab import build_model
-from normlab.model import block, native, transformer
+from normlab.model import block, transformer
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import aux_positions, next_aux_position
 
-if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
-    sys.exit("usage: dropout_skip.py [THREADS]")
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
+threads_from_argv("dropout_skip.py")
 skip = block.dropped
 
 
