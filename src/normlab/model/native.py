@@ -17,6 +17,15 @@ pass with the very same products and sums, so its results are bitwise torch's
 a layout copy. `Rope` takes it whenever `rope_applies`; what it buys is measured in
 docs/performance.md (seventeenth session).
 
+QK-Norm then RoPE. With QK/QKV-Norm and RoPE, q and k are normalised and then rotated: two
+kernel calls, each a pass over the tensor and, under autograd, a Python Function. `norm(...,
+rope=(cos, sin2))` does both in one call each way: the norm's own block routine normalises a
+block of positions into an L1-sized scratch, RoPE's rotates it into the head-major output, and
+the backward undoes the rotation block by block before the norm's backward. The results are
+bitwise those of the two calls (tests/test_native.py). `Attention` takes it for q and k when
+no hook reads them between the norm and the rotation (`Norm.rotated`); it saves 2-3% of a
+`qk`/`qkv` training step (docs/performance.md, nineteenth session).
+
 Decoding attention. A cached decoding step attends with one query a row; ATen's explicit path
 is five ops (two batched matmuls of one row each, a bias, a scale, a softmax), each paying
 per-row overhead on rows of ~20 keys. The kernel makes one pass per row, reading the cache's
