@@ -283,4 +283,8 @@ def test_dropout_only_where_it_drops(monkeypatch: pytest.MonkeyPatch) -> None:
     y = plain(tokens)
     assert not calls and torch.equal(torch.get_rng_state(), rng)
     assert torch.equal(plain.eval()(tokens), y)
+    seen: list[int] = []  # a PyTorch hook on a dropout module still sees its call
+    plain.blocks[0].drop.register_forward_hook(lambda m, a, out: seen.append(1))
+    plain(tokens)
+    assert len(seen) == 2  # attention's and the MLP's
 

@@ -949,6 +949,55 @@ def test_a_hook_between_norm_and_rotation_sees_the_vector_unrotated() -> None:
         assert torch.equal(out, zero_q)
 
 
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_attention_hooks_fire_in_their_usual_order(placement: str) -> None:
+    """q's, k's and v's hooks fire in the order they always did, whether the norm and RoPE run
+    apart (every point hooked) or as one call (only the rotations and v hooked)."""
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=1, norm_placement=placement,
+                      pos_encoding="rope", max_len=24)
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (256, 17))  # the fused call's sizes
+    fired: list[str] = []
+
+    def order(names: list[str]) -> list[str]:
+        fired.clear()
+        hooks = [(f"blocks.0.attn.{n}", lambda t, hook: fired.append(hook.name.split(".")[-1]))
+                 for n in names]
+        with torch.no_grad():
+            model.run_with_hooks(tokens, fwd_hooks=hooks)
+        return list(fired)
+
+    pre = [f"hook_{n}_pre_norm" for n in "qkv"] if placement == "qkv" else []
+    every = [*pre, "hook_q", "hook_k", "hook_v", "hook_rot_k", "hook_rot_q"]
+    want = ([pre[0], "hook_q", pre[1], "hook_k", pre[2], "hook_v", "hook_rot_k", "hook_rot_q"]
+            if pre else ["hook_q", "hook_k", "hook_v", "hook_rot_k", "hook_rot_q"])
+    assert order(every) == want
+    assert order(["hook_rot_q", "hook_v", "hook_rot_k"]) == ["hook_v", "hook_rot_k", "hook_rot_q"]
+
+
+def test_pytorch_hooks_on_a_head_norm_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`register_forward_hook` / `register_forward_pre_hook` on `q_norm` / `k_norm` see the
+    norm's call, and what they change is used, as without the fused call."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=1, norm_placement="qk",
+                      pos_encoding="rope", max_len=24)
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (256, 17))
+    attn, seen = model.blocks[0].attn, []
+    handles = [attn.q_norm.register_forward_hook(lambda m, a, out: seen.append(out.shape)),
+               attn.k_norm.register_forward_pre_hook(lambda m, a: (a[0] * 0, *a[1:]))]
+    with torch.no_grad():
+        hooked = model(tokens)
+        assert len(seen) == 1
+        applies = native.norm_rope_applies
+        monkeypatch.setattr(native, "norm_rope_applies", lambda *a: False)
+        assert torch.equal(model(tokens), hooked)  # the two calls, the same hooks
+        for h in handles:
+            h.remove()
+        monkeypatch.setattr(native, "norm_rope_applies", applies)
+        assert not torch.equal(model(tokens), hooked)  # the pre-hook had changed k
+
+
 # --------------------------------------------------------------------------- decoding attention
 
 

@@ -23,8 +23,9 @@ from normlab.tasks.addition import eval_sets, make_prompts, max_lengths
 def threads_from_argv(usage: str) -> None:
     """A probe's one optional argument, THREADS (default 1): set torch's thread count and print
     it with the kernels that run; anything else exits with the usage line."""
-    if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
-        sys.exit(f"usage: {usage} [THREADS]")
+    if len(sys.argv) > 2 or (len(sys.argv) == 2 and not (sys.argv[1].isdigit()
+                                                          and int(sys.argv[1]) >= 1)):
+        sys.exit(f"usage: {usage} [THREADS], THREADS >= 1")
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
     print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
 

@@ -138,8 +138,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, name: str, head_major: bool = False, rope: Rope | None = None
     ) -> torch.Tensor:
         """x [batch, pos, d_model] -> [batch, pos, head, d_head], normalised if configured,
-        then rotated by `rope` if given; `head_major` asks the norm for head-major memory (a
-        view; `native.norm`) when no hook reads the vector."""
+        then rotated by `rope` if given (its `hook_rot_*` is the caller's, so that hooks fire
+        in their usual order); `head_major` asks the norm for head-major memory (a view;
+        `native.norm`) when no hook reads the vector."""
         W, b = getattr(self, f"W_{name.upper()}"), getattr(self, f"b_{name.upper()}")
         h, d, e = W.shape
         y = (x @ W.transpose(0, 1).reshape(d, h * e)).unflatten(-1, (h, e))  # one matmul
@@ -151,11 +152,11 @@ class Attention(nn.Module):
             if rope is not None and not hook.fns:
                 # nobody reads the vector between its norm and its rotation: one kernel call
                 # does both where the kernels run (`Norm.forward`)
-                return getattr(self, f"hook_rot_{name}")(norm.rotated(y, rope))
+                return norm.rotated(y, rope)
             # a hook on the vector gets it contiguous, as it always did (`.view` works on it)
             y = norm(y, head_major and not hook.fns)
         y = hook(y)
-        return y if rope is None else getattr(self, f"hook_rot_{name}")(rope(y))
+        return y if rope is None else rope(y)
 
     def forward(
         self,
@@ -183,6 +184,8 @@ class Attention(nn.Module):
             source = x if memory is None else memory
             k = self._project(source, "k", head_major=rope is None, rope=rope)
             v = self._project(source, "v", head_major=True)
+            if rope is not None:
+                k = self.hook_rot_k(k)
             # Keys/values go head-major, [batch, head, kpos, d_head], as the kernels read them;
             # the cache keeps them in that layout, so a decoding step appends to it and reads
             # it with no transposed copy.
@@ -191,6 +194,8 @@ class Attention(nn.Module):
                 k, v = append_kv(cache, k, v)
             elif cache is not None:
                 cache["k"], cache["v"] = k, v = k.contiguous(), v.contiguous()
+        if rope is not None:
+            q = self.hook_rot_q(q)
         q = q.transpose(1, 2)  # [batch, head, qpos, d_head]
         scale = self.scale.to(q.dtype)
         p_drop = self.dropout if self.training else 0.0

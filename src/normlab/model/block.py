@@ -32,7 +32,7 @@ from torch import nn
 
 from normlab.model.attention import Attention
 from normlab.model.config import ModelConfig
-from normlab.model.hooks import HookPoint
+from normlab.model.hooks import HookPoint, torch_hooked
 from normlab.model.mlp import MLP
 from normlab.model.norms import Norm, make_norm
 from normlab.model.positions import Rope
@@ -72,9 +72,10 @@ def residual(
 
 def dropped(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     """`drop(x)`, skipped where it is the identity (eval mode, or p = 0, where torch's dropout
-    returns x and draws no random numbers): a module call and `F.dropout` for nothing cost
-    ~4 µs, nine of them 4% of a batch-1 forward (docs/performance.md, nineteenth session)."""
-    return drop(x) if drop.training and drop.p else x
+    returns x and draws no random numbers) and no PyTorch hook is registered on it: a module
+    call and `F.dropout` for nothing cost ~4 µs, nine of them 4% of a batch-1 forward
+    (docs/performance.md, nineteenth session)."""
+    return drop(x) if (drop.training and drop.p) or torch_hooked(drop) else x
 
 
 class Block(nn.Module):

@@ -39,6 +39,18 @@ class HookPoint(nn.Module):
         return self.name
 
 
+def torch_hooked(module: nn.Module) -> bool:
+    """Whether a call of `module` would run PyTorch's own hooks (`register_forward_hook` and
+    the like, on it or global), the test `nn.Module.__call__` makes. Shortcuts that skip a
+    module's call (a fused kernel, an idle dropout) take this as their cue to call it."""
+    from torch.nn.modules import module as m
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
 def _matcher(names_filter: NameFilter) -> Callable[[str], bool]:
     if names_filter is None:
         return lambda name: True

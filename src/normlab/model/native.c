@@ -330,8 +330,9 @@ static inline void rope_rows(const float *x, int64_t xb, int64_t xt, int64_t xh,
     /* the sin2 entries multiplying x[i + h] (into y[i]) and x[i] (into y[i + h]) */
     const float *s_lo = transposed ? sin2 : sin2 + h, *s_hi = transposed ? sin2 + h : sin2;
     for (int64_t k = 0; k < H; ++k) {
-      const float *r = x + (b - b0) * xb + (t - t0) * xt + k * xh;
-      float *o = y + (b - b0) * yb + (t - t0) * yt + k * yh;
+      /* the offset summed first: a scratch block's pointer never steps outside it */
+      const float *r = x + ((b - b0) * xb + (t - t0) * xt + k * xh);
+      float *o = y + ((b - b0) * yb + (t - t0) * yt + k * yh);
       int64_t i = 0;
 #if HAVE_ROWS8
       if (xd == 1) /* eight pairs at a time: the same products and sums, in AVX registers */

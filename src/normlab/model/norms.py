@@ -12,7 +12,7 @@ from torch import nn
 
 from normlab.model import native
 from normlab.model.config import ModelConfig
-from normlab.model.hooks import HookPoint
+from normlab.model.hooks import HookPoint, torch_hooked
 from normlab.model.positions import Rope
 
 
@@ -43,7 +43,10 @@ class Norm(nn.Module):
 
     def rotated(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """`rope(self(x))`, QK-Norm then RoPE: one kernel call where both kernels would run
-        (`native.norm_rope_applies`), one pass over q or k each way instead of two."""
+        (`native.norm_rope_applies`), one pass over q or k each way instead of two. PyTorch
+        hooks registered on this norm still see its call: with one, the two run apart."""
+        if torch_hooked(self):
+            return rope(self(x))
         return self._norm(x, False, rope)
 
     def _norm(self, x: torch.Tensor, head_major: bool, rope: Rope | None) -> torch.Tensor:
