@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
 NameFilter = str | Sequence[str] | Callable[[str], bool] | None
@@ -43,8 +44,7 @@ def torch_hooked(module: nn.Module) -> bool:
     """Whether a call of `module` would run PyTorch's own hooks (`register_forward_hook` and
     the like, on it or global), the test `nn.Module.__call__` makes. Shortcuts that skip a
     module's call (a fused kernel, an idle dropout) take this as their cue to call it."""
-    from torch.nn.modules import module as m
-
+    m = _torch_module
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or m._global_forward_hooks
                 or m._global_forward_pre_hooks or m._global_backward_hooks
