@@ -151,7 +151,7 @@ class Attention(nn.Module):
             y = getattr(self, f"hook_{name}_pre_norm")(y)
             if rope is not None and not hook.fns:
                 # nobody reads the vector between its norm and its rotation: one kernel call
-                # does both where the kernels run (`Norm.forward`)
+                # does both where the kernels run (`Norm.rotated`)
                 return norm.rotated(y, rope)
             # a hook on the vector gets it contiguous, as it always did (`.view` works on it)
             y = norm(y, head_major and not hook.fns)

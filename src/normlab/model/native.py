@@ -23,7 +23,7 @@ rope=(cos, sin2))` does both in one call each way: the norm's own block routine 
 block of positions into an L1-sized scratch, RoPE's rotates it into the head-major output, and
 the backward undoes the rotation block by block before the norm's backward. The results are
 bitwise those of the two calls (tests/test_native.py). `Attention` takes it for q and k when
-no hook reads them between the norm and the rotation (`Norm.rotated`); it saves 2-3% of a
+no hook reads them between the norm and the rotation (`Norm.rotated`); it saves 1-3% of a
 `qk`/`qkv` training step (docs/performance.md, nineteenth session).
 
 Decoding attention. A cached decoding step attends with one query a row; ATen's explicit path
