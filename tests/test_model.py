@@ -262,9 +262,9 @@ def test_unknown_field_from_dict() -> None:
 
 
 def test_dropout_only_where_it_drops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dropout modules run only in training with p > 0 (where they draw masks); in eval mode
-    or with p = 0 they are skipped, which torch's dropout would return x for anyway: the same
-    output, and no random numbers drawn."""
+    """Dropout modules run only in training with p > 0 (where they draw masks), or when a
+    PyTorch hook is registered on them; in eval mode or with p = 0 they are skipped, which
+    torch's dropout would return x for anyway: the same output, and no random numbers drawn."""
     calls: list[int] = []
     forward = torch.nn.Dropout.forward
     monkeypatch.setattr(torch.nn.Dropout, "forward",
