@@ -16,17 +16,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import ab
+from abtime import ab, threads_from_argv
 
 from normlab import ModelConfig
 from normlab.model import native
 from normlab.model.attention import Attention
 from normlab.model.positions import Rotary
 
-if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
-    sys.exit("usage: native_attn_size.py [THREADS]")
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
+threads_from_argv("native_attn_size.py")
 cfg = ModelConfig(d_model=64, n_heads=4, pos_encoding="rope")
 torch.manual_seed(0)
 attn = Attention(cfg, causal=True).eval()
