@@ -72,9 +72,9 @@ def residual(
 
 def dropped(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     """`drop(x)`, skipped where it is the identity (eval mode, or p = 0, where torch's dropout
-    returns x and draws no random numbers) and no PyTorch hook is registered on it: a module
-    call and `F.dropout` for nothing cost ~4 µs, nine of them 4% of a batch-1 forward
-    (docs/performance.md, nineteenth session)."""
+    returns x and draws no random numbers) and no PyTorch hook is registered on it: nine such
+    module calls and `F.dropout`s were 3-5% of a batch-1 forward
+    (`benchmarks/probes/dropout_skip.py`; docs/performance.md, nineteenth session)."""
     return drop(x) if (drop.training and drop.p) or torch_hooked(drop) else x
 
 
