@@ -38,9 +38,10 @@ class KVCache:
     def empty(cls, n_layers: int, capacity: int = 0) -> KVCache:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity: expected a number of positions >= 0, got {capacity!r}")
-        reserve = torch.tensor(capacity)
-        return cls([{"self": {"reserve": reserve}} if capacity else {} for _ in range(n_layers)],
-                   0)
+        if not capacity:
+            return cls([{} for _ in range(n_layers)], 0)
+        reserve = torch.tensor(capacity)  # one tensor, shared by every block's dict
+        return cls([{"self": {"reserve": reserve}} for _ in range(n_layers)], 0)
 
 
 class Embed(nn.Module):
