@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from normlab import io
+from normlab import allocator, io
+from normlab.allocator import keep_freed_memory
 from normlab.io import atomic_write_text, git_commit
 from normlab.model import native
 from normlab.stats import median_ci
@@ -77,6 +78,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def setup_threads(n: int) -> int:
+    """The process as the `normlab` command runs it: n torch threads, and glibc's malloc
+    keeping freed memory (`normlab.allocator`; `NORMLAB_MALLOC=default` to measure without)."""
+    keep_freed_memory()
     torch.set_num_threads(n)
     return torch.get_num_threads()
 
@@ -170,6 +174,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "threads": threads,
         "mkldnn": bool(torch.backends.mkldnn.is_available()),
         "native": native.describe(),  # normlab's CPU kernels (norms, RoPE), or why not
+        "malloc": allocator.describe(),  # glibc keeping freed memory (setup_threads) or not
         "git": git_commit(),  # the same record as run folders: tracked changes make it -dirty
         "loadavg_1m_at_start": round(load[0], 2),
         "cpu_counters_at_start": cpu_counters(),

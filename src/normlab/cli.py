@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from normlab.allocator import keep_freed_memory
+
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from normlab.config import load_config
@@ -290,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        keep_freed_memory()  # this is normlab's own process (normlab.allocator says why)
         return args.fn(args)
     except KeyboardInterrupt:
         print("normlab: interrupted; finished checkpoints are kept (use --resume)", file=sys.stderr)

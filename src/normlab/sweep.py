@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from normlab.allocator import keep_freed_memory
 from normlab.config import load_config
 from normlab.io import write_json
 
@@ -155,7 +156,10 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
 
 
 def _safe_run(spec: RunSpec, device: str) -> dict[str, Any]:
+    """A sweep worker's job (its own process, spawned or a Ray task): one run, its error
+    reported instead of raised."""
     try:
+        keep_freed_memory()  # a worker is normlab's own process, as the command is
         return {"ok": True, **run_one(spec, device)}
     except Exception as err:  # reported, and the sweep goes on
         return {"ok": False, "name": spec.name, "error": f"{type(err).__name__}: {err}",
