@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
 from normlab.model import attention
-from normlab.model.generate import greedy_decode
+from normlab.model.generate import _pad, greedy_decode
 
 
 def cfg(**kw) -> ModelConfig:
@@ -347,6 +347,17 @@ def test_left_padding_does_not_change_a_decoder_prompt() -> None:
     alone = greedy_decode(model, [[1, 7, 2]], max_new=6, eos=2)
     batched = greedy_decode(model, [[1, 7, 2], [1, 4, 4, 4, 9, 3, 2]], max_new=6, eos=2)
     assert batched[0] == alone[0]
+
+
+def test_prompts_are_padded_left_or_right_with_their_mask() -> None:
+    seqs = [[5, 6], [7], [8, 9, 4]]
+    rows, real = _pad(seqs, 0, left=True)
+    assert rows.tolist() == [[0, 5, 6], [0, 0, 7], [8, 9, 4]]
+    assert real.tolist() == [[False, True, True], [False, False, True], [True, True, True]]
+    rows, real = _pad(seqs, 3, left=False)
+    assert rows.tolist() == [[5, 6, 3], [7, 3, 3], [8, 9, 4]]
+    assert real.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
+    assert rows.dtype == torch.long and real.dtype == torch.bool
 
 
 @pytest.mark.parametrize("placement", ["post", "pre", "qkv", "pre_qk"])

@@ -18,12 +18,18 @@ AuxNext = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    fill = [[pad] * (width - len(s)) for s in seqs]
-    rows = [f + s if left else s + f for f, s in zip(fill, seqs, strict=True)]
-    real = [[False] * len(f) + [True] * len(s) if left else [True] * len(s) + [False] * len(f)
-            for f, s in zip(fill, seqs, strict=True)]
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(real, dtype=torch.bool)
+    """[batch, width] rows padded on the left or right, and the [batch, width] mask of real
+    tokens: one flat list into one tensor and the mask from the lengths, cheaper than the
+    nested lists of both that every `greedy_decode` call used to build."""
+    lens = [len(s) for s in seqs]
+    width = max(lens)
+    flat: list[int] = []
+    for s, n in zip(seqs, lens, strict=True):
+        fill = [pad] * (width - n)
+        flat += fill + s if left else s + fill
+    rows = torch.tensor(flat, dtype=torch.long).view(len(seqs), width)
+    n_real, at = torch.tensor(lens)[:, None], torch.arange(width)
+    return rows, at >= width - n_real if left else at < n_real
 
 
 def _next_aux(
