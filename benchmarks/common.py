@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from normlab import allocator, io
-from normlab.allocator import keep_freed_memory
 from normlab.io import atomic_write_text, git_commit
 from normlab.model import native
 from normlab.stats import median_ci
@@ -80,7 +79,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def setup_threads(n: int) -> int:
     """The process as the `normlab` command runs it: n torch threads, and glibc's malloc
     keeping freed memory (`normlab.allocator`; `NORMLAB_MALLOC=default` to measure without)."""
-    keep_freed_memory()
+    allocator.keep_freed_memory()
     torch.set_num_threads(n)
     return torch.get_num_threads()
 

@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_args = argparse.Namespace(quick=args.quick, threads=args.threads, repeats=args.repeats,
                                     widths=None, run=args.run, out=None,
                                     compile=args.compile)
-    threads = setup_threads(args.threads)
+    try:
+        threads = setup_threads(args.threads)
+    except ValueError as err:  # NORMLAB_MALLOC: one line, as each bench_*.py says it
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     info = machine_info(threads)
     t_start = time.perf_counter()
     results: dict[str, Any] = {}

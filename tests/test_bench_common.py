@@ -98,6 +98,22 @@ def test_bad_threads_or_repeats_is_a_one_line_usage_error(argv: list[str], capsy
     assert parser.parse_args(["--threads", "2", "--repeats", "15"]).repeats == 15
 
 
+def test_a_bad_malloc_setting_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Benchmarks run as the command does (normlab.allocator); a bad NORMLAB_MALLOC stops
+    run_all in one line before any work."""
+    import run_all
+
+    monkeypatch.setenv("NORMLAB_MALLOC", "sometimes")
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.main(["--quick", "--only", "hooks", "--out", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 2 and not (tmp_path / "r.json").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(
+        ": error: NORMLAB_MALLOC: expected one of keep, default; got 'sometimes'")
+
+
 def test_a_short_benchmark_is_not_judged_by_proc_stat_ticks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -358,6 +358,8 @@ def test_prompts_are_padded_left_or_right_with_their_mask() -> None:
     assert rows.tolist() == [[5, 6, 3], [7, 3, 3], [8, 9, 4]]
     assert real.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
     assert rows.dtype == torch.long and real.dtype == torch.bool
+    rows, real = _pad([[], (4,)], 0, left=True)  # an empty prompt; a tuple
+    assert rows.tolist() == [[0], [4]] and real.tolist() == [[False], [True]]
 
 
 @pytest.mark.parametrize("placement", ["post", "pre", "qkv", "pre_qk"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from normlab import allocator
 from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from normlab.cli import eval_run, main
 from normlab.config import load_config
@@ -165,6 +166,8 @@ def test_checkpoint_sidecar_records_provenance(tmp_path: Path) -> None:
     _, meta = latest_checkpoint(tmp_path / "run/checkpoints")
     assert meta["config"]["train"]["seed"] == 0
     assert {"torch", "git_commit", "python"} <= set(meta["provenance"])
+    # how malloc ran is on record too (it moves timings, not numbers): normlab.allocator
+    assert meta["provenance"]["malloc"] == allocator.describe()
     assert meta["stream"] and meta["optimizer"]["param_groups"]
     assert (tmp_path / "run/config.toml").is_file()
     assert list((tmp_path / "run/tb").glob("events.out.tfevents.*"))

@@ -1,23 +1,27 @@
 """glibc's malloc told to keep freed memory, in normlab's own processes.
 
-Why. PyTorch on CPU takes every tensor from `malloc`. glibc gives freed memory at the top of
-its heap back to the kernel once more than its trim threshold is free there, and serves
+Why. PyTorch on CPU takes every tensor from `malloc`. glibc gives the free memory at the top
+of its heap back to the kernel once more than its trim threshold is free there, and serves
 blocks above its mmap threshold from fresh mappings. It adapts both thresholds to the block
-sizes it sees, but a decode's or an analysis's activations (megabytes each, alive for one
-forward) keep landing beyond them, so each call faults its memory in again page by page.
-On the Intel VM of docs/performance.md (twentieth session), a cached greedy decode of
-bench_decode's n5d1 cell took ~7,700 minor page faults a call, repeated one after another as
-`normlab eval` runs them, and 57 ms where it takes 40 ms with the memory kept.
+sizes it sees, yet a greedy decode's activations (megabytes each, alive for one forward)
+keep landing beyond them, so call after call faults its memory in again page by page. On
+the Intel VM of docs/performance.md (twentieth session,
+`benchmarks/results_session20/malloc_decode_1t.txt`), a cached decode of bench_decode's n5d1
+cell, one after another as `normlab eval` runs them, took ~9,300 minor page faults and
+~50-60 ms a call, against none and ~37 ms with the memory kept; `evaluate` on the quick grid
+took ~20% less time.
 
-What. `keep_freed_memory()` pins the two thresholds at the ceilings glibc's own adaptation
-can reach on 64-bit systems (mmap 32 MiB, trim twice that), so blocks below 32 MiB come from
-the heap and up to 64 MiB of free heap is kept for the next forward.
+What. `keep_freed_memory()` pins the mmap threshold at the ceiling of glibc's own adaptation
+on 64-bit systems (32 MiB), so blocks below it come from the heap, and keeps up to 64 MiB of
+free memory at the heap's top when glibc trims it (`M_TOP_PAD`; it trims only past 64 MiB,
+`M_TRIM_THRESHOLD`). A process holds at most those 64 MiB more than it would otherwise.
 
-Where. The setting is process-wide and cannot be undone (glibc stops adapting once one is
-set), so importing normlab never calls it. The `normlab` command does, once at start, as do
-sweep workers and the benchmarks, which measure normlab as the command runs it.
-`NORMLAB_MALLOC=default` leaves glibc's defaults alone. Without glibc (macOS, musl, Windows)
-there is nothing to set.
+Where. The setting is process-wide and lasts (glibc stops adapting once a threshold is set),
+so importing normlab never applies it: the `normlab` command does, once at start, as do sweep
+workers and the benchmarks, which measure normlab as the command runs it. It is left alone
+where glibc's malloc is not the one in use (macOS, musl, an allocator in `LD_PRELOAD`), where
+the environment already sets glibc's malloc (`MALLOC_*_` variables, `glibc.malloc` tunables),
+and with `NORMLAB_MALLOC=default`, each process reading its own environment.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ import os
 import platform
 
 MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # where glibc's adaptation sets it for that threshold
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+TOP_PAD = 64 << 20  # free memory kept at the heap's top when glibc trims it
+TRIM_THRESHOLD = TOP_PAD  # glibc trims only once more than this is free at the top
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's numbers (malloc.h)
 ENV = "NORMLAB_MALLOC"
 CHOICES = ("keep", "default")
+_GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 _applied = False
 
@@ -44,27 +50,48 @@ def setting() -> str:
     return value
 
 
+def _glibc_malloc() -> bool:
+    """Whether this process's `malloc` is glibc's (not musl's, nor one from LD_PRELOAD)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        used = ctypes.CDLL(None).malloc  # the symbol the process resolves
+    except (OSError, AttributeError):
+        return False
+    addr = ctypes.cast  # function pointers compare by address
+    return addr(used, ctypes.c_void_p).value == addr(libc.malloc, ctypes.c_void_p).value
+
+
+def _set_by_environment() -> bool:
+    return (any(os.environ.get(k) for k in _GLIBC_ENV)
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
+
+
 def keep_freed_memory() -> bool:
     """Keep freed memory in glibc's heap for the rest of this process (see the module's
-    docstring); True if the setting is in force, False where glibc is absent or
-    `NORMLAB_MALLOC=default`. Calling it again does nothing more."""
+    docstring); True if the setting is in force, False where it is left alone. A bad
+    `NORMLAB_MALLOC` raises a one-line ValueError, on every call."""
     global _applied
+    choice = setting()
     if _applied:
         return True
-    if setting() == "default" or platform.libc_ver()[0] != "glibc":
+    if choice == "default" or _set_by_environment() or not _glibc_malloc():
         return False
-    mallopt = ctypes.CDLL(None).mallopt
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    # mallopt returns 1 on success; both settings or neither is the state to report
-    _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                    and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    # each returns 1 on success (glibc accepts all three values); the mmap threshold, which
+    # changes which blocks the heap serves, goes last, only once the heap will keep them
+    _applied = bool(mallopt(_M_TOP_PAD, TOP_PAD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+                    and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return _applied
 
 
 def describe() -> str:
-    """What this process runs with, for result files: 'keep freed memory (mmap 32 MiB, trim
-    64 MiB)', 'glibc defaults' or 'not glibc'."""
+    """How this process's malloc runs, for result files."""
     if _applied:
-        return (f"keep freed memory (mmap {MMAP_THRESHOLD >> 20} MiB, "
-                f"trim {TRIM_THRESHOLD >> 20} MiB)")
-    return "glibc defaults" if platform.libc_ver()[0] == "glibc" else "not glibc"
+        return (f"glibc, freed memory kept (mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
+                f"{TOP_PAD >> 20} MiB kept at the top)")
+    if not _glibc_malloc():
+        return "not glibc's malloc"
+    return "glibc, set by the environment" if _set_by_environment() else "glibc defaults"

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 import normlab
+from normlab import allocator
 from normlab.model import native
 
 
@@ -121,4 +122,5 @@ def provenance() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch_threads": torch.get_num_threads(),
         "native": native.describe(),
+        "malloc": allocator.describe(),  # glibc keeping freed memory (the command) or not
     }
