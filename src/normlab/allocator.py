@@ -6,10 +6,10 @@ blocks above its mmap threshold from fresh mappings. It adapts both thresholds t
 sizes it sees, yet a greedy decode's activations (megabytes each, alive for one forward)
 keep landing beyond them, so call after call faults its memory in again page by page. On
 the Intel VM of docs/performance.md (twentieth session,
-`benchmarks/results_session20/malloc_decode_1t.txt`), a cached decode of bench_decode's n5d1
-cell, one after another as `normlab eval` runs them, took ~9,300 minor page faults and
-~50-60 ms a call, against none and ~37 ms with the memory kept; `evaluate` on the quick grid
-took ~20% less time.
+`benchmarks/results_session20/malloc_decode_{1,2}t.txt`), cached decodes of bench_decode's
+n5d1 cell, one after another as `normlab eval` runs them, took 9,000-11,000 minor page faults
+and 56-57 ms a call on one thread, against none and 40-42 ms with the memory kept; `evaluate`
+on the quick grid took 7-18% less time on one thread and 24-26% on two.
 
 What. `keep_freed_memory()` pins the mmap threshold at the ceiling of glibc's own adaptation
 on 64-bit systems (32 MiB), so blocks below it come from the heap, and keeps up to 64 MiB of
