@@ -54,9 +54,14 @@ KEPT = "glibc, freed memory kept (mmap threshold 32 MiB, 64 MiB kept at the top)
 PAGES_PER_BLOCK = (4 << 20) // 4096
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without any say over malloc (NORMLAB_MALLOC, glibc's own)."""
+    return {k: v for k, v in os.environ.items()
+            if k != allocator.ENV and not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+
+
 def churn(setting: str | None, blocks: int = 6, **env_extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k != allocator.ENV and not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env = clean_env()
     if setting is not None:
         env[allocator.ENV] = setting
     out = subprocess.run([sys.executable, "-c", CHURN, str(blocks)], env=env | env_extra,
@@ -89,12 +94,15 @@ def test_at_most_64_mib_is_kept() -> None:
 def test_keep_is_the_default_and_an_environment_setting_wins() -> None:
     assert churn("KEEP")["applied"] is True
     assert churn("")["applied"] is True
-    # glibc's malloc already set by the environment: left as it was, and said so
-    for env in ({"MALLOC_TRIM_THRESHOLD_": "65536"},
-                {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}):
+    # one of the same thresholds already set by the environment: left as it was, said so
+    for env in ({"MALLOC_TRIM_THRESHOLD_": "65536"}, {"MALLOC_MMAP_MAX_": "0"},
+                {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.top_pad=0"}):
         got = churn(None, **env)
         assert got["applied"] is False and got["describe"] == "glibc, set by the environment"
         assert min(got["faults"][2:]) > 5 * PAGES_PER_BLOCK, (env, got)
+    # other malloc settings in the environment do not stand in its way
+    for env in ({"MALLOC_PERTURB_": "0"}, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}):
+        assert churn(None, **env)["applied"] is True, env
 
 
 PRELOADED_MALLOC = """
@@ -113,7 +121,7 @@ def test_an_allocator_in_ld_preload_is_left_alone(tmp_path: Path) -> None:
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "m.c")],
                    check=True, capture_output=True)
     got = churn(None, LD_PRELOAD=str(lib))
-    assert got["applied"] is False and got["describe"] == "not glibc's malloc"
+    assert got["applied"] is False and got["describe"] == "not 64-bit glibc's malloc"
 
 
 def test_a_bad_setting_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch,
@@ -141,13 +149,17 @@ def test_the_command_and_sweep_workers_apply_it_importing_does_not(
     assert calls == ["cli"]
     from normlab import sweep
 
-    monkeypatch.setattr(sweep, "keep_freed_memory", lambda: calls.append("sweep") or True)
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append("sweep") or True)
     monkeypatch.setattr(sweep, "run_one", lambda spec, device: {"name": spec})
     assert sweep._safe_run("r0", "cpu") == {"ok": True, "name": "r0"}
     assert calls == ["cli", "sweep"]
-    # importing normlab (as this test process did) left glibc's defaults in place
+    # a bad setting stops a sweep in one line before any worker starts
+    monkeypatch.setenv(allocator.ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"^NORMLAB_MALLOC: expected"):
+        sweep.execute([], progress=False)
+    # importing normlab leaves glibc's defaults in place
     probe = ("import normlab, normlab.cli, normlab.sweep; from normlab import allocator; "
              "print(allocator.describe())")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.strip()
-    assert out in ("glibc defaults", "glibc, set by the environment", "not glibc's malloc")
+    out = subprocess.run([sys.executable, "-c", probe], env=clean_env(), capture_output=True,
+                         text=True, timeout=120, check=True).stdout.strip()
+    assert out == ("glibc defaults" if GLIBC else "not 64-bit glibc's malloc")

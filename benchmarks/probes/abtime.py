@@ -30,18 +30,6 @@ def threads_from_argv(usage: str) -> None:
     print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
 
 
-def median_ms(fn: Callable[[], object], n: int = 21, warmup: int = 5) -> float:
-    """Median wall time of `fn` in ms over n calls, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * st.median(ts)
-
-
 def ab(label: str, switch: Callable[[bool], None], fn: Callable[[], object], inner: int,
        rounds: int = 15, names: tuple[str, str] = ("unbound", "bound")) -> list[float]:
     """Print ms per call of `fn` with the switch off and on, and off / on; return the ratios."""

@@ -9,16 +9,13 @@ build the first time, cached after): generic width at -O3, and width fixed at 16
 
     .venv/bin/python benchmarks/probes/ln_cpp.py THREADS
 """
+import statistics as st
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import median_ms
 
 KERNEL = r"""
 #include <torch/extension.h>
@@ -91,8 +88,14 @@ BUILDS = {
 
 
 def timed(fn, n: int = 100) -> float:
-    """Median µs of n calls after 10."""
-    return 1e3 * median_ms(fn, n, warmup=10)
+    for _ in range(10):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * st.median(ts)
 
 
 x = torch.randn(N, H, D, requires_grad=True)

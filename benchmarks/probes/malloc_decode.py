@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from abtime import n5d1_prompts
 from bench_train_step import base_config, model_config
+from common import header, machine_info
 
 from normlab import allocator, build_model
 from normlab.evaluate import evaluate
-from normlab.model import native
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import aux_positions, eval_sets, next_aux_position
 
@@ -81,7 +81,8 @@ def main() -> None:
         sys.exit(USAGE)
     threads = int(args[0]) if args else 1
     rounds = int(args[1]) if len(args) > 1 else 2
-    print(f"{threads} thread(s); kernels: {native.describe()}; {rounds} process(es) a setting")
+    info = machine_info(threads)
+    print(header("malloc_decode.py", info, f"git {info['git']}; {rounds} process(es) a setting"))
     results: dict[str, list[dict]] = {"keep": [], "default": []}
     for _ in range(rounds):
         for setting in results:

@@ -12,14 +12,13 @@ textbook rotation it replaced (`x * cos + cat(-x2, x1) * sin`, tables broadcast 
 """
 import importlib
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import median_ms
-
 from normlab.model.positions import Rope, Rotary
 
 FAST = Rope.__call__
@@ -33,7 +32,14 @@ def textbook(self: Rope, x: torch.Tensor) -> torch.Tensor:
 
 
 def median_us(fn: Callable[[], object], n: int = 300) -> float:
-    return 1e3 * median_ms(fn, n, warmup=10)
+    for _ in range(10):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * sorted(ts)[n // 2]
 
 
 def micro(threads: int) -> None:

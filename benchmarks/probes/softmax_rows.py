@@ -7,19 +7,21 @@ elements per call, forward and forward + backward, median of 30 (15) calls, T = 
     .venv/bin/python benchmarks/probes/softmax_rows.py [THREADS]
 """
 import sys
-from pathlib import Path
+import time
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import median_ms
 
 from normlab.model.attention import softmax_rows
 
 
 def timed(fn, n: int) -> float:
-    """Median seconds of n calls after one."""
-    return median_ms(fn, n, warmup=1) / 1e3
+    fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[n // 2]
 
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)

@@ -7,21 +7,23 @@ sizes it sees, yet a greedy decode's activations (megabytes each, alive for one 
 keep landing beyond them, so call after call faults its memory in again page by page. On
 the Intel VM of docs/performance.md (twentieth session,
 `benchmarks/results_session20/malloc_decode_{1,2}t.txt`), cached decodes of bench_decode's
-n5d1 cell, one after another as `normlab eval` runs them, took 9,000-11,000 minor page faults
-and 56-57 ms a call on one thread, against none and 40-42 ms with the memory kept; `evaluate`
-on the quick grid took 7-18% less time on one thread and 24-26% on two.
+n5d1 cell one after another, as `evaluate` (what `normlab eval` decodes with) runs them,
+took thousands of minor page faults a call and a quarter more time than with the memory
+kept, which took none.
 
 What. `keep_freed_memory()` pins the mmap threshold at the ceiling of glibc's own adaptation
-on 64-bit systems (32 MiB), so blocks below it come from the heap, and keeps up to 64 MiB of
-free memory at the heap's top when glibc trims it (`M_TOP_PAD`; it trims only past 64 MiB,
-`M_TRIM_THRESHOLD`). A process holds at most those 64 MiB more than it would otherwise.
+on 64-bit systems (32 MiB), so blocks below it come from the heap, and keeps 64 MiB of free
+memory at a heap's top when glibc trims it (`M_TOP_PAD`; it trims only past 64 MiB,
+`M_TRIM_THRESHOLD`). A process so holds up to 64 MiB more per malloc arena, plus the freed
+blocks under 32 MiB that glibc would have unmapped.
 
 Where. The setting is process-wide and lasts (glibc stops adapting once a threshold is set),
 so importing normlab never applies it: the `normlab` command does, once at start, as do sweep
 workers and the benchmarks, which measure normlab as the command runs it. It is left alone
-where glibc's malloc is not the one in use (macOS, musl, an allocator in `LD_PRELOAD`), where
-the environment already sets glibc's malloc (`MALLOC_*_` variables, `glibc.malloc` tunables),
-and with `NORMLAB_MALLOC=default`, each process reading its own environment.
+where glibc's malloc is not the one in use (macOS, musl, an allocator in `LD_PRELOAD`) or not
+64-bit, where the environment already sets one of these thresholds (`MALLOC_MMAP_THRESHOLD_`,
+`MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`, `MALLOC_MMAP_MAX_`, or their `glibc.malloc`
+tunables), and with `NORMLAB_MALLOC=default`, each process reading its own environment.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ TRIM_THRESHOLD = TOP_PAD  # glibc trims only once more than this is free at the 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's numbers (malloc.h)
 ENV = "NORMLAB_MALLOC"
 CHOICES = ("keep", "default")
-_GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+# the environment's own say over the same settings: glibc's variables and tunables
+_GLIBC_SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
 
 _applied = False
 
@@ -51,8 +54,9 @@ def setting() -> str:
 
 
 def _glibc_malloc() -> bool:
-    """Whether this process's `malloc` is glibc's (not musl's, nor one from LD_PRELOAD)."""
-    if platform.libc_ver()[0] != "glibc":
+    """Whether this process's `malloc` is 64-bit glibc's (not musl's, nor one from
+    LD_PRELOAD): the thresholds above are glibc's 64-bit ones."""
+    if platform.libc_ver()[0] != "glibc" or ctypes.sizeof(ctypes.c_void_p) != 8:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -64,8 +68,9 @@ def _glibc_malloc() -> bool:
 
 
 def _set_by_environment() -> bool:
-    return (any(os.environ.get(k) for k in _GLIBC_ENV)
-            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return any(os.environ.get(f"MALLOC_{name.upper()}_") or f"glibc.malloc.{name}=" in tunables
+               for name in _GLIBC_SETTINGS)
 
 
 def keep_freed_memory() -> bool:
@@ -80,8 +85,8 @@ def keep_freed_memory() -> bool:
         return False
     mallopt = ctypes.CDLL("libc.so.6").mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    # each returns 1 on success (glibc accepts all three values); the mmap threshold, which
-    # changes which blocks the heap serves, goes last, only once the heap will keep them
+    # each returns 1 on success (64-bit glibc accepts all three values); the mmap threshold,
+    # which changes which blocks the heap serves, goes last, once the heap will keep them
     _applied = bool(mallopt(_M_TOP_PAD, TOP_PAD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
                     and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return _applied
@@ -93,5 +98,5 @@ def describe() -> str:
         return (f"glibc, freed memory kept (mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
                 f"{TOP_PAD >> 20} MiB kept at the top)")
     if not _glibc_malloc():
-        return "not glibc's malloc"
+        return "not 64-bit glibc's malloc"
     return "glibc, set by the environment" if _set_by_environment() else "glibc defaults"

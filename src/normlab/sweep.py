@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normlab.allocator import keep_freed_memory
+from normlab import allocator
 from normlab.config import load_config
 from normlab.io import write_json
 
@@ -159,7 +159,7 @@ def _safe_run(spec: RunSpec, device: str) -> dict[str, Any]:
     """A sweep worker's job (its own process, spawned or a Ray task): one run, its error
     reported instead of raised."""
     try:
-        keep_freed_memory()  # a worker is normlab's own process, as the command is
+        allocator.keep_freed_memory()  # a worker is normlab's own process, as the command is
         return {"ok": True, **run_one(spec, device)}
     except Exception as err:  # reported, and the sweep goes on
         return {"ok": False, "name": spec.name, "error": f"{type(err).__name__}: {err}",
@@ -186,6 +186,7 @@ def execute(
     on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every spec; returns one result dict per run (ok, did, seconds or error)."""
+    allocator.setting()  # a bad NORMLAB_MALLOC: one line here, not an error from every worker
     threads = max(1, min(_threads(s) for s in specs)) if specs else 1
     jobs = jobs or max(1, (os.cpu_count() or 1) // threads)
     if backend == "ray":

@@ -19,8 +19,8 @@ AuxNext = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, width] rows padded on the left or right, and the [batch, width] mask of real
-    tokens. One flat list makes one tensor, and the mask comes from the lengths: at a batch
-    of hundreds of prompts, faster than a nested list for each (every decode pays it)."""
+    tokens. Every decode pays this in Python, so it is one flat list into one tensor, and the
+    mask from the lengths, rather than a nested list of rows and one of flags."""
     lens = [len(s) for s in seqs]
     width = max(lens)
     flat: list[int] = []
