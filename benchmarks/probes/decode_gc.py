@@ -1,0 +1,64 @@
+"""One-off probe behind a twentieth-session note in docs/performance.md; not part of make bench.
+
+The benchmarks' timing (`common.paired_timing`) runs `gc.collect()` before every timed call,
+so that a collection does not land inside one. In bench_decode's process the collector walks
+~170,000 objects (the eval sets' questions among them) for tens of ms, and the call after it
+starts with cold caches. This probe times bench_decode's n5d1 decodes (`pre`, 256 questions,
+memory kept as the benchmarks keep it) with and without a `gc.collect()` just before, all
+four interleaved, 35 rounds after 5:
+
+    .venv/bin/python benchmarks/probes/decode_gc.py [THREADS]
+"""
+import gc
+import statistics as st
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from abtime import n5d1_prompts, threads_from_argv
+from bench_train_step import base_config, model_config
+from common import header, machine_info
+
+from normlab import allocator, build_model
+from normlab.model.generate import greedy_decode
+from normlab.tasks.addition import aux_positions, eval_sets, next_aux_position
+
+allocator.keep_freed_memory()
+threads_from_argv("decode_gc.py")
+info = machine_info(torch.get_num_threads())
+print(header("decode_gc.py", info, f"git {info['git']}; malloc: {info['malloc']}"))
+run = base_config()
+sets = eval_sets(run.validate())  # held, as bench_decode holds them
+prompts, max_new = n5d1_prompts(run)
+torch.manual_seed(0)
+model = build_model(model_config(run, run.model.d_model, "pre")).eval()
+
+
+def decode(cached: bool) -> None:
+    greedy_decode(model, prompts, max_new=max_new, eos=-1, aux_fn=aux_positions,
+                  aux_next=next_aux_position, use_cache=cached)
+
+
+times: dict[tuple[bool, bool], list[float]] = {}
+collect: list[float] = []
+for r in range(40):
+    for cached in (True, False):
+        for gc_first in (False, True):
+            if gc_first:
+                t0 = time.perf_counter()
+                gc.collect()
+                collect.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            decode(cached)
+            if r >= 5:
+                times.setdefault((cached, gc_first), []).append(time.perf_counter() - t0)
+ms = {k: 1e3 * st.median(v) for k, v in times.items()}
+print(f"gc.collect() {1e3 * st.median(collect):.1f} ms over {len(gc.get_objects())} objects; "
+      "median ms of 35 decodes:")
+for gc_first in (False, True):
+    label = "after gc.collect()" if gc_first else "no gc.collect()   "
+    print(f"  {label} cached {ms[True, gc_first]:.1f}, uncached {ms[False, gc_first]:.1f}, "
+          f"speed-up {ms[False, gc_first] / ms[True, gc_first]:.2f}")
