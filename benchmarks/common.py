@@ -97,20 +97,35 @@ def paired_timing(
     inner: int = 1,
     warmup: int = 1,
 ) -> dict[str, list[float]]:
-    """Seconds per call of each contender, one entry per repeat, contenders interleaved."""
+    """Seconds per call of each contender, one entry per repeat, contenders interleaved.
+
+    As `timeit` does, Python's garbage collector is off while they run (one collection
+    first), so that no collection lands inside a timed call. Until the twentieth session a
+    collection ran before every call instead: walking the process's objects (~170,000 in
+    bench_decode's) left each call to start with cold caches, 3-4 ms more per call, which
+    pulled every ratio towards 1 (`benchmarks/probes/decode_gc.py`, docs/performance.md).
+    The contenders here leave no cyclic garbage behind (checked for the decodes and the
+    training steps), so nothing piles up meanwhile.
+    """
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            fn = contenders[name]
-            gc.collect()
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times[name].append((time.perf_counter() - t0) / inner)
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(repeats):
+            for name in names if r % 2 == 0 else names[::-1]:
+                fn = contenders[name]
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / inner)
+    finally:
+        if was_enabled:
+            gc.enable()
     return times
 
 

@@ -234,3 +234,37 @@ def test_machine_info_records_the_native_kernels_and_the_header_shows_them() -> 
     assert f"normlab's CPU norm kernel: {old['native_norm']}" in common.header("t", old)
     assert "kernels:" not in common.header("t", info)  # and one from before the field
     assert "norm kernel" not in common.header("t", info)
+
+
+def test_paired_timing_interleaves_and_times_with_the_collector_off() -> None:
+    """Every call after the warm-ups runs with gc off (one collection before them, none
+    between), in alternating order, and the collector's state is restored afterwards, also
+    when a contender raises."""
+    import gc
+
+    seen: list[tuple[str, bool]] = []
+    counts: list[int] = []
+
+    def contender(name: str):
+        def fn() -> None:
+            seen.append((name, gc.isenabled()))
+            counts.append(gc.get_count()[0])
+        return fn
+
+    times = common.paired_timing({"a": contender("a"), "b": contender("b")}, repeats=4,
+                                 inner=2, warmup=1)
+    assert [n for n, _ in seen] == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 \
+        + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2
+    assert [on for _, on in seen] == [True, True] + [False] * 16
+    assert gc.isenabled() and {len(t) for t in times.values()} == {4}
+    # no collection between the timed calls: the young generation's count only grows
+    timed_counts = counts[2:]
+    assert timed_counts == sorted(timed_counts)
+
+    def boom() -> None:
+        if not gc.isenabled():
+            raise RuntimeError("inside the timing")
+
+    with pytest.raises(RuntimeError):
+        common.paired_timing({"x": boom}, repeats=1)
+    assert gc.isenabled()

@@ -1,7 +1,8 @@
 """One-off probe behind a twentieth-session note in docs/performance.md; not part of make bench.
 
-The benchmarks' timing (`common.paired_timing`) runs `gc.collect()` before every timed call,
-so that a collection does not land inside one. In bench_decode's process the collector walks
+Until the twentieth session the benchmarks' timing (`common.paired_timing`) ran `gc.collect()`
+before every timed call, so that a collection would not land inside one (it now turns the
+collector off while it times, as `timeit` does). In bench_decode's process the collector walks
 ~170,000 objects (the eval sets' questions among them) for tens of ms, and the call after it
 starts with cold caches. This probe times bench_decode's n5d1 decodes (`pre`, 256 questions,
 memory kept as the benchmarks keep it) with and without a `gc.collect()` just before, all
