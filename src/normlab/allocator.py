@@ -6,10 +6,10 @@ blocks above its mmap threshold from fresh mappings. It adapts both thresholds t
 sizes it sees, yet a greedy decode's activations (megabytes each, alive for one forward)
 keep landing beyond them, so call after call faults its memory in again page by page. On
 the Intel VM of docs/performance.md (twentieth session,
-`benchmarks/results_session20/malloc_decode_{1,2}t.txt`), cached decodes of bench_decode's
-n5d1 cell one after another, as `evaluate` (what `normlab eval` decodes with) runs them,
-took thousands of minor page faults a call and a quarter more time than with the memory
-kept, which took none.
+`benchmarks/results_session20/malloc_decode_{1,2}t.txt` and `first/` there), cached decodes
+of bench_decode's n5d1 cell one after another, as `evaluate` (what `normlab eval` decodes
+with) runs them, took 7,000-11,000 minor page faults a call and 22-46% more time than with
+the memory kept, which took at most one.
 
 What. `keep_freed_memory()` pins the mmap threshold at the ceiling of glibc's own adaptation
 on 64-bit systems (32 MiB), so blocks below it come from the heap, and keeps 64 MiB of free
