@@ -102,10 +102,10 @@ def paired_timing(
     As `timeit` does, Python's garbage collector is off while they run (one collection
     first), so that no collection lands inside a timed call. Until the twentieth session a
     collection ran before every call instead: walking the process's objects (~170,000 in
-    bench_decode's) left each call to start with cold caches, 3-4 ms more per call, which
-    pulled every ratio towards 1 (`benchmarks/probes/decode_gc.py`, docs/performance.md).
-    The contenders here leave no cyclic garbage behind (checked for the decodes and the
-    training steps), so nothing piles up meanwhile.
+    bench_decode's) left each call to start with cold caches, 3-5 ms more per decode, a fixed
+    cost that lowered the cached decode's speed-up (`benchmarks/probes/decode_gc.py`,
+    docs/performance.md). The decodes and training steps leave no cyclic garbage to pile up
+    meanwhile (checked by hand).
     """
     for fn in contenders.values():
         for _ in range(warmup):
