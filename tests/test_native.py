@@ -886,6 +886,18 @@ def test_norm_rope_applies_and_refuses(fuse_any_size: None) -> None:
         assert torch.equal(norm.rotated(too_wide, rope), rope(norm(too_wide)))
 
 
+def test_norm_rope_falls_back_to_torch_rotated_too(fuse_any_size: None) -> None:
+    """A bias C cannot read (batched under vmap) sends the call to torch's ops: still
+    normalised and rotated, as the two calls would be."""
+    rope = rope_tables(2, 3, 16)
+    x, w, biases = torch.randn(2, 3, 4, 16), torch.randn(16), torch.randn(5, 16)
+    got = torch.func.vmap(
+        lambda b: native.norm(x, w, b, 1e-5, True, rope=(rope.cos, rope.sin)))(biases)
+    want = torch.stack([native.torch_rope(native.torch_norm(x, w, b, 1e-5, True), rope.cos,
+                                          rope.sin) for b in biases])
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("placement", ["qk", "qkv"])
 def test_model_with_norm_rope_fused_is_bitwise_unfused(placement: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -436,8 +436,9 @@ def norm(
         head_major = True  # as RoPE's kernel writes q and k
     d = x.shape[-1] if x.ndim else 0
     ok = [t is None or (_plain(t) and t.shape == (d,)) for t in (gain, bias)]
-    if not (d and _plain(x) and all(ok)):
-        return torch_norm(x, gain, bias, eps, center)
+    if not (d and _plain(x) and all(ok)):  # e.g. a bias under vmap: torch's ops, rotated too
+        y = torch_norm(x, gain, bias, eps, center)
+        return y if rope is None else torch_rope(y, *rope)
     x, gain = x.contiguous(), gain.contiguous()
     bias = None if bias is None else bias.contiguous()
     cos, sin2 = (None, None) if rope is None else rope
