@@ -8,6 +8,10 @@ from collections.abc import Callable
 import torch
 
 from bench_collapse import SEED, SIGMA, eval_data, naive_sweep, random_model
+from bench_train_step import model_config
+from common import header, machine_info
+
+from normlab import build_model
 from normlab.analysis.collapse import (
     DEFAULT_MAX_TOKENS,
     Perturbation,
@@ -17,7 +21,14 @@ from normlab.analysis.collapse import (
 from normlab.analysis.data import chunk_copies
 from normlab.config import RunConfig
 from normlab.model import native
-from normlab.tasks.addition import eval_sets, make_prompts, max_lengths
+from normlab.model.generate import greedy_decode
+from normlab.tasks.addition import (
+    aux_positions,
+    eval_sets,
+    make_prompts,
+    max_lengths,
+    next_aux_position,
+)
 
 
 def threads_from_argv(usage: str) -> None:
@@ -28,6 +39,13 @@ def threads_from_argv(usage: str) -> None:
         sys.exit(f"usage: {usage} [THREADS], THREADS >= 1")
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
     print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
+
+
+def probe_header(name: str, extra: str | None = None) -> None:
+    """Print the machine facts and the commit (`common.header`), then `extra`, by default
+    this process's malloc setting."""
+    info = machine_info(torch.get_num_threads())
+    print(header(name, info, f"git {info['git']}; {extra or 'malloc: ' + info['malloc']}"))
 
 
 def ab(label: str, switch: Callable[[bool], None], fn: Callable[[], object], inner: int,
@@ -56,6 +74,21 @@ def n5d1_prompts(run: RunConfig) -> tuple[list[list[int]], int]:
     cell = next(c for c in sets["extrapolation"] if c.label == "n5d1")
     prompts = make_prompts([q for q, _ in sets["extrapolation"][cell][:256]], "decoder")
     return prompts, max_lengths([cell])[1] + 1
+
+
+class N5d1Decoder:
+    """bench_decode's n5d1 cell as the decoding probes time it: a decoder of the quick-grid
+    size (random weights, seed 0) and greedy decoding of the cell's 256 prompts, forced to
+    max_new tokens, with the digit positions computed step by step."""
+
+    def __init__(self, run: RunConfig, placement: str = "pre") -> None:
+        self.prompts, self.max_new = n5d1_prompts(run)
+        torch.manual_seed(0)
+        self.model = build_model(model_config(run, run.model.d_model, placement)).eval()
+
+    def decode(self, cached: bool) -> None:
+        greedy_decode(self.model, self.prompts, max_new=self.max_new, eos=-1,
+                      aux_fn=aux_positions, aux_next=next_aux_position, use_cache=cached)
 
 
 class Sweep:

@@ -18,27 +18,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import n5d1_prompts, threads_from_argv
-from bench_train_step import base_config, model_config
-from common import header, machine_info, median, paired_timing
+from abtime import N5d1Decoder, probe_header, threads_from_argv
+from bench_train_step import base_config
+from common import median, paired_timing
 
-from normlab import allocator, build_model
-from normlab.model.generate import _pad, greedy_decode
+from normlab import allocator
+from normlab.model.generate import _pad
 from normlab.tasks.addition import aux_positions, next_aux_position
 
 allocator.keep_freed_memory()
 threads_from_argv("decode_budget.py")
-info = machine_info(torch.get_num_threads())
-print(header("decode_budget.py", info, f"git {info['git']}; malloc: {info['malloc']}"))
-run = base_config()
-prompts, max_new = n5d1_prompts(run)
-torch.manual_seed(0)
-model = build_model(model_config(run, run.model.d_model, "pre")).eval()
-
-
-def decode(cached: bool) -> None:
-    greedy_decode(model, prompts, max_new=max_new, eos=-1, aux_fn=aux_positions,
-                  aux_next=next_aux_position, use_cache=cached)
+probe_header("decode_budget.py")
+cell = N5d1Decoder(base_config())
+model, prompts, max_new, decode = cell.model, cell.prompts, cell.max_new, cell.decode
 
 
 def parts(rows: list[list[int]]) -> tuple[float, float, float]:

@@ -16,31 +16,20 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import n5d1_prompts, threads_from_argv
-from bench_train_step import base_config, model_config
-from common import header, machine_info
+from abtime import N5d1Decoder, probe_header, threads_from_argv
+from bench_train_step import base_config
 
-from normlab import allocator, build_model
-from normlab.model.generate import greedy_decode
-from normlab.tasks.addition import aux_positions, eval_sets, next_aux_position
+from normlab import allocator
+from normlab.tasks.addition import eval_sets
 
 allocator.keep_freed_memory()
 threads_from_argv("decode_gc.py")
-info = machine_info(torch.get_num_threads())
-print(header("decode_gc.py", info, f"git {info['git']}; malloc: {info['malloc']}"))
+probe_header("decode_gc.py")
 run = base_config()
 sets = eval_sets(run.validate())  # held, as bench_decode holds them
-prompts, max_new = n5d1_prompts(run)
-torch.manual_seed(0)
-model = build_model(model_config(run, run.model.d_model, "pre")).eval()
-
-
-def decode(cached: bool) -> None:
-    greedy_decode(model, prompts, max_new=max_new, eos=-1, aux_fn=aux_positions,
-                  aux_next=next_aux_position, use_cache=cached)
+decode = N5d1Decoder(run).decode
 
 
 times: dict[tuple[bool, bool], list[float]] = {}

@@ -22,14 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import n5d1_prompts
-from bench_train_step import base_config, model_config
-from common import header, machine_info
+from abtime import N5d1Decoder, probe_header
+from bench_train_step import base_config
 
-from normlab import allocator, build_model
+from normlab import allocator
 from normlab.evaluate import evaluate
-from normlab.model.generate import greedy_decode
-from normlab.tasks.addition import aux_positions, eval_sets, next_aux_position
+from normlab.tasks.addition import eval_sets
 
 USAGE = "usage: malloc_decode.py [THREADS] [ROUNDS], each >= 1"
 
@@ -39,11 +37,10 @@ def child(threads: int) -> dict:
     applied = allocator.keep_freed_memory()
     torch.set_num_threads(threads)
     run = base_config()
-    prompts, max_new = n5d1_prompts(run)
+    cell = N5d1Decoder(run)
+    model, decode = cell.model, cell.decode
     task = run.validate()
     sets = eval_sets(task)
-    torch.manual_seed(0)
-    model = build_model(model_config(run, run.model.d_model, "pre")).eval()
 
     def timed(fn) -> tuple[float, int]:
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -51,10 +48,6 @@ def child(threads: int) -> dict:
         fn()
         return 1e3 * (time.perf_counter() - t0), resource.getrusage(
             resource.RUSAGE_SELF).ru_minflt - f0
-
-    def decode(cached: bool) -> None:
-        greedy_decode(model, prompts, max_new=max_new, eos=-1, aux_fn=aux_positions,
-                      aux_next=next_aux_position, use_cache=cached)
 
     out: dict = {"malloc": allocator.describe(), "applied": applied}
     for order in ("C", "U", "CU"):
@@ -81,8 +74,8 @@ def main() -> None:
         sys.exit(USAGE)
     threads = int(args[0]) if args else 1
     rounds = int(args[1]) if len(args) > 1 else 2
-    info = machine_info(threads)
-    print(header("malloc_decode.py", info, f"git {info['git']}; {rounds} process(es) a setting"))
+    torch.set_num_threads(threads)
+    probe_header("malloc_decode.py", f"{rounds} process(es) a setting")
     results: dict[str, list[dict]] = {"keep": [], "default": []}
     for _ in range(rounds):
         for setting in results:
