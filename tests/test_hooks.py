@@ -250,6 +250,35 @@ def test_kv_cache_buffers_grow_and_honour_a_reserve() -> None:
             model.new_cache(bad)
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_greedy_decode_reserves_exactly_the_positions_it_feeds(arch: str) -> None:
+    """The cache holds what is fed to the model: the prompt (decoder-only; bos for an
+    encoder-decoder) and every generated token but the last, which is never fed back. The
+    reserve is exactly that long, so no buffer grows and none keeps a position unused."""
+    model = build_model(cfg(arch=arch, pos_encoding="rope"))
+    prompts = [[1, 5, 6, 2], [1, 7, 2]]
+    caches, new_cache = [], model.new_cache
+
+    def spy(capacity: int = 0):
+        caches.append(new_cache(capacity))
+        return caches[-1]
+
+    model.new_cache = spy  # an instance attribute, shadowing the method for this model only
+    out = greedy_decode(model, prompts, max_new=5, eos=-1)  # -1: no token ends a row early
+    assert [len(r) for r in out] == [5, 5]
+    fed = (4 if arch == "decoder" else 1) + 5 - 1
+    (cache,) = caches
+    assert cache.length == fed
+    for layer in cache.layers:
+        assert layer["self"]["buf_k"].shape[2] == layer["self"]["buf_v"].shape[2] == fed
+    del model.new_cache
+    assert greedy_decode(model, prompts, max_new=5, eos=-1, use_cache=False) == out
+    assert greedy_decode(model, prompts, max_new=0, eos=-1) == [[], []]
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=r"^max_new: expected a number of tokens >= 0"):
+            greedy_decode(model, prompts, max_new=bad, eos=-1)
+
+
 def test_a_copied_kv_cache_extended_twice_keeps_both_continuations() -> None:
     """Two continuations of one prompt from shallow copies of its cache: the second does not
     overwrite the first's keys in the shared buffer (it gets a buffer of its own)."""

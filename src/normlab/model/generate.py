@@ -66,6 +66,8 @@ def greedy_decode(
     positions of generated tokens are computed incrementally (tensor ops) instead of by
     calling `aux_fn` on every row at every step.
     """
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        raise ValueError(f"max_new: expected a number of tokens >= 0, got {max_new!r}")
     if not prompts:
         return []
     with evaluating(model):  # every module's mode as it was afterwards, also after an error
@@ -93,7 +95,8 @@ def _decode(
         if aux_fn is not None:
             src_aux = _pad([aux_fn(p, "question") for p in prompts], 0, left=False)[0].to(device)
         memory = model.encode(src, src_mask, src_aux)
-        cache = model.new_cache(1 + max_new) if use_cache else None
+        # the reserve holds what is fed, never the last generated token: bos + max_new - 1
+        cache = model.new_cache(max_new) if use_cache else None
         seq = torch.full((b, 1), bos, dtype=torch.long, device=device)
         tgt_rows = [[bos] for _ in range(b)]
         aux = None
@@ -115,7 +118,9 @@ def _decode(
     else:
         assert isinstance(model, DecoderLM)
         seq, mask = (t.to(device) for t in _pad(prompts, pad, left=True))
-        cache = model.new_cache(seq.shape[1] + max_new) if use_cache else None
+        # the prompt and every generated token but the last, which is never fed back: the
+        # buffers are as long as the decode fills them, with no position left unused
+        cache = model.new_cache(seq.shape[1] + max_new - 1) if use_cache else None
         aux = None
         if aux_fn is not None:
             aux = _pad([aux_fn(p, "sequence") for p in prompts], 0, left=True)[0].to(device)
