@@ -104,8 +104,8 @@ def paired_timing(
     collection ran before every call instead: walking the process's objects (~170,000 in
     bench_decode's) left each call to start with cold caches, 3-5 ms more per decode, a fixed
     cost that lowered the cached decode's speed-up (`benchmarks/probes/decode_gc.py`,
-    docs/performance.md). The decodes and training steps leave no cyclic garbage to pile up
-    meanwhile (checked by hand).
+    docs/performance.md). No contender of `make bench` leaves cyclic garbage to pile up
+    meanwhile, so none is spared a cost it would pay (`benchmarks/probes/gc_cycles.py`).
     """
     for fn in contenders.values():
         for _ in range(warmup):
