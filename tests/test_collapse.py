@@ -168,7 +168,9 @@ def test_cross_attention_memory_has_its_own_table() -> None:
     "kwargs",
     [dict(sigmas=[0.1, -0.1]), dict(threshold=0.0), dict(threshold=1.5),
      dict(sites=["blocks.9.attn"]), dict(heads=[4]), dict(mode="tokens"),
-     dict(noise="cauchy"), dict(targets=("q", "x")), dict(targets=()), dict(n_draws=0)],
+     dict(noise="cauchy"), dict(targets=("q", "x")), dict(targets=()), dict(n_draws=0),
+     dict(sites=["blocks.0.attn", "blocks.0.attn"]), dict(seed=-1), dict(seed=1.5),
+     dict(seed=True), dict(heads=True)],
 )
 def test_bad_arguments_are_one_line_value_errors(kwargs: dict) -> None:
     model = small(n_layers=1)
@@ -176,6 +178,23 @@ def test_bad_arguments_are_one_line_value_errors(kwargs: dict) -> None:
     with pytest.raises(ValueError) as err:
         measure_collapse(model, data, **(dict(sigmas=[0.1], n_draws=1) | kwargs))
     assert "\n" not in str(err.value)
+
+
+def test_a_selection_is_read_as_meant_or_refused() -> None:
+    """One split name is that split (not its letters), one head is that head; a split or a
+    site given twice is refused, as it would count (and perturb) it twice."""
+    from normlab.analysis.data import resolve_sites, select_problems
+    from normlab.tasks.addition import eval_sets
+
+    task = TaskConfig(grid="smoke", eval_size=8).resolve()
+    sets = eval_sets(task)
+    assert select_problems(task, sets, 8, "train") == select_problems(task, sets, 8, ["train"])
+    with pytest.raises(ValueError, match=r"^splits: expected each split once"):
+        select_problems(task, sets, 8, ["train", "train"])
+    model = small(n_layers=1)
+    assert resolve_sites(model, None, 1)[1] == [1]
+    with pytest.raises(ValueError, match=r"^sites: expected each attention site once"):
+        resolve_sites(model, ["blocks.0.attn", "blocks.0.attn"])
 
 
 def test_analyze_run_writes_schema(tmp_path) -> None:
@@ -190,6 +209,12 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     train(cfg, run, progress=False, log=lambda s: None)
     with pytest.raises(ValueError, match="mode"):
         analyze_run(run, mode="both")
+    # refused before any work: alpha used to be checked after norms and collapse were written
+    for bad, match in ((dict(alpha=0.0), "^alpha: "), (dict(seed=-1), "^seed: "),
+                       (dict(splits=["train", "train"]), "^splits: ")):
+        with pytest.raises(ValueError, match=match):
+            analyze_run(run, n_examples=16, n_draws=2, **bad)
+        assert not (run / "analysis").exists(), bad
     res = analyze_run(run, n_examples=16, n_draws=4, sigmas=[0.0, 0.2], seed=3)
     out = run / "analysis"
     for f in ("norms.json", "collapse.json", "interference.json", "collapse.png",

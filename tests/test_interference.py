@@ -108,7 +108,8 @@ def test_synthetic_pre_depends_on_b_and_spheres_restore_independence(norm_type: 
 
 
 @pytest.mark.parametrize("kwargs", [dict(alpha=-1.0), dict(tokens="some"), dict(heads=[9]),
-                                    dict(sites=["blocks.0.mlp"]), dict(n_directions=0)])
+                                    dict(sites=["blocks.0.mlp"]), dict(n_directions=0),
+                                    dict(seed=-1), dict(seed=2.5)])
 def test_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError) as err:
         interference_probe(model("pre"), data(n=2), **kwargs)

@@ -96,3 +96,14 @@ def test_unknown_hook_is_a_one_line_value_error() -> None:
     with pytest.raises(ValueError, match="unknown norm hook") as err:
         norm_spread(model("pre"), data(n=2), names=["blocks.0.ln9.hook_scale"])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("n", [10, 11, 19, 20, 100, 1001])
+def test_h90_is_the_smallest_half_width_holding_90_percent(n: int) -> None:
+    """h90 holds at least 90% of the ratios and nothing smaller does (it was one order
+    statistic too high where 0.9 n is whole: 10 ratios gave the 10th, not the 9th)."""
+    from normlab.analysis.norms import spread_stats
+
+    dev = np.random.default_rng(n).permutation(np.arange(1, n + 1)) / 1024  # exact in binary
+    h = spread_stats(1 + dev)["h90"]
+    assert np.mean(dev <= h) >= 0.9 > np.mean(dev < h)

@@ -47,6 +47,7 @@ from normlab.analysis.data import (
     EvalData,
     Site,
     _check_positive_int,
+    check_seed,
     chunk_copies,
     collect,
     evaluating,
@@ -416,6 +417,7 @@ def measure_collapse(
     sigmas = check_sigmas(sigmas)
     _check_positive_int(n_draws, "n_draws")
     _check_positive_int(theory_draws, "theory_draws")
+    seed = check_seed(seed)
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
     rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads)
     B, R = data.n_examples, len(rows)
@@ -443,7 +445,7 @@ def measure_collapse(
         if sel:  # a short group fits more copies in one forward: fewer, fuller forwards
             parts.append((g, part, sel, chunk_copies(part, max_tokens, n_draws)))
     for si, sigma in enumerate(sigmas):
-        gen = torch.Generator().manual_seed(int(seed))
+        gen = torch.Generator().manual_seed(seed)
         total = 1 if sigma == 0 else n_draws
         draws_used.append(total)
         t0 = time.perf_counter()
@@ -605,11 +607,12 @@ def perturbed_predictor(
     (one draw per question); with sigma = 0 it returns the unperturbed greedy answers.
     """
     sigma = check_sigmas([sigma])[0]
+    seed = check_seed(seed)
     arch = model.cfg.arch
     max_new = task.max_lengths()[1] + 2
 
     def predict(questions: list[str]) -> list[str]:
-        gen = torch.Generator().manual_seed(int(seed))
+        gen = torch.Generator().manual_seed(seed)
         out: list[str] = []
         for i in range(0, len(questions), batch_size):
             prompts = make_prompts(questions[i:i + batch_size], arch)
@@ -655,6 +658,7 @@ def perturbed_accuracy(
     from normlab.evaluate import evaluate
 
     sigmas = check_sigmas(sigmas)
+    seed = check_seed(seed)
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
 
     def pooled(res: dict[str, Any]) -> float:

@@ -161,10 +161,14 @@ def select_problems(
     sets and `per_cell`. Deterministic: the eval sets are already fixed per cell.
     """
     _check_positive_int(n_examples, "n_examples")
+    if isinstance(splits, str):  # one name, not its letters
+        splits = [splits]
     names = list(sets) if splits is None else list(splits)
     for name in names:
         if name not in sets:
             raise ValueError(f"unknown split {name!r}; expected one of {', '.join(sets)}")
+    if len(set(names)) != len(names):  # a split twice would count its cells twice
+        raise ValueError(f"splits: expected each split once, got {names}")
     n_cells = sum(len(sets[s]) for s in names)
     if n_cells == 0:
         raise ValueError("the selected splits have no cells")
@@ -247,10 +251,14 @@ def resolve_sites(
             if s not in known:
                 raise ValueError(f"unknown attention site {s!r}; expected one of "
                                  f"{', '.join(known)}")
+            if any(c.name == s for c in chosen):  # perturbed twice, its rows counted twice
+                raise ValueError(f"sites: expected each attention site once, got {s!r} twice")
             chosen.append(known[s])
         if not chosen:
             raise ValueError("sites: expected at least one attention site")
     if heads is not None:
+        if isinstance(heads, int):  # one head, as `sites` takes one name
+            heads = [heads]
         heads = list(heads)
         n = min(s.n_heads for s in chosen)
         for h in heads:
@@ -317,6 +325,14 @@ def _check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1; got {value!r}")
     return value
+
+
+def check_seed(seed: object) -> int:
+    """A seed for torch's and numpy's generators, checked before any work (numpy refuses a
+    negative one only when it is used, and `int()` would round 1.7 down unseen)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed: expected an int >= 0; got {seed!r}")
+    return seed
 
 
 def length_buckets(data: EvalData, overhead: float = FORWARD_COST_POSITIONS) -> list[torch.Tensor]:

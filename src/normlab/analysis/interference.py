@@ -40,6 +40,7 @@ from normlab.analysis.data import (
     Site,
     _check_positive_int,
     block_of,
+    check_seed,
     chunk_copies,
     evaluating,
     resolve_sites,
@@ -110,6 +111,13 @@ def null_directions(
     return (dirs / dirs.norm(dim=-1, keepdim=True)).float(), k
 
 
+def check_alpha(alpha: object) -> float:
+    """The probe's injected norm fraction: a number > 0."""
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise ValueError(f"alpha: expected a number > 0; got {alpha!r}")
+    return float(alpha)
+
+
 def interference_probe(
     model: Model,
     data: EvalData,
@@ -128,13 +136,13 @@ def interference_probe(
     key-specific effect). TV = 0.5 * sum_k |a - a'| averaged over real query rows and the
     `n_directions` directions; all heads and directions of a site run batched in one forward.
     """
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
-        raise ValueError(f"alpha: expected a number > 0; got {alpha!r}")
+    check_alpha(alpha)
     _check_positive_int(n_directions, "n_directions")
+    seed = check_seed(seed)
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"unknown tokens {tokens!r}; expected one of {', '.join(PROBE_TOKENS)}")
     chosen, head_sel = resolve_sites(model, sites, heads)
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator().manual_seed(seed)
     B = data.n_examples
     results, skipped = [], []
     with evaluating(model):
@@ -268,7 +276,7 @@ def synthetic_interference(
     for s in spreads:
         if not math.isfinite(s) or not 0 <= s < 1:
             raise ValueError(f"spread: expected a number in [0, 1); got {s!r}")
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator().manual_seed(check_seed(seed))
     d = d_model
     if norm_type == "layer":
         m = torch.cat([torch.ones(d, 1), torch.randn(d, d - 1, generator=gen)], 1)

@@ -17,6 +17,7 @@ collapse sweep is about 70% of it. Cost scales with n_examples * n_draws * len(s
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,17 +39,50 @@ from normlab.analysis.collapse import (
 )
 from normlab.analysis.data import (
     _check_positive_int,
+    check_seed,
     data_from_sets,
     resolve_sites,
     select_problems,
 )
 from normlab.analysis.interference import (
+    check_alpha,
     interference_probe,
     plot_interference,
     synthetic_interference,
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.io import provenance, write_json
+
+
+def _checked(
+    sigmas: Sequence[float], threshold: float, targets: Sequence[str] | str, mode: str,
+    noise: str, n_draws: int, n_examples: int, seed: int, alpha: float,
+) -> tuple[list[float], float, tuple[str, ...]]:
+    """`analyze_run`'s checks before any work (sites and heads wait for the model): a bad
+    value is one line naming it, not an error after the sweep it would have spoiled."""
+    _check_choice(mode, MODES, "mode")
+    _check_choice(noise, NOISES, "noise")
+    _check_positive_int(n_draws, "n_draws")
+    _check_positive_int(n_examples, "n_examples")
+    check_seed(seed)
+    check_alpha(alpha)
+    return check_sigmas(sigmas), check_threshold(threshold), check_targets(targets)
+
+
+def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
+    """Arguments for `analyze_run` given ahead of the run (a sweep's `[run.analysis]`): the
+    keys must be its keyword arguments, and the values pass the checks it makes first."""
+    params = inspect.signature(analyze_run).parameters
+    allowed = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for key in args:
+        if key not in allowed:
+            raise ValueError(f"{where}.{key}: unknown key; expected one of {', '.join(allowed)}")
+    a = {n: params[n].default for n in allowed} | args
+    try:
+        _checked(a["sigmas"], a["threshold"], a["targets"], a["mode"], a["noise"], a["n_draws"],
+                 a["n_examples"], a["seed"], a["alpha"])
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def analyze_run(
@@ -80,13 +114,8 @@ def analyze_run(
     from normlab.tasks.addition import eval_sets
     from normlab.train import load_run
 
-    sigmas = check_sigmas(sigmas)
-    threshold = check_threshold(threshold)
-    targets = check_targets(targets)
-    _check_choice(mode, MODES, "mode")
-    _check_choice(noise, NOISES, "noise")
-    _check_positive_int(n_draws, "n_draws")
-    _check_positive_int(n_examples, "n_examples")
+    sigmas, threshold, targets = _checked(sigmas, threshold, targets, mode, noise, n_draws,
+                                          n_examples, seed, alpha)
     run_dir = Path(run_dir)
     out = run_dir / "analysis" if out is None else Path(out)
     cfg, model, meta = load_run(run_dir)
