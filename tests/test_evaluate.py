@@ -74,3 +74,24 @@ def test_greedy_exact_match_never_beats_teacher_forced(arch: str) -> None:
 def test_no_problems_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one problem"):
         answer_token_accuracy(PeekingDecoder(), [], answer_format="msd")
+
+
+def test_a_limit_is_a_number_of_examples_or_none() -> None:
+    """`limit` slices every cell: 0 or -1 would silently evaluate none, or all but the last."""
+    from normlab.evaluate import evaluate
+    from normlab.tasks.addition import TaskConfig, eval_sets
+
+    task = TaskConfig(grid="smoke", eval_size=4).resolve()
+    sets = eval_sets(task)
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32))
+
+    def oracle(qs: list[str]) -> list[str]:
+        return [answers[q] for q in qs]
+
+    answers = {q: a for by in sets.values() for probs in by.values() for q, a in probs}
+    res = evaluate(model, task, sets, limit=2, predictor=oracle)
+    assert all(s["count"] == 2 * len(sets[n]) and s["accuracy"] == 1.0
+               for n, s in res["splits"].items())
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match=r"^limit: expected an int >= 1"):
+            evaluate(model, task, sets, limit=bad, predictor=oracle)

@@ -30,11 +30,12 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     """Evaluate a run's newest checkpoint on every split; write eval.json and heatmap.png."""
     import torch
 
-    from normlab.evaluate import answer_token_accuracy, evaluate, heatmap
+    from normlab.evaluate import answer_token_accuracy, check_limit, evaluate, heatmap
     from normlab.io import provenance, refuse_overwrite, write_json
     from normlab.tasks.addition import eval_sets
     from normlab.train import load_run
 
+    check_limit(limit)
     refuse_overwrite(Path(run_dir), "eval.json", force)
     cfg, model, meta = load_run(run_dir)
     torch.set_num_threads(cfg.train.threads)
@@ -166,9 +167,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     }
     if args.sigmas:
         kwargs["sigmas"] = [float(s) for s in args.sigmas.split(",")]
-    if args.draws:
+    if args.draws is not None:  # 0 is checked (one line), not taken for "the default"
         kwargs["n_draws"] = args.draws
-    if args.examples:
+    if args.examples is not None:
         kwargs["n_examples"] = args.examples
     if args.hf:
         from normlab.interop.analyze import analyze_hf

@@ -140,6 +140,14 @@ def answer_token_accuracy(
     }
 
 
+def check_limit(limit: object) -> None:
+    """`limit` examples per cell: None (all) or an int >= 1 (a slice's 0 or -1 would
+    silently evaluate none, or all but the last)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):
+        raise ValueError(f"limit: expected an int >= 1 examples per cell; got {limit!r}")
+
+
 def evaluate(
     model: Model,
     task: ResolvedTask,
@@ -150,6 +158,7 @@ def evaluate(
     predictor: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, Any]:
     """Accuracy per split (with 95% CI) and per cell; `limit` caps examples per cell."""
+    check_limit(limit)
     arch = model.cfg.arch
     max_new = task.max_lengths()[1] + 2
     predictor = predictor or (

@@ -188,18 +188,19 @@ def read_answer(text: str, fmt: str = "msd") -> str:
 # --------------------------------------------------------------------------- sampling
 
 
+def _index(x: object) -> int:
+    """An int, strictly: `operator.index`, but a bool (an int to Python) is not one here."""
+    if isinstance(x, bool):
+        raise TypeError(f"{x!r} is a bool")
+    return operator.index(x)
+
+
 def _digit_choices(d: int | Iterable[int], name: str = "d") -> tuple[int, ...]:
     """Normalise ``d`` (an int or a collection of ints) to a sorted tuple of digit counts."""
-    if isinstance(d, Iterable):
-        try:
-            ds = tuple(sorted({operator.index(x) for x in d}))
-        except TypeError:
-            raise ValueError(f"{name} must be an int or a collection of ints, got {d!r}") from None
-    else:
-        try:
-            ds = (operator.index(d),)
-        except TypeError:
-            raise ValueError(f"{name} must be an int or a collection of ints, got {d!r}") from None
+    try:
+        ds = tuple(sorted({_index(x) for x in d})) if isinstance(d, Iterable) else (_index(d),)
+    except TypeError:
+        raise ValueError(f"{name} must be an int or a collection of ints, got {d!r}") from None
     if not ds:
         raise ValueError(f"{name} must not be empty")
     if ds[0] < 1:
@@ -283,7 +284,10 @@ class Cell:
     d: int | tuple[int, ...]
 
     def __post_init__(self) -> None:
-        n = operator.index(self.n)
+        try:
+            n = _index(self.n)
+        except TypeError:
+            raise ValueError(f"n must be an int, got {self.n!r}") from None
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         ds = _digit_choices(self.d)
