@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,43 @@ def test_claims_table_on_synthetic_runs() -> None:
     assert all(r["verdict"] == "inconclusive" and r["ours"] is None for r in claims_table({}))
 
 
+def test_collect_refuses_two_runs_of_one_placement_and_seed(tmp_path: Path) -> None:
+    """Runs are keyed by placement and seed: a second run of the same pair used to replace
+    the first without a word, and a claim's mean over seeds silently lost it."""
+    import json
+
+    from normlab.report import collect, split_table
+
+    for name, d_model in (("pre-d32-s0", 32), ("pre-d64-s0", 64)):
+        (tmp_path / name).mkdir()
+        ev = _run("pre", 0, 0.99, 0.5, 0.2, 0.01)["eval"]
+        ev["config"]["model"]["d_model"] = d_model
+        (tmp_path / name / "eval.json").write_text(json.dumps(ev))
+    assert list(collect([tmp_path / "pre-d32-s0"])["pre"]) == [0]
+    with pytest.raises(ValueError, match=r"pre-d64-s0.*a second pre run with seed 0"):
+        collect([tmp_path / "pre-d32-s0", tmp_path / "pre-d64-s0"])
+    # a split only some placements have: a dash for the others, not an error
+    runs = {"pre": {0: _run("pre", 0, 0.99, 0.5, 0.2, 0.01)},
+            "qkv": {0: _run("qkv", 0, 0.99, 0.5, 0.2, 0.01)}}
+    runs["qkv"][0]["eval"]["splits"]["long"] = {"accuracy": 0.25}
+    table = split_table(runs)
+    assert table[0] == ["placement", "seeds", "train", "interpolation", "extrapolation", "long"]
+    assert table[1][-1] == "—" and table[2][-1] == "25.0"
+
+
+def test_cli_zero_draws_or_examples_or_limit_is_refused(tmp_path: Path, capsys) -> None:
+    """`--draws 0` and `--examples 0` used to mean "the default" (a truthiness test), and
+    `--limit 0` evaluated nothing; each is now a one-line error naming its field."""
+    from normlab import cli
+
+    for argv, field in ((["analyze", str(tmp_path), "--draws", "0"], "n_draws"),
+                        (["analyze", str(tmp_path), "--examples", "0"], "n_examples"),
+                        (["eval", str(tmp_path), "--limit", "0"], "limit")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"normlab: error: {field}: expected an int >= 1") and "\n" not in err
+
+
 def test_bad_sweep_configs(tmp_path: Path) -> None:
     f = tmp_path / "s.toml"
     f.write_text('[grid]\n"model.norm_placement" = ["pre"]\n[oops]\n')
@@ -81,6 +119,28 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
         load_sweep(f, tmp_path / "out")
     with pytest.raises(ValueError, match="not found"):
         load_sweep(tmp_path / "missing.toml", tmp_path / "out")
+    # [run.analysis] is checked when the sweep is read, not after every run's training
+    for run, match in (('analysis = {n_draw = 8}', r"^sweep\.run\.analysis\.n_draw: unknown key"),
+                       ('analysis = {sigmas = [-0.1]}', r"^sweep\.run\.analysis: sigma: "),
+                       ('analysis = {alpha = 0}', r"^sweep\.run\.analysis: alpha: "),
+                       ('analysis = 3', r"^sweep\.run\.analysis: expected a table"),
+                       ('analyze = "yes"', r"^sweep\.run\.analyze: expected true or false")):
+        f.write_text(f'[grid]\n"train.seed" = [0]\n[run]\n{run}\n')
+        with pytest.raises(ValueError, match=match):
+            load_sweep(f, tmp_path / "out")
+    f.write_text('[grid]\n"train.seed" = [0]\n[run]\nanalysis = {n_draws = 8, seed = 2}\n')
+    assert load_sweep(f, tmp_path / "out")[0].analysis == {"n_draws": 8, "seed": 2}
+
+
+def test_sweep_values_reach_the_config_as_written(tmp_path: Path) -> None:
+    """Grid and set values are written back as TOML for `load_config`: a string with an
+    apostrophe or quotes, and lists, arrive as they were (an apostrophe used to leave
+    quotes inside the value)."""
+    from normlab.sweep import _toml
+
+    for v in ["it's", 'say "hi"', "back\\slash", "tab\tand\nline", "é", "", [1, "a'b"], 2.5,
+              True]:
+        assert tomllib.loads(f"x = {_toml(v)}")["x"] == v, v
 
 
 def test_sweep_expands_the_grid(tmp_path: Path) -> None:
@@ -123,6 +183,35 @@ def test_local_sweep_runs_skips_and_resumes(tmp_path: Path) -> None:
     assert "resuming" in (tmp_path / "out" / "pre-s1.log").read_text()
     again = execute(specs, jobs=1, progress=False)
     assert [r["did"] for r in again] == [[], []]  # nothing recomputed
+
+
+def test_an_analysis_that_failed_part_way_is_run_again(tmp_path: Path, monkeypatch) -> None:
+    """The sweep takes a run's analysis as done only once its last result file is written
+    (it used to key on collapse.json, written before the interference probe)."""
+    import dataclasses
+
+    from normlab.analysis import report
+    from normlab.sweep import run_one
+
+    spec = dataclasses.replace(load_sweep(_tiny_sweep(tmp_path, "[0]"), tmp_path / "out")[0],
+                               analyze=True)
+    calls = []
+
+    def analyze_run(out: Path, fail: bool = False, **kw) -> None:
+        calls.append(kw)
+        (out / "analysis").mkdir(exist_ok=True)
+        (out / "analysis" / "collapse.json").write_text("{}")
+        if fail:
+            raise ValueError("the interference probe failed")
+        (out / "analysis" / "interference.json").write_text("{}")
+
+    monkeypatch.setattr(report, "analyze_run", lambda out, **kw: analyze_run(out, True, **kw))
+    with pytest.raises(ValueError, match="interference probe failed"):
+        run_one(spec)
+    monkeypatch.setattr(report, "analyze_run", analyze_run)
+    assert run_one(spec)["did"] == ["analyze"]
+    assert run_one(spec)["did"] == []
+    assert len(calls) == 2
 
 
 def test_failed_run_is_reported_and_others_go_on(tmp_path: Path) -> None:

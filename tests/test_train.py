@@ -95,6 +95,18 @@ def test_resume_is_bitwise_identical_on_two_threads(tmp_path: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_finished_run_resumes_only_with_its_own_config(tmp_path: Path) -> None:
+    """`--resume` on a finished run skips it only for the config it was made with: a sweep
+    rerun after its `[set]` changed used to report the old run done, with the old results."""
+    c = cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10")
+    train(c, tmp_path / "run", progress=False)
+    done = json.loads((tmp_path / "run" / "train_done.json").read_text())
+    assert train(c, tmp_path / "run", progress=False, resume=True) == done
+    with pytest.raises(ValueError, match="--resume: the config differs"):
+        train(cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
+                  "model.d_mlp=32"), tmp_path / "run", progress=False, resume=True)
+
+
 def test_resume_accepts_a_checkpoint_from_before_an_option_existed(tmp_path: Path) -> None:
     """A sidecar config without a newer key (here `task.complement_answer`) means its default."""
     c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")

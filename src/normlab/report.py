@@ -51,7 +51,12 @@ def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
         if ev is None:
             continue
         cfg = ev["config"]
-        runs.setdefault(cfg["model"]["norm_placement"], {})[cfg["train"]["seed"]] = {
+        placement, seed = cfg["model"]["norm_placement"], cfg["train"]["seed"]
+        if seed in runs.get(placement, {}):  # a claim's mean over seeds would lose one
+            raise ValueError(f"{str(d)!r}: a second {placement} run with seed {seed} (the first "
+                             f"is {str(runs[placement][seed]['dir'])!r}); expected one run per "
+                             "placement and seed")
+        runs.setdefault(placement, {})[seed] = {
             "dir": d, "eval": ev, "norms": _load(d / "analysis" / "norms.json"),
             "collapse": _load(d / "analysis" / "collapse.json"),
             "timings": _load(d / "timings.json") or {}, "done": _load(d / "train_done.json"),
@@ -113,6 +118,9 @@ def split_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
         for s in splits:
             vals = [r["eval"]["splits"][s]["accuracy"] for r in by.values()
                     if s in r["eval"]["splits"]]
+            if not vals:  # no run of this placement has the split
+                cells.append("—")
+                continue
             m, (lo, hi) = mean_ci(vals)
             cells.append(_pct(m, lo, hi))
         rows.append([p, str(len(by)), *cells])

@@ -86,8 +86,10 @@ def expand(
 def _toml(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):
-        return repr(v).replace("'", '"') if "'" in v else f"'{v}'"
+    if isinstance(v, str):  # a TOML basic string: JSON's escapes, and DEL, which TOML bars
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
     return str(v)
 
 
@@ -108,8 +110,16 @@ def load_sweep(path: Path, out: Path) -> list[RunSpec]:
     for key in run:
         if key not in ("analyze", "analysis"):
             raise ValueError(f"sweep.run.{key}: unknown key; expected analyze or analysis")
+    analyze, analysis = run.get("analyze", True), run.get("analysis", {})
+    if not isinstance(analyze, bool):
+        raise ValueError(f"sweep.run.analyze: expected true or false; got {analyze!r}")
+    if not isinstance(analysis, dict):
+        raise ValueError("sweep.run.analysis: expected a table of analyze_run's arguments")
+    from normlab.analysis.report import check_analysis_args
+
+    check_analysis_args(analysis, "sweep.run.analysis")  # now, not after every run's training
     return expand(base, data.get("grid", {}), data.get("set", {}), out, data.get("name", ""),
-                  run.get("analyze", True), run.get("analysis", {}))
+                  analyze, analysis)
 
 
 def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
@@ -148,7 +158,9 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
         if not (out / "eval.json").is_file():
             step("eval", lambda: eval_run(out))
-        if spec.analyze and not (out / "analysis" / "collapse.json").is_file():
+        # interference.json is the last result analyze_run writes: an analysis that failed
+        # part-way (its earlier files written) is run again, not taken as done
+        if spec.analyze and not (out / "analysis" / "interference.json").is_file():
             from normlab.analysis.report import analyze_run
 
             step("analyze", lambda: analyze_run(out, **spec.analysis))

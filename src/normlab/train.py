@@ -25,7 +25,7 @@ from normlab.checkpoint import (
     save_checkpoint,
     torch_rng,
 )
-from normlab.config import RunConfig, dump_toml
+from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import atomic_write_text, provenance, write_json
 from normlab.model import Model, build_model
@@ -166,8 +166,10 @@ def train(
     out = Path(out)
     task = cfg.validate()
     tc = cfg.train
-    if resume and (out / DONE).is_file():
-        return json.loads((out / DONE).read_text())  # finished before: nothing to redo
+    if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
+        if (out / "config.toml").is_file():
+            _check_same_config(load_config(out / "config.toml").to_dict(), cfg, out)
+        return json.loads((out / DONE).read_text())
     resuming = (
         resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
     )
@@ -191,11 +193,7 @@ def train(
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
     if resuming:
         tensors, meta = latest_checkpoint(ckpt_dir, warn=log)
-        if _comparable(meta["config"]) != _comparable(cfg.to_dict()):
-            raise ValueError(
-                f"--resume: the config differs from the one saved in {str(out)!r}; "
-                "use the same config (or --force to start over)"
-            )
+        _check_same_config(meta["config"], cfg, out)
         model.load_state_dict(model_state(tensors))
         opt.load_state_dict(optimizer_state(tensors, meta))
         stream.load_state_dict(meta["stream"])
@@ -309,6 +307,15 @@ def train(
     if step >= tc.steps or last.get("early_stopped"):
         write_json(out / DONE, last)
     return last
+
+
+def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path) -> None:
+    """Resuming (or finding finished) the run in `out` needs the config it was made with."""
+    if _comparable(saved) != _comparable(cfg.to_dict()):
+        raise ValueError(
+            f"--resume: the config differs from the one saved in {str(out)!r}; "
+            "use the same config (or --force to start over)"
+        )
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
