@@ -229,7 +229,7 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     need = {"threshold", "noise", "mode", "targets", "sigmas", "collapse_rate", "collapse_ci95",
             "predicted_rate", "predicted_union", "predicted_pair_max", "accuracy",
             "accuracy_unperturbed", "n_sparse_rows", "n_draws", "sparse_counts_by_threshold",
-            "per_head", "rows_per_s"}
+            "per_head", "rows_per_s", "max_tokens"}
     assert need <= set(c)
     assert c["collapse_rate"][0] in (0.0, None) and c["accuracy"][0] == c["accuracy_unperturbed"]
     assert len(c["collapse_ci95"]) == len(c["accuracy"]) == 2

@@ -410,9 +410,12 @@ def measure_collapse(
     and each group runs at its own width (and so with more copies per forward), so short
     problems do not pay for the longest one's padding; the eps of every (draw, example,
     position) and hence the counts are the same either way. sigma = 0 is run once (every
-    draw would be identical). Returns a JSON-ready dict; `rows` holds the per-row columns as
-    tensors (pop it before writing JSON), with `rate` [R, n_sigmas] the per-row measured
-    collapse frequency.
+    draw would be identical). The noise is drawn `chunk` copies at a time (the copies that
+    fit in `max_tokens`), so a seed gives the same eps, and the same counts, for the same
+    `max_tokens` and data, not across them (the rates agree statistically; `analyze_run`
+    keeps the default, and the result records it). Returns a JSON-ready dict; `rows` holds
+    the per-row columns as tensors (pop it before writing JSON), with `rate` [R, n_sigmas]
+    the per-row measured collapse frequency.
     """
     sigmas = check_sigmas(sigmas)
     _check_positive_int(n_draws, "n_draws")
@@ -528,6 +531,7 @@ def measure_collapse(
         "sparse_fraction": R / n_valid_total if n_valid_total else None,
         "n_draws": n_draws,
         "draws_per_sigma": draws_used,
+        "max_tokens": max_tokens,  # with the seed, it fixes the noise (see the docstring)
         "n_examples": B,
         "sparse_counts_by_threshold": {
             str(t): sum(c[t] for c in rows.counts.values()) for t in thetas},
