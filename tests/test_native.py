@@ -153,6 +153,30 @@ def test_double_backward_goes_through_torch_ops(center: bool) -> None:
         torch.testing.assert_close(go, gr, rtol=1e-3, atol=1e-4 * gr.abs().max().item())
 
 
+@pytest.mark.parametrize("frozen", ["x", "gain", "bias"])
+def test_double_backward_with_an_input_that_wants_no_gradient(frozen: str) -> None:
+    """A data input, or a frozen gain or bias, with create_graph=True or batched gradients:
+    the gradients of the others, as torch's own norm gives them (it raised that one of the
+    differentiated tensors does not require grad)."""
+    torch.manual_seed(0)
+    ins = {"x": torch.randn(1100, 16), "gain": torch.randn(16), "bias": torch.randn(16)}
+    for name, t in ins.items():
+        t.requires_grad_(name != frozen)
+    want = [t for t in ins.values() if t.requires_grad]
+    gy = torch.randn(1100, 16)
+
+    def grads(fn, **kw) -> tuple[torch.Tensor, ...]:
+        y = fn(*ins.values())
+        g = torch.stack([gy, 2 * gy]) if kw.get("is_grads_batched") else gy
+        return torch.autograd.grad(y, want, g, **kw)
+
+    for kw in (dict(create_graph=True), dict(is_grads_batched=True)):
+        ours = grads(lambda *a: native.norm(*a, 1e-5, True), **kw)
+        ref = grads(lambda *a: torch_norm(*a, True), **kw)
+        for go, gr in zip(ours, ref, strict=True):
+            torch.testing.assert_close(go, gr, rtol=1e-4, atol=1e-4 * gr.abs().max().item())
+
+
 def test_applies_only_where_it_pays() -> None:
     big, w = torch.randn(4096, 16), torch.ones(16)
     assert native.norm_applies(big, w)

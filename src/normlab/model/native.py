@@ -377,13 +377,19 @@ class _NormFn(torch.autograd.Function):
             # create_graph=True (double backward, e.g. a gradient penalty), or a batched
             # gradient C cannot read: take the gradient through torch's ops, which are
             # differentiable and batch
+            # only the inputs that want a gradient: a frozen gain or bias, or an input that is
+            # data, is no leaf of this graph, and asking for it would raise
+            want = [i for i, t in enumerate((x, w, b)) if t is not None and ctx.needs_input_grad[i]]
             with torch.enable_grad():
-                ins = [t for t in (x, w, b) if t is not None]
                 y = torch_norm(x, w, b, ctx.eps, ctx.center)
                 if cos is not None:
                     y = torch_rope(y, cos, sin2)
-                gs = torch.autograd.grad(y, ins, gy, create_graph=True, allow_unused=True)
-            return (*gs, *([None] if b is None else []), *rest)
+                gs = torch.autograd.grad(y, [(x, w, b)[i] for i in want], gy, create_graph=True,
+                                         allow_unused=True)
+            out: list[torch.Tensor | None] = [None, None, None]
+            for i, g in zip(want, gs, strict=True):
+                out[i] = g
+            return (*out, *rest)
         d = x.shape[-1]
         n = x.numel() // d
         if cos is not None:  # the rotation undone block by block, inside the kernel
