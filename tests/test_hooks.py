@@ -277,6 +277,49 @@ def test_greedy_decode_reserves_exactly_the_positions_it_feeds(arch: str) -> Non
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match=r"^max_new: expected a number of tokens >= 0"):
             greedy_decode(model, prompts, max_new=bad, eos=-1)
+    # an empty prompt was decoded from the padding alone (an empty source: from no key at all)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: expected at least one token"):
+        greedy_decode(model, [[1, 5], []], max_new=2, eos=-1)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_per_token_inputs_of_the_wrong_width_are_refused(arch: str) -> None:
+    """A mask, positions or aux of width 1 broadcast over every position (with a width-1
+    attention_mask every token got position 0), other widths gave torch's broadcast errors;
+    each is now one line naming the input. A 0/1 integer or float src_mask is a mask."""
+    model = build_model(cfg(arch=arch, pos_encoding="rope")).eval()
+    tokens, ones = torch.randint(3, 16, (2, 6)), torch.ones(2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        if arch == "decoder":
+            for kw, name in ((dict(attention_mask=ones[:, :1]), "attention_mask"),
+                             (dict(positions=torch.zeros(2, 1, dtype=torch.long)), "positions"),
+                             (dict(attention_mask=ones[:, :5]), "attention_mask")):
+                with pytest.raises(ValueError, match=rf"^{name}: expected shape \(2, 6\)"):
+                    model(tokens, **kw)
+            with pytest.raises(ValueError, match=r"^tokens: expected \[batch, pos\]"):
+                model(tokens[0])
+            return
+        src_mask = torch.ones(2, 6, dtype=torch.bool)
+        src_mask[1, 4:] = False
+        want = model(tokens, tokens[:, :3], src_mask)
+        for as_number in (src_mask.long(), src_mask.float()):
+            torch.testing.assert_close(model(tokens, tokens[:, :3], as_number), want)
+        with pytest.raises(ValueError, match=r"^src_mask: expected shape \(2, 6\)"):
+            model(tokens, tokens[:, :3], src_mask[:, :1])
+
+
+def test_hook_point_misuse_is_not_silent() -> None:
+    """A typo in a list `names_filter` is refused as in a single name (it cached nothing); a
+    PyTorch module hook on a hook point, which never fires, warns where to attach instead."""
+    model = build_model(cfg())
+    tokens = torch.randint(0, 16, (1, 4))
+    with pytest.raises(ValueError, match=r"^unknown hook 'blocks\.0\.attn\.hook_patern'"):
+        model.run_with_cache(tokens, names_filter=["blocks.0.attn.hook_z",
+                                                   "blocks.0.attn.hook_patern"])
+    point = model.blocks[0].attn.hook_pattern
+    for register in (point.register_forward_hook, point.register_forward_pre_hook):
+        with pytest.warns(UserWarning, match=r"module hooks never run on a hook point"):
+            register(lambda *a: None).remove()
 
 
 def test_a_copied_kv_cache_extended_twice_keeps_both_continuations() -> None:

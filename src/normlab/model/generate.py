@@ -70,6 +70,9 @@ def greedy_decode(
         raise ValueError(f"max_new: expected a number of tokens >= 0, got {max_new!r}")
     if not prompts:
         return []
+    for i, prompt in enumerate(prompts):
+        if not len(prompt):  # its row would be read from the padding alone (or attend to nothing)
+            raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
     with evaluating(model):  # every module's mode as it was afterwards, also after an error
         out = _decode(model, prompts, max_new, eos, pad, bos, use_cache, aux_fn, aux_next)
     result = []

@@ -95,8 +95,16 @@ class Stack(nn.Module):
         segments [batch, pos]: packed rows (see `tasks.addition.make_batch(pack=True)`); a
         token attends only within its segment and positions restart at each segment's start.
         """
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens: expected [batch, pos] ids, got shape {tuple(tokens.shape)}")
         b, p = tokens.shape
         past = cache.length if cache is not None else 0
+        _check_width(key_mask, (b, past + p), "attention_mask" if self.causal else "src_mask",
+                     "the cached positions and these" if past else "the tokens")
+        _check_width(aux, (b, p), "aux", "the tokens")
+        _check_width(positions, (b, p), "positions", "the tokens")
+        if memory is not None:
+            _check_width(memory_mask, memory.shape[:2], "src_mask", "the source")
         if segments is not None:
             if cache is not None or key_mask is not None or not self.causal:
                 raise ValueError("segments: only for a causal forward without cache or key_mask")
@@ -125,7 +133,8 @@ class Stack(nn.Module):
         mask = self._self_mask(b, p, past, key_mask, tokens.device)
         if segments is not None:  # block-diagonal: causal within each packed problem
             mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
-        mem_mask = None if memory_mask is None else memory_mask[:, None, None, :]
+        # bool, as the encoder reads the same mask: a float one would be an additive bias to SDPA
+        mem_mask = None if memory_mask is None else memory_mask.bool()[:, None, None, :]
         for i, block in enumerate(self.blocks):
             x = block(
                 x,
@@ -155,6 +164,13 @@ class Stack(nn.Module):
             allowed = allowed & key_mask[:, None, None, :].bool()
             allowed = allowed | (kj == qi)[None, None]
         return allowed
+
+
+def _check_width(t: torch.Tensor | None, shape: tuple[int, ...], name: str, of: str) -> None:
+    """A per-token input must be [batch, pos] as given: width 1 would broadcast unseen."""
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, one per row and position of "
+                         f"{of}; got {tuple(t.shape)}")
 
 
 def _segment_positions(segments: torch.Tensor) -> torch.Tensor:
