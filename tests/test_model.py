@@ -246,6 +246,16 @@ def test_qkv_norm_scope_all_normalises_whole_projection() -> None:
         ({"dropout": -0.1}, "dropout"),
         ({"n_kv_heads": 3}, "n_kv_heads"),
         ({"pos_encoding": "rope", "d_model": 36, "n_heads": 4}, "d_head"),
+        # not numbers where numbers go: a TypeError from the derived sizes used to come first
+        ({"n_heads": "4"}, "n_heads"),
+        ({"d_model": "128"}, "d_model"),
+        # NaN or inf gave non-finite outputs, or (rope_theta inf) no rotation at all
+        ({"norm_eps": float("nan")}, "norm_eps"),
+        ({"rope_theta": float("inf")}, "rope_theta"),
+        ({"init_std": float("nan")}, "init_std"),
+        ({"norm_eps": True}, "norm_eps"),
+        ({"norm_bias": "false"}, "norm_bias"),  # was taken as true
+        ({"tie_embeddings": 1}, "tie_embeddings"),
     ],
 )
 def test_bad_config_is_a_one_line_error(kwargs: dict, field: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -55,10 +56,12 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.d_head is None and self.n_heads > 0 and self.d_model % self.n_heads == 0:
-            self.d_head = self.d_model // self.n_heads
-        if self.d_mlp is None:
-            self.d_mlp = 4 * self.d_model
+        # derived sizes only from ints: anything else is left for `validate` to name
+        d, h = self.d_model, self.n_heads
+        if self.d_head is None and _is_int(d) and _is_int(h) and h > 0 and d % h == 0:
+            self.d_head = d // h
+        if self.d_mlp is None and _is_int(d):
+            self.d_mlp = 4 * d
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         self.validate()
@@ -119,14 +122,20 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads: expected a divisor of n_heads={self.n_heads}; "
                 f"got {self.n_kv_heads}"
             )
-        if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
+        if not _is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(
                 f"ModelConfig.dropout: expected a number in [0, 1); got {self.dropout!r}"
             )
-        for name in ("norm_eps", "rope_theta", "init_std"):
+        for name in ("norm_eps", "rope_theta", "init_std"):  # NaN or inf: no model at all
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"ModelConfig.{name}: expected a positive number; got {value!r}")
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ValueError(
+                    f"ModelConfig.{name}: expected a positive finite number; got {value!r}"
+                )
+        for name in ("norm_bias", "attn_bias", "mlp_bias", "norm_gain_offset", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):  # "false" would be true
+                raise ValueError(f"ModelConfig.{name}: expected true or false; got "
+                                 f"{getattr(self, name)!r}")
 
     @property
     def normalises_qk(self) -> bool:
@@ -144,3 +153,11 @@ class ModelConfig:
                 allowed = ", ".join(sorted(known))
                 raise ValueError(f"ModelConfig: unknown field {key!r}; expected one of {allowed}")
         return cls(**data)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

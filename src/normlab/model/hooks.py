@@ -8,6 +8,7 @@ unhooked forward pays one attribute read, one call and one check per point (~0.1
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +39,24 @@ class HookPoint(nn.Module):
 
     def extra_repr(self) -> str:
         return self.name
+
+    # PyTorch's module hooks are registered with a warning: they never fire (this call skips
+    # nn.Module's). A tool that hooks every module (a summary) keeps working; a user learns
+    # where to look.
+    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        self._warn_module_hook()
+        return super().register_forward_hook(*args, **kwargs)
+
+    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        self._warn_module_hook()
+        return super().register_forward_pre_hook(*args, **kwargs)
+
+    def _warn_module_hook(self) -> None:
+        warnings.warn(
+            f"HookPoint {self.name!r}: PyTorch's module hooks never run on a hook point; "
+            "attach fn(tensor, hook) with model.hooks, run_with_hooks or run_with_cache",
+            stacklevel=3,
+        )
 
 
 def torch_hooked(module: nn.Module) -> bool:
@@ -134,6 +153,9 @@ class HookedModule(nn.Module):
         match = _matcher(names_filter)
         if isinstance(names_filter, str):
             self._resolve(names_filter)
+        elif names_filter is not None and not callable(names_filter):
+            for name in names_filter:  # a typo in a list is refused, as in a single name
+                self._resolve(name)
         cache: dict[str, torch.Tensor] = {}
 
         def save(x: torch.Tensor, hook: HookPoint) -> None:
