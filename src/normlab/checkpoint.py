@@ -21,6 +21,7 @@ from safetensors.torch import load, save
 from normlab.io import atomic_write_bytes, provenance, write_json
 
 KEEP = 2
+SIDECAR_KEYS = ("step", "sha256", "torch_rng", "config")  # what loading and resuming read
 
 
 class CheckpointError(ValueError):
@@ -32,8 +33,12 @@ def _stem(step: int) -> str:
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
-    """Sidecars of complete checkpoints, oldest first."""
-    return sorted(Path(folder).glob("step_*.json"))
+    """Sidecars of complete checkpoints, oldest first: by step, which their names order only
+    up to 7 digits (step 10,000,000 sorted before 9,999,999 and was pruned as it was written)."""
+    def step(p: Path) -> tuple[int, str]:
+        digits = p.stem.removeprefix("step_")
+        return (int(digits) if digits.isdigit() else -1, p.name)
+    return sorted(Path(folder).glob("step_*.json"), key=step)
 
 
 def save_checkpoint(
@@ -86,6 +91,13 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         raise CheckpointError(
             f"checkpoint sidecar {str(side)!r} is not valid JSON ({err})"
         ) from None
+    missing = [k for k in SIDECAR_KEYS if k not in meta] if isinstance(meta, dict) else None
+    if missing is None or missing:  # another program's JSON, or a sidecar cut short
+        raise CheckpointError(
+            f"checkpoint sidecar {str(side)!r} is not a normlab checkpoint's: expected an "
+            f"object with {', '.join(SIDECAR_KEYS)}"
+            + (f"; {', '.join(missing)} missing" if missing else "")
+        )
     blob = tens.read_bytes()
     if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
         raise CheckpointError(
