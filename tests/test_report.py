@@ -214,6 +214,22 @@ def test_an_analysis_that_failed_part_way_is_run_again(tmp_path: Path, monkeypat
     assert len(calls) == 2
 
 
+def test_a_finished_run_of_another_config_is_not_taken_as_done(tmp_path: Path) -> None:
+    """A sweep (or `reproduce`) rerun after its config changed skipped the finished runs and
+    kept their old results; the run's saved config must now be the spec's."""
+    import dataclasses
+
+    from normlab.sweep import run_one
+
+    spec = load_sweep(_tiny_sweep(tmp_path, "[0]"), tmp_path / "out")[0]
+    assert run_one(spec)["did"] == ["train", "eval"]
+    assert run_one(spec)["did"] == []
+    changed = dataclasses.replace(spec, config=spec.config | {
+        "model": spec.config["model"] | {"d_mlp": 64}})
+    with pytest.raises(ValueError, match="--resume: the config differs"):
+        run_one(changed)
+
+
 def test_failed_run_is_reported_and_others_go_on(tmp_path: Path) -> None:
     from normlab.sweep import execute
 

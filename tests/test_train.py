@@ -379,3 +379,154 @@ def test_cli_analyze_threads(tmp_path: Path, monkeypatch, capsys) -> None:
         assert seen == [2]
     finally:
         torch.set_num_threads(before)
+
+
+# ---- the twenty-first session's review: nothing lost, resume exact, bad input one line ----
+
+
+def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
+    """`--force` emptied any folder (a mistyped --out), and a refusal found after it (a device
+    this machine lacks) left nothing of the old run; `--out` naming a file is one line."""
+    c = cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5")
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "thesis.tex").write_text("precious")
+    for kw in (dict(force=True), dict(resume=True)):
+        with pytest.raises(ValueError, match="is not a normlab run folder"):
+            train(c, other, progress=False, **kw)
+    assert (other / "thesis.tex").read_text() == "precious"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="expected a folder for the run; it is a file"):
+        train(c, tmp_path / "file", progress=False)
+    train(c, tmp_path / "run", progress=False)
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            train(cfg("train.steps=5", "train.device='cuda'"), tmp_path / "run", progress=False,
+                  force=True)
+        assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_resume_past_a_torn_last_metrics_line(tmp_path: Path) -> None:
+    """A last line cut short by the kill blocked every resume; it is dropped and redone, and
+    the resumed run ends with the straight run's records. A damaged earlier line is named."""
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=10")
+    train(c, tmp_path / "straight", progress=False)
+    train(c, tmp_path / "run", progress=False, stop_after=15)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 16, "loss": 2.6')
+    train(c, tmp_path / "run", progress=False, resume=True)
+    steps = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()]
+    want = [json.loads(ln)["step"] for ln in (tmp_path / "straight/metrics.jsonl").read_text()
+            .splitlines()]
+    assert steps == want
+    train(c, tmp_path / "bad", progress=False, stop_after=15)
+    lines = (tmp_path / "bad" / "metrics.jsonl").read_text().splitlines()
+    lines[0] = lines[0][:10]
+    (tmp_path / "bad" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl'? line 1: not valid JSON"):
+        train(c, tmp_path / "bad", progress=False, resume=True)
+
+
+def test_checkpoints_past_seven_digits_keep_the_newest(tmp_path: Path) -> None:
+    """Names sort as steps only up to 7 digits: step 10,000,000 was pruned as it was written."""
+    from normlab import ModelConfig, build_model
+    from normlab.checkpoint import save_checkpoint
+
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32))
+    for step in (9_999_000, 9_999_999, 10_000_000):
+        save_checkpoint(tmp_path, step, model, None, {"config": {}})
+    assert [json.loads(p.read_text())["step"] for p in list_checkpoints(tmp_path)] == [
+        9_999_999, 10_000_000]
+
+
+def test_a_run_killed_after_it_stopped_early_stays_stopped(tmp_path: Path) -> None:
+    """Killed after the early-stop checkpoint, before train_done.json: resuming trained on to
+    the next evaluation; it now ends where the straight run ended, with its record."""
+    c = cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=10",
+            "train.early_stop_accuracy=0.0")
+    done = train(c, tmp_path / "run", progress=False)
+    assert done["early_stopped"] and done["step"] == 10
+    (tmp_path / "run" / "train_done.json").unlink()
+    again = train(c, tmp_path / "run", progress=False, resume=True)
+    assert again == done
+    assert [json.loads(p.read_text())["step"] for p in
+            list_checkpoints(tmp_path / "run/checkpoints")] == [10]
+    # killed after the last checkpoint of a full run: train_done.json keeps the numbers
+    c = cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10")
+    done = train(c, tmp_path / "full", progress=False)
+    (tmp_path / "full" / "train_done.json").unlink()
+    assert train(c, tmp_path / "full", progress=False, resume=True) == done
+
+
+def test_resume_before_the_first_checkpoint_is_the_same_run_again(tmp_path: Path) -> None:
+    """With no checkpoint yet, `--resume` restarted with any config, overwrote config.toml and
+    appended to the killed attempt's metrics; now the config must match and the lines are
+    redone once."""
+    c = cfg("train.steps=20", "train.checkpoint_every=20", "train.eval_every=20")
+    train(c, tmp_path / "straight", progress=False)
+    train(c, tmp_path / "run", progress=False, stop_after=12)
+    with pytest.raises(ValueError, match="--resume: the config differs"):
+        train(cfg("train.steps=20", "train.checkpoint_every=20", "train.eval_every=20",
+                  "train.lr=0.5"), tmp_path / "run", progress=False, resume=True)
+    train(c, tmp_path / "run", progress=False, resume=True)
+    read = lambda run: [json.loads(ln)["loss"] for ln in  # noqa: E731
+                        (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert read("run") == read("straight")
+
+
+def test_evaluations_between_log_steps_are_run(tmp_path: Path) -> None:
+    """Evaluations sat inside the log steps: eval_every 3 with log_every 5 evaluated at 15
+    and the end only."""
+    c = cfg("train.steps=12", "train.log_every=5", "train.eval_every=3",
+            "train.checkpoint_every=12")
+    train(c, tmp_path / "run", progress=False)
+    recs = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "accuracy" in r] == [3, 6, 9, 12]
+    assert [r["step"] for r in recs] == [3, 5, 6, 9, 10, 12]
+
+
+@pytest.mark.parametrize(("sets", "field"), [
+    (["train.early_stop_split='trian'"], "train.early_stop_split"),
+    (["train.lr=nan"], "train.lr"), (["train.lr=inf"], "train.lr"),
+    (["train.beta1=1.5"], "train.beta1"), (["train.beta2=-0.5"], "train.beta2"),
+    (["train.weight_decay=inf"], "train.weight_decay"),
+    (["train.grad_clip=nan"], "train.grad_clip"),
+])
+def test_training_settings_are_named_when_refused(sets: list[str], field: str) -> None:
+    """A typo in early_stop_split scored -1 at every evaluation; NaN or out-of-range optimizer
+    values were torch's errors, naming no field, or a NaN loss later."""
+    with pytest.raises(ValueError, match=rf"^{field}: expected"):
+        cfg(*sets).validate()
+
+
+def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Path) -> None:
+    """A config that is not UTF-8, a table given a value, a sidecar of another program (or
+    cut short), and weights of another model: one line naming the file or the field."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"[train]\nsteps = 2 # \xff\n")
+    with pytest.raises(ValueError, match=r"latin1\.toml'?: invalid TOML"):
+        load_config(bad)
+    bad.write_text("model = 5\n")
+    with pytest.raises(ValueError, match=r"^model: expected a table"):
+        load_config(bad, ["model.d_model=32"])
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
+    train(c, tmp_path / "run", progress=False)
+    prev, newest = list_checkpoints(tmp_path / "run/checkpoints")
+    for text, match in (("[]", "not a normlab checkpoint's"), ('{"step": 20}', "missing")):
+        newest.write_text(text)
+        with pytest.raises(CheckpointError, match=match):
+            load_checkpoint(newest)
+    warnings: list[str] = []
+    assert latest_checkpoint(tmp_path / "run/checkpoints", warn=warnings.append)[1]["step"] == 10
+    assert warnings
+    from normlab.train import load_run
+
+    other = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20",
+                "model.d_mlp=32")
+    side = json.loads(prev.read_text())
+    side["config"] = other.to_dict()  # weights of d_mlp 64 under a d_mlp 32 config
+    prev.write_text(json.dumps(side))
+    newest.unlink()
+    with pytest.raises(CheckpointError, match=r"step 10 in .* does not fit the model"):
+        load_run(tmp_path / "run")

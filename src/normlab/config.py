@@ -7,6 +7,7 @@ A run config has three tables, `[model]` (`ModelConfig`), `[task]` (`TaskConfig`
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -65,8 +66,13 @@ class TrainConfig:
         for name in ("warmup_steps", "patience", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: expected >= 0; got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"train.lr: expected a positive number; got {self.lr}")
+        # finite and in range here, where the field is named, not in torch's AdamW
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"train.lr: expected a positive finite number; got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name}: expected a number in [0, 1); got "
+                                 f"{getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(
                 f"train.min_lr_ratio: expected a number in [0, 1]; got {self.min_lr_ratio}"
@@ -81,8 +87,10 @@ class TrainConfig:
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"train.compile: expected true or false; got {self.compile!r}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("train.weight_decay / train.grad_clip: expected >= 0")
+        for name in ("weight_decay", "grad_clip"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"train.{name}: expected a finite number >= 0; got "
+                                 f"{getattr(self, name)}")
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -171,6 +179,11 @@ class RunConfig:
                 f"model.max_len: expected >= {need} for this task's longest "
                 f"sequence; got {self.model.max_len}"
             )
+        if self.train.early_stop_split not in task.eval_splits:  # a typo scored -1 at every eval
+            raise ValueError(
+                f"train.early_stop_split: expected one of {', '.join(task.eval_splits)}; "
+                f"got {self.train.early_stop_split!r}"
+            )
         return task
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,12 +219,14 @@ def load_config(
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found")
         try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as err:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"config file {str(p)!r}: invalid TOML ({err})") from None
     for item in overrides:
         (table, key), value = parse_override(item)
-        data.setdefault(table, {})[key] = value
+        if not isinstance(data.setdefault(table, {}), dict):  # `model = 5` in the file
+            raise ValueError(f"{table}: expected a table; got {data[table]!r}")
+        data[table][key] = value
     if seed is not None:
         data.setdefault("train", {})["seed"] = seed
     return RunConfig.from_dict(data)

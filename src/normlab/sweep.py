@@ -128,7 +128,7 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
 
     from normlab.cli import eval_run
     from normlab.config import RunConfig
-    from normlab.train import train
+    from normlab.train import check_saved_config, train
 
     t0 = time.time()
     out = Path(spec.out)
@@ -156,6 +156,8 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
 
         if not (out / "train_done.json").is_file():
             step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
+        else:  # done, but as this spec's run? (a changed sweep would keep the old results)
+            check_saved_config(out, cfg)
         if not (out / "eval.json").is_file():
             step("eval", lambda: eval_run(out))
         # interference.json is the last result analyze_run writes: an analysis that failed

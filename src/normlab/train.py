@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from normlab.checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     model_state,
     optimizer_state,
@@ -27,7 +28,7 @@ from normlab.checkpoint import (
 )
 from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
-from normlab.io import atomic_write_text, provenance, write_json
+from normlab.io import atomic_write_text, provenance, read_metrics, write_json
 from normlab.model import Model, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
@@ -127,25 +128,41 @@ class Progress:
             self.bar.stop()
 
 
+RUN_MARKERS = ("config.toml", "checkpoints", "metrics.jsonl", DONE)  # what training writes
+
+
 def prepare_run_dir(out: Path, *, resume: bool, force: bool) -> None:
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r}: expected a folder for the run; it is a file")
     has_content = out.exists() and any(out.iterdir())
     if has_content and not (resume or force):
         raise ValueError(
             f"run folder {str(out)!r} already exists; pass --resume to continue it "
             "or --force to start over"
         )
+    if has_content and not any((out / m).exists() for m in RUN_MARKERS):
+        # --force deletes the folder, --resume writes into it: neither in a folder that holds
+        # something else (a mistyped --out)
+        raise ValueError(
+            f"{str(out)!r} holds files but is not a normlab run folder (no config.toml, "
+            "checkpoints/ or metrics.jsonl); give --out a new or a run folder"
+        )
     if has_content and force and not resume:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop log lines written after the checkpoint (they will be redone)."""
+def _truncate_metrics(path: Path, step: int) -> dict[str, Any] | None:
+    """On resume, drop log lines written after the checkpoint (they will be redone); return
+    the record of the checkpoint's step, if one was logged. Read as `read_metrics` reads: a
+    last line cut short by the kill is dropped too (it blocked every resume), a damaged
+    earlier line is an error naming it."""
     if not path.exists():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-    atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+        return None
+    keep = [rec for rec in read_metrics(path.parent) if rec["step"] <= step]
+    atomic_write_text(path, "".join(json.dumps(rec) + "\n" for rec in keep))
+    return next((rec for rec in keep if rec["step"] == step), None)
 
 
 def train(
@@ -167,18 +184,19 @@ def train(
     task = cfg.validate()
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
-        if (out / "config.toml").is_file():
-            _check_same_config(load_config(out / "config.toml").to_dict(), cfg, out)
+        check_saved_config(out, cfg)
         return json.loads((out / DONE).read_text())
     resuming = (
         resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
     )
-    prepare_run_dir(out, resume=resume, force=force)
     torch.set_num_threads(tc.threads)
     device = pick_device(tc.device)
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model).to(device)
     opt = make_optimizer(model, tc)
+    # the folder is touched (with --force: emptied) only now, after everything that can refuse
+    # the config (the device, the optimizer's settings): a refusal leaves the old run as it was
+    prepare_run_dir(out, resume=resume, force=force)
     stream = TrainStream(
         task.train_cells,
         seed=tc.seed,
@@ -191,18 +209,26 @@ def train(
     )
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
+    last: dict[str, Any] = {"step": step}
     if resuming:
         tensors, meta = latest_checkpoint(ckpt_dir, warn=log)
         _check_same_config(meta["config"], cfg, out)
-        model.load_state_dict(model_state(tensors))
+        load_weights(model, tensors, meta, ckpt_dir)
         opt.load_state_dict(optimizer_state(tensors, meta))
         stream.load_state_dict(meta["stream"])
         torch.set_rng_state(torch_rng(meta))
         step, elapsed = meta["step"], meta["elapsed_s"]
         best, stale = meta["best"], meta["stale"]
-        _truncate_metrics(metrics_path, step)
+        # the last record is the checkpoint's own where one was logged: a run killed after
+        # its last checkpoint finishes with its numbers, not with the step alone
+        last = _truncate_metrics(metrics_path, step) or {"step": step}
+        if meta.get("early_stopped"):  # killed after stopping early, before train_done.json
+            last["early_stopped"] = True
         log(f"resuming {out} from step {step}")
     else:
+        if resume:  # killed before its first checkpoint: it starts again, as the same run
+            check_saved_config(out, cfg)
+            _truncate_metrics(metrics_path, 0)  # the killed attempt's lines are redone
         atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
     # Compiled for the training step only: evaluation runs other shapes in no-grad mode (each
     # would be one more compile), and checkpoints save `model` itself, so their keys and
@@ -217,7 +243,7 @@ def train(
     # Taken once, now: the code in memory is the code at start, whatever the tree holds later.
     started = provenance()
 
-    def checkpoint() -> None:
+    def checkpoint(early_stopped: bool = False) -> None:
         meta = {
             "provenance": started,
             "config": cfg.to_dict(),
@@ -225,6 +251,7 @@ def train(
             "elapsed_s": elapsed,
             "best": best,
             "stale": stale,
+            "early_stopped": early_stopped,  # a resume must not train on past the stop
         }
         save_checkpoint(ckpt_dir, step, model, opt, meta)
 
@@ -240,12 +267,11 @@ def train(
             writer.flush()
 
     bar = Progress(tc.steps, step, progress, out.name)
-    last: dict[str, Any] = {"step": step}
     tok_count, t0 = 0, time.perf_counter()
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     try:
         model.train()
-        while step < end:
+        while step < end and not last.get("early_stopped"):
             lr = lr_at(step, tc)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -265,7 +291,10 @@ def train(
             tok_count += n_tok
             now = time.perf_counter()
             elapsed_now = elapsed + (now - t0)
-            if step % tc.log_every == 0 or step == end:
+            # an evaluation step is logged too: nested in the log steps, evaluations at steps
+            # that were not log steps were skipped
+            evaluate_now = step % tc.eval_every == 0 or step == tc.steps
+            if step % tc.log_every == 0 or step == end or evaluate_now:
                 tps = tok_count / max(now - t0, 1e-9)
                 last = {
                     "step": step,
@@ -274,7 +303,7 @@ def train(
                     "tokens_per_s": tps,
                     "elapsed_s": elapsed_now,
                 }
-                if step % tc.eval_every == 0 or step == tc.steps:
+                if evaluate_now:
                     model.eval()
                     res = evaluate(model, task, sets, limit=tc.eval_examples)
                     model.train()
@@ -296,8 +325,7 @@ def train(
                 and (best >= tc.early_stop_accuracy or (tc.patience and stale >= tc.patience))
             ):
                 log(f"early stop at step {step}: {tc.early_stop_split} accuracy {best:.4f}")
-                if step % tc.checkpoint_every:
-                    checkpoint()
+                checkpoint(early_stopped=True)  # again if this step had one: now it says so
                 last["early_stopped"] = True
                 break
     finally:
@@ -307,6 +335,27 @@ def train(
     if step >= tc.steps or last.get("early_stopped"):
         write_json(out / DONE, last)
     return last
+
+
+def check_saved_config(out: Path, cfg: RunConfig) -> None:
+    """A run folder's `config.toml`, where there is one, must be `cfg`'s (up to where and how
+    it runs): a finished run is taken as done, or a killed one restarted, only as itself."""
+    if (Path(out) / "config.toml").is_file():
+        _check_same_config(load_config(Path(out) / "config.toml").to_dict(), cfg, Path(out))
+
+
+def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                 folder: Path) -> None:
+    """A checkpoint's weights into the model its config builds; one line naming the
+    checkpoint where they do not fit (tensors of another model)."""
+    try:
+        model.load_state_dict(model_state(tensors))
+    except RuntimeError as err:
+        first = str(err).splitlines()[1:2] or [str(err)]
+        raise CheckpointError(
+            f"checkpoint step {meta['step']} in {str(folder)!r} does not fit the model its "
+            f"config builds ({first[0].strip()})"
+        ) from None
 
 
 def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path) -> None:
@@ -347,7 +396,7 @@ def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict
     )
     cfg = RunConfig.from_dict(meta["config"])
     model = build_model(cfg.model)
-    model.load_state_dict(model_state(tensors))
+    load_weights(model, tensors, meta, run_dir / "checkpoints")
     return cfg, model.to(device).eval(), meta
 
 
