@@ -212,7 +212,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mon
         return (loss * float("nan"), n) if calls["n"] > 12 else (loss, n)
 
     monkeypatch.setattr(tr, "loss_on", poisoned)
-    with pytest.raises(TrainingError, match="loss is nan at step 13"):
+    with pytest.raises(TrainingError, match="loss is nan at step 13; stopped, the last good"):
         train(
             cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=30"),
             tmp_path / "run",
@@ -220,6 +220,10 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mon
         )
     _, meta = latest_checkpoint(tmp_path / "run/checkpoints")
     assert meta["step"] == 10
+    calls["n"] = 10  # poisoned from the third step, before any checkpoint: none is claimed
+    with pytest.raises(TrainingError, match="no checkpoint was written before"):
+        train(cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=30"),
+              tmp_path / "early", progress=False)
 
 
 def test_never_overwrites_without_force(tmp_path: Path) -> None:
@@ -530,3 +534,19 @@ def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Pa
     newest.unlink()
     with pytest.raises(CheckpointError, match=r"step 10 in .* does not fit the model"):
         load_run(tmp_path / "run")
+
+
+def test_cli_messages_name_what_is_wrong(tmp_path: Path, capsys) -> None:
+    """`analyze --sigmas 0,x`, `reproduce --jobs -1` (it wrote manifest.json first), `compare`
+    on a damaged or foreign eval.json: one line naming the option or file."""
+    code, err = _cli(capsys, "analyze", str(tmp_path), "--sigmas", "0,x")
+    assert code == 2 and err.startswith("normlab: error: --sigmas: expected numbers")
+    code, err = _cli(capsys, "reproduce", "--profile", "smoke", "--out", str(tmp_path / "r"),
+                     "--jobs", "-1")
+    assert code == 2 and "--jobs: expected an int >= 1" in err
+    assert not (tmp_path / "r").exists()
+    for text, match in (("{", "not valid JSON"), ('{"splits": {}}', "expected normlab eval")):
+        (tmp_path / "a").mkdir(exist_ok=True)
+        (tmp_path / "a" / "eval.json").write_text(text)
+        code, err = _cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "a"))
+        assert code == 2 and match in err and "eval.json" in err and "\n" not in err

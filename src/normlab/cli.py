@@ -92,7 +92,14 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
         path = Path(d) / "eval.json"
         if not path.is_file():
             raise ValueError(f"{str(path)!r} not found; run `normlab eval {d}` first")
-        results.append((Path(d), json.loads(path.read_text())))
+        try:
+            r = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{str(path)!r}: not valid JSON ({err})") from None
+        if not isinstance(r, dict) or not {"splits", "config", "seed"} <= set(r):
+            raise ValueError(f"{str(path)!r}: expected normlab eval results (splits, config, "
+                             "seed)")
+        results.append((Path(d), r))
     splits = list(dict.fromkeys(s for _, r in results for s in r["splits"]))
     header = ["run", "placement", "seed", *splits]
     rows = []
@@ -166,7 +173,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         "targets": tuple(args.targets.split(",")),
     }
     if args.sigmas:
-        kwargs["sigmas"] = [float(s) for s in args.sigmas.split(",")]
+        try:
+            kwargs["sigmas"] = [float(s) for s in args.sigmas.split(",")]
+        except ValueError:
+            raise ValueError(f"--sigmas: expected numbers separated by commas; got "
+                             f"{args.sigmas!r}") from None
     if args.draws is not None:  # 0 is checked (one line), not taken for "the default"
         kwargs["n_draws"] = args.draws
     if args.examples is not None:

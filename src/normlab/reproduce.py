@@ -18,7 +18,7 @@ from typing import Any
 import normlab
 from normlab.io import write_json
 from normlab.report import write_report
-from normlab.sweep import RunSpec, execute, expand
+from normlab.sweep import RunSpec, check_jobs, execute, expand
 
 ALL_PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
 
@@ -68,6 +68,7 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str =
               progress: bool = True) -> dict[str, Any]:
     """Train, evaluate and analyse every run of `profile` (skipping finished ones), then report."""
     out = Path(out)
+    check_jobs(jobs)  # before manifest.json is written
     specs = profile_specs(profile, out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "manifest.json", {"profile": profile, "runs": [s.__dict__ for s in specs]})

@@ -189,6 +189,12 @@ def _current_step(spec: RunSpec) -> int:
         return 0
 
 
+def check_jobs(jobs: object) -> None:
+    """Runs at once: None (one per core its threads leave) or an int >= 1."""
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"--jobs: expected an int >= 1 runs at once; got {jobs!r}")
+
+
 def execute(
     specs: list[RunSpec],
     *,
@@ -201,6 +207,7 @@ def execute(
 ) -> list[dict[str, Any]]:
     """Run every spec; returns one result dict per run (ok, did, seconds or error)."""
     allocator.setting()  # a bad NORMLAB_MALLOC: one line here, not an error from every worker
+    check_jobs(jobs)
     threads = max(1, min(_threads(s) for s in specs)) if specs else 1
     jobs = jobs or max(1, (os.cpu_count() or 1) // threads)
     if backend == "ray":

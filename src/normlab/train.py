@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from normlab.checkpoint import (
     CheckpointError,
     latest_checkpoint,
+    list_checkpoints,
     model_state,
     optimizer_state,
     save_checkpoint,
@@ -278,10 +279,9 @@ def train(
             batch = {k: v.to(device) for k, v in next(stream).items()}
             loss, n_tok = loss_on(step_model, batch)
             if not torch.isfinite(loss):
-                raise TrainingError(
-                    f"loss is {loss.item()} at step {step + 1}; stopped, the last "
-                    f"good checkpoint in {str(ckpt_dir)!r} is kept"
-                )
+                kept = (f"the last good checkpoint in {str(ckpt_dir)!r} is kept"
+                        if list_checkpoints(ckpt_dir) else "no checkpoint was written before")
+                raise TrainingError(f"loss is {loss.item()} at step {step + 1}; stopped, {kept}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip:
