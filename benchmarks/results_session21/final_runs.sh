@@ -3,8 +3,9 @@
 # at the session's last code commit, /work/wtB a worktree of d29de50, the code before this
 # session, /work/wtPF a worktree of the same commit as /work/main with
 # benchmarks/probes/attn_prefetch.patch applied, made below).
-# 1. A/B in alternating processes: before (d29de50) against after (HEAD: the exact cache
-#    reserve), and after against after + the prefetch patch (tried, not kept).
+# 1. A/B in alternating processes: before (d29de50) against after (HEAD: this session's code,
+#    the exact cache reserve and the new input checks among it), and after against after +
+#    the prefetch patch (tried, not kept).
 # 2. The probes behind the twenty-first section, and the full runs for the top table.
 set -e
 cd /work/main
