@@ -87,7 +87,7 @@ def spread_stats(ratio: np.ndarray) -> dict[str, Any]:
         "within_10": float(np.mean(dev <= 0.1)),
         "within_20": float(np.mean(dev <= 0.2)),
         # the smallest h holding >= 90%: order statistic ceil(0.9 n), 1-based ("higher" took
-        # ceil(0.9 (n - 1)) + 1, one too many when 0.9 n is a whole number)
+        # ceil(0.9 (n - 1)) + 1, one too many where 0.9 n is whole or its fraction above 0.9)
         "h90": float(np.quantile(dev, 0.9, method="inverted_cdf")),
     }
 
