@@ -6,6 +6,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -215,7 +216,8 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
         with pytest.raises(ValueError, match=match):
             analyze_run(run, n_examples=16, n_draws=2, **bad)
         assert not (run / "analysis").exists(), bad
-    res = analyze_run(run, n_examples=16, n_draws=4, sigmas=[0.0, 0.2], seed=3)
+    res = analyze_run(run, n_examples=16, n_draws=4, sigmas=[0.0, 0.2], seed=np.int64(3),
+                      splits="train")
     out = run / "analysis"
     for f in ("norms.json", "collapse.json", "interference.json", "collapse.png",
               "norms.png", "interference.png", "collapse_rows.npz"):
@@ -224,6 +226,7 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
             for n in ("norms", "collapse", "interference")}
     for doc in docs.values():
         assert {"provenance", "config", "seed"} <= set(doc) and doc["seed"] == 3
+        assert doc["params"]["splits"] == ["train"]  # one name, not its letters
         assert doc["config"]["model"]["d_model"] == 32
     c = docs["collapse"]
     need = {"threshold", "noise", "mode", "targets", "sigmas", "collapse_rate", "collapse_ci95",

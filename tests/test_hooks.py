@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -277,6 +278,7 @@ def test_greedy_decode_reserves_exactly_the_positions_it_feeds(arch: str) -> Non
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match=r"^max_new: expected a number of tokens >= 0"):
             greedy_decode(model, prompts, max_new=bad, eos=-1)
+    assert greedy_decode(model, prompts, max_new=np.int64(5), eos=-1) == out  # numpy's ints
     # an empty prompt was decoded from the padding alone (an empty source: from no key at all)
     with pytest.raises(ValueError, match=r"^prompts\[1\]: expected at least one token"):
         greedy_decode(model, [[1, 5], []], max_new=2, eos=-1)
@@ -294,17 +296,23 @@ def test_per_token_inputs_of_the_wrong_width_are_refused(arch: str) -> None:
             for kw, name in ((dict(attention_mask=ones[:, :1]), "attention_mask"),
                              (dict(positions=torch.zeros(2, 1, dtype=torch.long)), "positions"),
                              (dict(attention_mask=ones[:, :5]), "attention_mask")):
-                with pytest.raises(ValueError, match=rf"^{name}: expected shape \(2, 6\)"):
+                with pytest.raises(ValueError, match=rf"^{name}: expected shape \(2 or 1, 6\)"):
                     model(tokens, **kw)
             with pytest.raises(ValueError, match=r"^tokens: expected \[batch, pos\]"):
                 model(tokens[0])
+            # one row for the whole batch (Hugging Face's position_ids) is still fine
+            pos = torch.arange(6)[None]
+            torch.testing.assert_close(model(tokens, positions=pos),
+                                       model(tokens, positions=pos.expand(2, 6)))
+            torch.testing.assert_close(model(tokens, attention_mask=ones[:1]),
+                                       model(tokens, attention_mask=ones))
             return
         src_mask = torch.ones(2, 6, dtype=torch.bool)
         src_mask[1, 4:] = False
         want = model(tokens, tokens[:, :3], src_mask)
         for as_number in (src_mask.long(), src_mask.float()):
             torch.testing.assert_close(model(tokens, tokens[:, :3], as_number), want)
-        with pytest.raises(ValueError, match=r"^src_mask: expected shape \(2, 6\)"):
+        with pytest.raises(ValueError, match=r"^src_mask: expected shape \(2 or 1, 6\)"):
             model(tokens, tokens[:, :3], src_mask[:, :1])
 
 
@@ -318,7 +326,7 @@ def test_hook_point_misuse_is_not_silent() -> None:
                                                    "blocks.0.attn.hook_patern"])
     point = model.blocks[0].attn.hook_pattern
     for register in (point.register_forward_hook, point.register_forward_pre_hook):
-        with pytest.warns(UserWarning, match=r"module hooks never run on a hook point"):
+        with pytest.warns(UserWarning, match=r"module hooks never run on a normlab HookPoint"):
             register(lambda *a: None).remove()
 
 

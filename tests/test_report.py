@@ -124,6 +124,10 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
                        ('analysis = {sigmas = [-0.1]}', r"^sweep\.run\.analysis: sigma: "),
                        ('analysis = {alpha = 0}', r"^sweep\.run\.analysis: alpha: "),
                        ('analysis = 3', r"^sweep\.run\.analysis: expected a table"),
+                       ('analysis = {figures = "no"}', r"^sweep\.run\.analysis\.figures: "),
+                       ('analysis = {heads = ["0"]}', r"^sweep\.run\.analysis\.heads: "),
+                       ('analysis = {splits = ["trian"]}',
+                        r"^sweep\.run\.analysis\.splits: unknown split 'trian' for run "),
                        ('analyze = "yes"', r"^sweep\.run\.analyze: expected true or false")):
         f.write_text(f'[grid]\n"train.seed" = [0]\n[run]\n{run}\n')
         with pytest.raises(ValueError, match=match):

@@ -105,6 +105,12 @@ def test_a_finished_run_resumes_only_with_its_own_config(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="--resume: the config differs"):
         train(cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
                   "model.d_mlp=32"), tmp_path / "run", progress=False, resume=True)
+    # a config built in Python with tuples is the same run as the lists read back from TOML
+    c = cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
+            "task.train=[[1, 1]]", "task.splits={held = [[2, 1]]}")
+    done = train(c, tmp_path / "cells", progress=False)
+    c.task.train = [(1, 1)]
+    assert train(c, tmp_path / "cells", progress=False, resume=True) == done
 
 
 def test_resume_accepts_a_checkpoint_from_before_an_option_existed(tmp_path: Path) -> None:
@@ -511,9 +517,11 @@ def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Pa
     bad.write_bytes(b"[train]\nsteps = 2 # \xff\n")
     with pytest.raises(ValueError, match=r"latin1\.toml'?: invalid TOML"):
         load_config(bad)
-    bad.write_text("model = 5\n")
+    bad.write_text("model = 5\ntrain = 3\n")
     with pytest.raises(ValueError, match=r"^model: expected a table"):
         load_config(bad, ["model.d_model=32"])
+    with pytest.raises(ValueError, match=r"^train: expected a table"):
+        load_config(bad, seed=1)
     c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
     train(c, tmp_path / "run", progress=False)
     prev, newest = list_checkpoints(tmp_path / "run/checkpoints")

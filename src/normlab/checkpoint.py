@@ -21,7 +21,7 @@ from safetensors.torch import load, save
 from normlab.io import atomic_write_bytes, provenance, write_json
 
 KEEP = 2
-SIDECAR_KEYS = ("step", "sha256", "torch_rng", "config")  # what loading and resuming read
+SIDECAR_KEYS = ("step", "sha256", "torch_rng")  # what every reader needs (load_checkpoint)
 
 
 class CheckpointError(ValueError):
@@ -109,6 +109,15 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     except (SafetensorError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(tens)!r} cannot be read ({err})") from None
     return tensors, meta
+
+
+def require(meta: dict[str, Any], keys: tuple[str, ...], folder: Path) -> None:
+    """A sidecar must hold what its reader takes from it (`load_run` the config, a resume the
+    training state): one line naming the checkpoint, not a KeyError."""
+    missing = [k for k in keys if k not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint step {meta['step']} in {str(folder)!r} lacks "
+                              f"{', '.join(missing)}; expected a normlab training checkpoint")
 
 
 def latest_checkpoint(

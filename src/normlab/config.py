@@ -222,13 +222,16 @@ def load_config(
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"config file {str(p)!r}: invalid TOML ({err})") from None
+    def table(name: str) -> dict[str, Any]:
+        if not isinstance(data.setdefault(name, {}), dict):  # `model = 5` in the file
+            raise ValueError(f"{name}: expected a table; got {data[name]!r}")
+        return data[name]
+
     for item in overrides:
-        (table, key), value = parse_override(item)
-        if not isinstance(data.setdefault(table, {}), dict):  # `model = 5` in the file
-            raise ValueError(f"{table}: expected a table; got {data[table]!r}")
-        data[table][key] = value
+        (name, key), value = parse_override(item)
+        table(name)[key] = value
     if seed is not None:
-        data.setdefault("train", {})["seed"] = seed
+        table("train")["seed"] = seed
     return RunConfig.from_dict(data)
 
 

@@ -75,6 +75,13 @@ def expand(
             run_name = (name or "-".join("{" + k + "}" for k in short)).format(**short)
         except KeyError as err:
             raise ValueError(f"sweep.name: {err} is not a grid key") from None
+        splits = (analysis or {}).get("splits")
+        if analyze and splits is not None:  # now, against this run's task, not after training
+            known = cfg.task.resolve().eval_splits
+            for s in [splits] if isinstance(splits, str) else splits:
+                if s not in known:
+                    raise ValueError(f"sweep.run.analysis.splits: unknown split {s!r} for run "
+                                     f"{run_name}; expected one of {', '.join(known)}")
         specs.append(
             RunSpec(run_name, str(out / run_name), cfg.to_dict(), analyze, analysis or {})
         )

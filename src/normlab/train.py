@@ -24,6 +24,7 @@ from normlab.checkpoint import (
     list_checkpoints,
     model_state,
     optimizer_state,
+    require,
     save_checkpoint,
     torch_rng,
 )
@@ -213,6 +214,7 @@ def train(
     last: dict[str, Any] = {"step": step}
     if resuming:
         tensors, meta = latest_checkpoint(ckpt_dir, warn=log)
+        require(meta, ("config", "stream", "elapsed_s", "best", "stale", "optimizer"), ckpt_dir)
         _check_same_config(meta["config"], cfg, out)
         load_weights(model, tensors, meta, ckpt_dir)
         opt.load_state_dict(optimizer_state(tensors, meta))
@@ -362,8 +364,8 @@ def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path) -> None
     """Resuming (or finding finished) the run in `out` needs the config it was made with."""
     if _comparable(saved) != _comparable(cfg.to_dict()):
         raise ValueError(
-            f"--resume: the config differs from the one saved in {str(out)!r}; "
-            "use the same config (or --force to start over)"
+            f"--resume: the config differs from the one saved in {str(out)!r}; use the same "
+            "config, or start over in another folder (normlab train: --force)"
         )
 
 
@@ -373,7 +375,8 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     Round-tripped through `RunConfig`, so a checkpoint written before an option existed
     compares equal to the same config with that option at its default.
     """
-    config = RunConfig.from_dict(config).to_dict()
+    # JSON's view: a config built in Python with tuples equals the lists read back from TOML
+    config = json.loads(json.dumps(RunConfig.from_dict(config).to_dict()))
     runs_on = ("device", "compile")
     return {**config, "train": {k: v for k, v in config["train"].items() if k not in runs_on}}
 
@@ -394,6 +397,7 @@ def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict
     tensors, meta = latest_checkpoint(
         run_dir / "checkpoints", warn=lambda s: print(s, file=sys.stderr)
     )
+    require(meta, ("config",), run_dir / "checkpoints")
     cfg = RunConfig.from_dict(meta["config"])
     model = build_model(cfg.model)
     load_weights(model, tensors, meta, run_dir / "checkpoints")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -330,9 +331,9 @@ def _check_positive_int(value: object, name: str) -> int:
 def check_seed(seed: object) -> int:
     """A seed for torch's and numpy's generators, checked before any work (numpy refuses a
     negative one only when it is used, and `int()` would round 1.7 down unseen)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise ValueError(f"seed: expected an int >= 0; got {seed!r}")
-    return seed
+    return int(seed)  # a numpy integer too
 
 
 def length_buckets(data: EvalData, overhead: float = FORWARD_COST_POSITIONS) -> list[torch.Tensor]:

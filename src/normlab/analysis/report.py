@@ -78,6 +78,15 @@ def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
         if key not in allowed:
             raise ValueError(f"{where}.{key}: unknown key; expected one of {', '.join(allowed)}")
     a = {n: params[n].default for n in allowed} | args
+    if not isinstance(a["figures"], bool):
+        raise ValueError(f"{where}.figures: expected true or false; got {a['figures']!r}")
+    for name, kind in (("splits", str), ("sites", str), ("heads", int)):
+        v = a[name]  # names are checked against the task and the model when those exist
+        if not (v is None or (isinstance(v, kind) and not isinstance(v, bool)) or (isinstance(
+                v, list | tuple) and all(isinstance(x, kind) and not isinstance(x, bool)
+                                         for x in v))):
+            raise ValueError(f"{where}.{name}: expected a {kind.__name__} or a list of them; "
+                             f"got {v!r}")
     try:
         _checked(a["sigmas"], a["threshold"], a["targets"], a["mode"], a["noise"], a["n_draws"],
                  a["n_examples"], a["seed"], a["alpha"])
@@ -116,6 +125,9 @@ def analyze_run(
 
     sigmas, threshold, targets = _checked(sigmas, threshold, targets, mode, noise, n_draws,
                                           n_examples, seed, alpha)
+    seed = check_seed(seed)  # an int in the result files, whatever integer was given
+    if isinstance(splits, str):  # one name, recorded as such (not letter by letter)
+        splits = [splits]
     run_dir = Path(run_dir)
     out = run_dir / "analysis" if out is None else Path(out)
     cfg, model, meta = load_run(run_dir)

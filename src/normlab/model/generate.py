@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -66,8 +67,9 @@ def greedy_decode(
     positions of generated tokens are computed incrementally (tensor ops) instead of by
     calling `aux_fn` on every row at every step.
     """
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+    if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
         raise ValueError(f"max_new: expected a number of tokens >= 0, got {max_new!r}")
+    max_new = int(max_new)  # a numpy integer too
     if not prompts:
         return []
     for i, prompt in enumerate(prompts):

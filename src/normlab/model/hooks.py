@@ -52,9 +52,9 @@ class HookPoint(nn.Module):
         return super().register_forward_pre_hook(*args, **kwargs)
 
     def _warn_module_hook(self) -> None:
-        warnings.warn(
-            f"HookPoint {self.name!r}: PyTorch's module hooks never run on a hook point; "
-            "attach fn(tensor, hook) with model.hooks, run_with_hooks or run_with_cache",
+        warnings.warn(  # one text for every point: a tool hooking them all warns once
+            "PyTorch's module hooks never run on a normlab HookPoint; attach fn(tensor, hook) "
+            "with model.hooks, run_with_hooks or run_with_cache",
             stacklevel=3,
         )
 

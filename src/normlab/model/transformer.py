@@ -167,10 +167,14 @@ class Stack(nn.Module):
 
 
 def _check_width(t: torch.Tensor | None, shape: tuple[int, ...], name: str, of: str) -> None:
-    """A per-token input must be [batch, pos] as given: width 1 would broadcast unseen."""
-    if t is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, one per row and position of "
-                         f"{of}; got {tuple(t.shape)}")
+    """A per-token input must be [batch, pos] with every position: width 1 would broadcast
+    unseen. One row for the whole batch is fine (Hugging Face's `position_ids` convention)."""
+    if t is None:
+        return
+    b, n = shape
+    if t.ndim != 2 or t.shape[1] != n or t.shape[0] not in (1, b):
+        raise ValueError(f"{name}: expected shape ({b} or 1, {n}), one per position of {of}; "
+                         f"got {tuple(t.shape)}")
 
 
 def _segment_positions(segments: torch.Tensor) -> torch.Tensor:
