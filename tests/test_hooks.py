@@ -549,3 +549,14 @@ def test_padded_short_rows_give_the_model_s_numbers_and_pattern(placement: str,
                                    rtol=1e-4)
     assert padded[2].shape == (3, 4, 9, 9)
     torch.testing.assert_close(padded[2].sum(-1), torch.ones(3, 4, 9))
+
+
+def test_a_source_row_without_tokens_is_refused() -> None:
+    """Cross-attention over a source with no real token attends to nothing: NaN where the
+    pattern is computed (the kernel, the explicit path), 0 from SDPA, so the answer depended on
+    the path and the batch; the encoder-decoder refuses such a row."""
+    model = build_model(cfg(arch="encoder_decoder", pos_encoding="rope")).eval()
+    src, mask = torch.randint(3, 16, (2, 5)), torch.ones(2, 5, dtype=torch.bool)
+    mask[1] = False
+    with pytest.raises(ValueError, match=r"^src_mask: row 1 has no real source token"):
+        model(src, src[:, :2], mask)

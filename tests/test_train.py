@@ -101,6 +101,7 @@ def test_a_finished_run_resumes_only_with_its_own_config(tmp_path: Path) -> None
     c = cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10")
     train(c, tmp_path / "run", progress=False)
     done = json.loads((tmp_path / "run" / "train_done.json").read_text())
+    assert {"git_commit", "torch"} <= set(done["provenance"])  # who finished it, as results do
     assert train(c, tmp_path / "run", progress=False, resume=True) == done
     with pytest.raises(ValueError, match="--resume: the config differs"):
         train(cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
@@ -108,8 +109,9 @@ def test_a_finished_run_resumes_only_with_its_own_config(tmp_path: Path) -> None
     # a config built in Python with tuples is the same run as the lists read back from TOML
     c = cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
             "task.train=[[1, 1]]", "task.splits={held = [[2, 1]]}")
-    done = train(c, tmp_path / "cells", progress=False)
+    train(c, tmp_path / "cells", progress=False)
     c.task.train = [(1, 1)]
+    done = json.loads((tmp_path / "cells" / "train_done.json").read_text())
     assert train(c, tmp_path / "cells", progress=False, resume=True) == done
 
 
@@ -558,3 +560,72 @@ def test_cli_messages_name_what_is_wrong(tmp_path: Path, capsys) -> None:
         (tmp_path / "a" / "eval.json").write_text(text)
         code, err = _cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "a"))
         assert code == 2 and match in err and "eval.json" in err and "\n" not in err
+
+
+def test_result_files_are_written_whole_readable_and_figures_too(tmp_path: Path) -> None:
+    """Atomic writes leave no temp file, give the mode the umask allows (read from the
+    process, not by setting it), and a figure that fails to render leaves the old file."""
+    import os
+
+    import matplotlib.pyplot as plt
+
+    from normlab.io import _umask, atomic_write_text, save_figure
+
+    old = os.umask(0o027)
+    try:
+        assert _umask() == 0o027
+        atomic_write_text(tmp_path / "a.json", "{}")
+        assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    save_figure(fig, tmp_path / "f.png", dpi=50)
+    png = (tmp_path / "f.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    fig, ax = plt.subplots()
+
+    def broken(*a, **k):
+        raise RuntimeError("renderer failed")
+
+    fig.savefig = broken
+    with pytest.raises(RuntimeError, match="renderer failed"):
+        save_figure(fig, tmp_path / "f.png", dpi=50)
+    assert (tmp_path / "f.png").read_bytes() == png
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "f.png"]
+
+
+def test_non_finite_weights_are_never_saved_as_a_good_checkpoint(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """A step whose loss is finite but whose update leaves a weight non-finite stops the run
+    before its checkpoint: the last good checkpoint is the one kept."""
+    real = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def poisoned(params, max_norm):
+        calls["n"] += 1
+        params = list(params)
+        if calls["n"] == 20:  # step 20's loss was finite; its update writes NaN into weights
+            params[0].grad.view(-1)[0] = float("inf")
+            return torch.tensor(float("inf"))
+        return real(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned)
+    c = cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=30")
+    with pytest.raises(TrainingError, match="weights are not finite after step 20"):
+        train(c, tmp_path / "run", progress=False)
+    _, meta = latest_checkpoint(tmp_path / "run/checkpoints")
+    assert meta["step"] == 10
+
+
+def test_resumed_tensorboard_events_show_each_step_once(tmp_path: Path) -> None:
+    """A killed attempt's events past the checkpoint are purged on resume, as its metrics
+    lines are (TensorBoard showed those steps twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
+    train(c, tmp_path / "run", progress=False, stop_after=15)
+    train(c, tmp_path / "run", progress=False, resume=True)
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [5, 10, 15, 20]

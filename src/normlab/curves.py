@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from normlab.io import read_metrics
+from normlab.io import read_metrics, save_figure
 
 
 @dataclass
@@ -77,6 +77,4 @@ def plot_curves(curves: Sequence[Curve], path: Path, split: str = "train") -> No
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=7)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, Path(path), dpi=120)

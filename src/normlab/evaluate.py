@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from normlab.io import save_figure
 from normlab.model import Model
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import (
@@ -235,6 +236,4 @@ def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: 
     ax.set_title(title or "exact match % (red: train cells)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -28,13 +29,51 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results should be readable
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results should be readable
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    """The process umask, read where Linux shows it: setting it to read it would change it
+    for every thread meanwhile."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (it lives in the folder's entry, not the file)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> None:
+    """A matplotlib figure written as atomically as any result file, then closed."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")
+    plt.close(fig)
+    atomic_write_bytes(Path(path), buf.getvalue())
 
 
 def atomic_write_text(path: Path, text: str) -> None:

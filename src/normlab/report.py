@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normlab.io import atomic_write_text, provenance, write_json
+from normlab.io import atomic_write_text, provenance, save_figure, write_json
 from normlab.stats import mean_ci, verdict_band, verdict_sign
 
 SIGMA_H2 = 0.1
@@ -176,8 +176,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     ax2.legend(fontsize=7)
     fig.tight_layout()
     out["collapse"] = folder / "collapse_vs_sigma.png"
-    fig.savefig(out["collapse"], dpi=100)
-    plt.close(fig)
+    save_figure(fig, out["collapse"], dpi=100)
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for i, by in enumerate(runs.values()):
@@ -192,8 +191,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     ax.legend(fontsize=7)
     fig.tight_layout()
     out["norms"] = folder / "norm_spread.png"
-    fig.savefig(out["norms"], dpi=100)
-    plt.close(fig)
+    save_figure(fig, out["norms"], dpi=100)
     return out
 
 

@@ -242,11 +242,18 @@ def train(
         torch._dynamo.reset()
     step_model = torch.compile(model) if tc.compile else model
     sets = eval_sets(task)
-    writer = _tensorboard(out / "tb")
+    # resumed: events a killed attempt logged past the checkpoint are purged, as the metrics
+    # lines are (TensorBoard would show their steps twice)
+    writer = _tensorboard(out / "tb", purge_step=step + 1 if resuming else None)
     # Taken once, now: the code in memory is the code at start, whatever the tree holds later.
     started = provenance()
 
     def checkpoint(early_stopped: bool = False) -> None:
+        # a finite loss can come with a step that left weights non-finite: never save those as
+        # "the last good checkpoint" (the next step's loss would only then be NaN)
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise TrainingError(f"weights are not finite after step {step}; stopped, "
+                                f"{_kept(ckpt_dir)}")
         meta = {
             "provenance": started,
             "config": cfg.to_dict(),
@@ -281,9 +288,8 @@ def train(
             batch = {k: v.to(device) for k, v in next(stream).items()}
             loss, n_tok = loss_on(step_model, batch)
             if not torch.isfinite(loss):
-                kept = (f"the last good checkpoint in {str(ckpt_dir)!r} is kept"
-                        if list_checkpoints(ckpt_dir) else "no checkpoint was written before")
-                raise TrainingError(f"loss is {loss.item()} at step {step + 1}; stopped, {kept}")
+                raise TrainingError(f"loss is {loss.item()} at step {step + 1}; stopped, "
+                                    f"{_kept(ckpt_dir)}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip:
@@ -335,7 +341,8 @@ def train(
         if writer is not None:
             writer.close()
     if step >= tc.steps or last.get("early_stopped"):
-        write_json(out / DONE, last)
+        # the record of the finish, and who finished it (versions, commit), as every result
+        write_json(out / DONE, last | {"provenance": provenance()})
     return last
 
 
@@ -381,12 +388,19 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "train": {k: v for k, v in config["train"].items() if k not in runs_on}}
 
 
-def _tensorboard(path: Path) -> Any:
+def _tensorboard(path: Path, purge_step: int | None = None) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is a dependency, but keep training without it
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=purge_step)
+
+
+def _kept(ckpt_dir: Path) -> str:
+    """What a stopped run leaves to resume from, for its error message."""
+    if list_checkpoints(ckpt_dir):
+        return f"the last good checkpoint in {str(ckpt_dir)!r} is kept"
+    return "no checkpoint was written before"
 
 
 def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict[str, Any]]:

@@ -55,6 +55,7 @@ from normlab.analysis.data import (
     resolve_sites,
 )
 from normlab.analysis.theory import predict_collapse
+from normlab.io import save_figure
 from normlab.model import EncoderDecoderLM, Model
 from normlab.model.attention import explicit_by_default
 from normlab.model.generate import greedy_decode
@@ -727,6 +728,4 @@ def plot_collapse(result: dict[str, Any], path: Path, title: str = "") -> None:
     ax.set_title(title or f"circuit collapse ({result['mode']} mode, {result['noise']} noise, "
                           f"targets {''.join(result['targets'])})", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -46,6 +46,7 @@ from normlab.analysis.data import (
     resolve_sites,
     stack_of,
 )
+from normlab.io import save_figure
 from normlab.model import Model, ModelConfig, build_model
 from normlab.model.block import PLACEMENTS
 from normlab.model.norms import Norm
@@ -400,6 +401,4 @@ def plot_interference(result: dict[str, Any], path: Path, title: str = "") -> No
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from normlab.analysis.data import EvalData, evaluating, model_kwargs, stream_of
+from normlab.io import save_figure
 from normlab.model import Model
 
 PERCENTILES = (5.0, 95.0)
@@ -178,9 +179,7 @@ def plot_norm_spread(result: dict[str, Any], path: Path, title: str = "") -> Non
     axes[0, 0].set_title(title or "norm spread: 5-95% of scale / layer median (dashed: ±20%)",
                          fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _short(entry: dict[str, Any]) -> str:
