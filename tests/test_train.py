@@ -504,6 +504,8 @@ def test_evaluations_between_log_steps_are_run(tmp_path: Path) -> None:
     (["train.beta1=1.5"], "train.beta1"), (["train.beta2=-0.5"], "train.beta2"),
     (["train.weight_decay=inf"], "train.weight_decay"),
     (["train.grad_clip=nan"], "train.grad_clip"),
+    (["train.seed=9223372036854775808"], "train.seed"),  # torch: "Overflow when unpacking"
+    (["train.threads=100000"], "train.threads"),  # libgomp ended the process, exit 139
 ])
 def test_training_settings_are_named_when_refused(sets: list[str], field: str) -> None:
     """A typo in early_stop_split scored -1 at every evaluation; NaN or out-of-range optimizer
@@ -629,3 +631,13 @@ def test_resumed_tensorboard_events_show_each_step_once(tmp_path: Path) -> None:
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [5, 10, 15, 20]
+
+
+def test_a_checkpoint_records_the_time_up_to_its_own_step(tmp_path: Path) -> None:
+    """`elapsed_s` in a sidecar counted only to the last log step, so a checkpoint between
+    log steps lost the time since (and a resume from it under-reported the run's time)."""
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20",
+            "train.log_every=20")
+    train(c, tmp_path / "run", progress=False, stop_after=15)
+    _, meta = latest_checkpoint(tmp_path / "run/checkpoints")
+    assert meta["step"] == 10 and meta["elapsed_s"] > 0

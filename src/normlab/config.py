@@ -20,6 +20,7 @@ from normlab.tasks.addition import VOCAB_SIZE, ResolvedTask, TaskConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+MAX_THREADS = 1024  # torch threads a run may ask for (a sweep's runs may be for bigger hosts)
 
 
 @dataclass
@@ -66,6 +67,10 @@ class TrainConfig:
         for name in ("warmup_steps", "patience", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: expected >= 0; got {getattr(self, name)}")
+        if self.seed >= 2**63:  # torch's generators take a 64-bit signed seed
+            raise ValueError(f"train.seed: expected < 2**63; got {self.seed}")
+        if self.threads > MAX_THREADS:  # libgomp crashes the process (exit 139) far above this
+            raise ValueError(f"train.threads: expected at most {MAX_THREADS}; got {self.threads}")
         # finite and in range here, where the field is named, not in torch's AdamW
         if not 0 < self.lr < math.inf:
             raise ValueError(f"train.lr: expected a positive finite number; got {self.lr}")

@@ -258,7 +258,8 @@ def train(
             "provenance": started,
             "config": cfg.to_dict(),
             "stream": stream.state_dict(),
-            "elapsed_s": elapsed,
+            # to this step, not to the last log step: a resume adds its own time to it
+            "elapsed_s": elapsed + (time.perf_counter() - t0),
             "best": best,
             "stale": stale,
             "early_stopped": early_stopped,  # a resume must not train on past the stop
