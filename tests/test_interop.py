@@ -96,8 +96,11 @@ def _check_parity(hf: Any, model: DecoderLM, n_layers: int = 2) -> dict[str, tor
 # ---- logits parity per family -------------------------------------------------------------
 
 
-def test_gpt2_parity() -> None:
-    _check_parity(hf := _gpt2(), from_hf(hf))
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt2_parity(tied: bool) -> None:
+    """Untied too: its own lm_head, not wte (an untied GPT-2 converted with wte's logits)."""
+    _check_parity(hf := _gpt2(tie_word_embeddings=tied), model := from_hf(hf))
+    assert model.cfg.tie_embeddings is tied
 
 
 @pytest.mark.parametrize(

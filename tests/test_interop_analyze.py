@@ -161,4 +161,13 @@ def test_errors(folders: dict[str, Path], tmp_path: Path,
     assert "'Qwen2ForCausalLM' is not supported" in msg and "GPT2LMHeadModel" in msg
     assert "threshold" in _error([*base, g, "--tokens", toks, "--out", out, "--threshold",
                                   "1.5"], capsys)
+    # one mode's options with the other were dropped without a word
+    assert "give RUN_DIR or --hf DIR, not both" in _error(
+        ["analyze", str(tmp_path), "--hf", g, "--tokens", toks, "--out", out], capsys)
+    for opt in (["--out", out], ["--tokens", toks], ["--seq-len", "16"]):
+        assert f"{opt[0]} is for --hf DIR only" in _error(["analyze", str(tmp_path), *opt],
+                                                         capsys)
+    # found once the model is loaded (transformers prints its progress before our line)
+    assert main([*base, g, "--tokens", toks, "--out", out, "--seq-len", "4096"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("lower seq_len (--seq-len)")
     assert not (tmp_path / "out").exists()

@@ -55,3 +55,15 @@ def test_unknown_profile_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["reproduce", "--profile", "huge", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "--profile: expected one of smoke, quick, paper" in err and "\n" not in err
+
+
+def test_another_profile_into_the_same_folder_is_refused(
+        smoke: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every profile names its runs {placement}-s{seed}: a second profile into one --out
+    overwrote the report with the old runs' numbers under the new name; now it is one line,
+    before anything is written."""
+    before = {p: p.read_bytes() for p in (smoke / "manifest.json", smoke / "report.md")}
+    assert main(["reproduce", "--profile", "quick", "--out", str(smoke)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds the 'smoke' profile's runs" in err and "\n" not in err
+    assert {p: p.read_bytes() for p in before} == before

@@ -182,13 +182,23 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         kwargs["n_draws"] = args.draws
     if args.examples is not None:
         kwargs["n_examples"] = args.examples
+    # each mode's options only with it: an option the other mode takes was dropped unseen
+    if args.hf and args.run_dir:
+        raise ValueError("analyze: give RUN_DIR or --hf DIR, not both")
+    if not args.hf:
+        given = [f for f, v in (("--out", args.out), ("--tokens", args.tokens),
+                                ("--text", args.text)) if v is not None]
+        if given or args.seq_len != 128:
+            raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
+                             "run's analysis goes to RUN_DIR/analysis")
     if args.hf:
         from normlab.interop.analyze import analyze_hf
 
         out = Path(args.out) if args.out else None
         if out is not None:
             refuse_overwrite(out, "*.json", args.force)
-        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
+        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out,
+                   seq_len=args.seq_len, **kwargs)
         print(f"wrote analysis to {args.out}")
         return 0
     if not args.run_dir:
@@ -280,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tokens", help="with --hf: a file of whitespace-separated token ids")
     a.add_argument("--text", help="with --hf: a text file, tokenised with the folder's tokenizer")
     a.add_argument("--out", help="with --hf: output folder")
+    a.add_argument("--seq-len", type=int, default=128,
+                   help="with --hf: tokens a row (at most the model's context)")
     a.add_argument("--force", action="store_true", help="overwrite existing analysis files")
     a.set_defaults(fn=_cmd_analyze)
 

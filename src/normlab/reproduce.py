@@ -10,6 +10,7 @@ Profiles:
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,12 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str =
     out = Path(out)
     check_jobs(jobs)  # before manifest.json is written
     specs = profile_specs(profile, out)
+    manifest = out / "manifest.json"
+    if manifest.is_file():  # the run folders are {placement}-s{seed} in every profile
+        before = json.loads(manifest.read_text()).get("profile")
+        if before != profile:
+            raise ValueError(f"--out {str(out)!r} holds the {before!r} profile's runs; give "
+                             f"the {profile!r} profile a folder of its own")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "manifest.json", {"profile": profile, "runs": [s.__dict__ for s in specs]})
     results = execute(specs, jobs=jobs, device=device, progress=progress)

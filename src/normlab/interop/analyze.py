@@ -109,7 +109,7 @@ def analyze_hf(
     model = from_hf_pretrained(folder)
     if data.lengths["tokens"] > model.cfg.max_len:
         raise ValueError(f"rows of {data.lengths['tokens']} tokens exceed the model's context "
-                         f"of {model.cfg.max_len} positions; lower seq_len")
+                         f"of {model.cfg.max_len} positions; lower seq_len (--seq-len)")
     seconds["load"] = time.perf_counter() - t0
 
     max_tokens = max(1, min(DEFAULT_MAX_TOKENS,

@@ -54,11 +54,13 @@ def _gpt2(c: Any, sd: StateDict) -> DecoderLM:
         )
     d, h = c.n_embd, c.n_head
     e = d // h
+    # GPT-2 ties by default; an untied one has its own lm_head (reading wte was a wrong model)
+    tied = bool(getattr(c, "tie_word_embeddings", True))
     cfg = ModelConfig(
         arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_layers=c.n_layer,
         d_mlp=c.n_inner or 4 * d, max_len=c.n_positions, pos_encoding="learned",
         norm_placement="pre", norm_type="layer", norm_eps=c.layer_norm_epsilon,
-        attn_bias=True, mlp_bias=True, act=_act(c.activation_function), tie_embeddings=True,
+        attn_bias=True, mlp_bias=True, act=_act(c.activation_function), tie_embeddings=tied,
     )
     new: StateDict = {
         "embed.W_E": sd["transformer.wte.weight"],
@@ -66,6 +68,8 @@ def _gpt2(c: Any, sd: StateDict) -> DecoderLM:
         "ln_final.w": sd["transformer.ln_f.weight"],
         "ln_final.b": sd["transformer.ln_f.bias"],
     }
+    if not tied:
+        new["W_U"] = sd["lm_head.weight"].T
     for i in range(c.n_layer):
         src, dst = f"transformer.h.{i}.", f"blocks.{i}."
         W = sd[src + "attn.c_attn.weight"]  # Conv1D: [d, 3d]
