@@ -234,6 +234,38 @@ def test_a_finished_run_of_another_config_is_not_taken_as_done(tmp_path: Path) -
         run_one(changed)
 
 
+def test_a_finished_analysis_with_other_settings_is_not_taken_as_done(
+        tmp_path: Path, monkeypatch) -> None:
+    """A sweep whose [run.analysis] changed kept each run's old analysis without a word; the
+    settings collapse.json records must now be the ones asked for."""
+    import dataclasses
+    import json
+
+    from normlab.analysis import report
+    from normlab.sweep import run_one
+
+    spec = dataclasses.replace(load_sweep(_tiny_sweep(tmp_path, "[0]"), tmp_path / "out")[0],
+                               analyze=True, analysis={"n_draws": 8, "sigmas": [0, 0.1]})
+
+    def analyze_run(out: Path, **kw) -> None:  # records params as the real one does
+        folder = out / "analysis"
+        folder.mkdir(exist_ok=True)
+        params = report._recorded(**{k: v for k, v in ({
+            "sigmas": [0.0, 0.1], "n_draws": 8, "threshold": 0.9, "mode": "token",
+            "targets": ("q", "k", "v"), "noise": "normal", "n_examples": 256,
+            "splits": ("train",), "sites": None, "heads": None, "alpha": 0.5}).items()})
+        (folder / "collapse.json").write_text(json.dumps({"params": params, "seed": 0}))
+        (folder / "interference.json").write_text("{}")
+
+    monkeypatch.setattr(report, "analyze_run", analyze_run)
+    assert run_one(spec)["did"] == ["train", "eval", "analyze"]
+    assert run_one(spec)["did"] == []  # the same settings: done
+    for changed in ({"n_draws": 16, "sigmas": [0, 0.1]}, {"n_draws": 8, "sigmas": [0, 0.2]},
+                    {"n_draws": 8, "sigmas": [0, 0.1], "seed": 1}):
+        with pytest.raises(ValueError, match=r"holds an analysis with \w+ = .* is asked"):
+            run_one(dataclasses.replace(spec, analysis=changed))
+
+
 def test_failed_run_is_reported_and_others_go_on(tmp_path: Path) -> None:
     from normlab.sweep import execute
 

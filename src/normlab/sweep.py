@@ -169,10 +169,13 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             step("eval", lambda: eval_run(out))
         # interference.json is the last result analyze_run writes: an analysis that failed
         # part-way (its earlier files written) is run again, not taken as done
-        if spec.analyze and not (out / "analysis" / "interference.json").is_file():
-            from normlab.analysis.report import analyze_run
+        if spec.analyze:
+            from normlab.analysis.report import analyze_run, check_same_analysis
 
-            step("analyze", lambda: analyze_run(out, **spec.analysis))
+            if not (out / "analysis" / "interference.json").is_file():
+                step("analyze", lambda: analyze_run(out, **spec.analysis))
+            else:  # done, but with these settings? (a changed sweep kept the old analysis)
+                check_same_analysis(out / "analysis", spec.analysis)
     return {"name": spec.name, "did": done, "seconds": time.time() - t0}
 
 

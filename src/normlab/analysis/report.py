@@ -18,6 +18,7 @@ collapse sweep is about 70% of it. Cost scales with n_examples * n_draws * len(s
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,15 +70,51 @@ def _checked(
     return check_sigmas(sigmas), check_threshold(threshold), check_targets(targets)
 
 
+def _recorded(sigmas: Sequence[float], n_draws: int, threshold: float, mode: str,
+              targets: Sequence[str] | str, noise: str, n_examples: int,
+              splits: Sequence[str] | str | None, sites: Sequence[str] | None,
+              heads: Sequence[int] | None, alpha: float) -> dict[str, Any]:
+    """The settings as the result files record them (`params`), from checked values."""
+    if isinstance(splits, str):
+        splits = [splits]
+    return {"sigmas": list(sigmas), "n_draws": n_draws, "threshold": threshold, "mode": mode,
+            "targets": list(targets), "noise": noise, "n_examples": n_examples,
+            "splits": None if splits is None else list(splits), "sites": sites, "heads": heads,
+            "alpha": alpha}
+
+
+def check_same_analysis(folder: Path, args: dict[str, Any]) -> None:
+    """A run's finished analysis (`folder/collapse.json`) must be the one `args` ask for: a
+    sweep whose `[run.analysis]` changed kept the old results without a word."""
+    path = Path(folder) / "collapse.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # no readable record to compare (an analysis from before params were kept)
+    if not isinstance(doc, dict) or "params" not in doc:
+        return
+    a = ANALYSIS_DEFAULTS | args
+    sigmas, threshold, targets = _checked(a["sigmas"], a["threshold"], a["targets"], a["mode"],
+                                          a["noise"], a["n_draws"], a["n_examples"], a["seed"],
+                                          a["alpha"])
+    want = _recorded(sigmas, a["n_draws"], threshold, a["mode"], targets, a["noise"],
+                     a["n_examples"], a["splits"], a["sites"], a["heads"], a["alpha"])
+    want = json.loads(json.dumps(want | {"seed": check_seed(a["seed"])}))
+    have = doc["params"] | {"seed": doc.get("seed")}
+    for key, value in want.items():
+        if key in have and have[key] != value:
+            raise ValueError(f"{str(folder)!r} holds an analysis with {key} = {have[key]!r}, "
+                             f"where {value!r} is asked; delete it to redo the analysis")
+
+
 def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
     """Arguments for `analyze_run` given ahead of the run (a sweep's `[run.analysis]`): the
     keys must be its keyword arguments, and the values pass the checks it makes first."""
-    params = inspect.signature(analyze_run).parameters
-    allowed = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     for key in args:
-        if key not in allowed:
-            raise ValueError(f"{where}.{key}: unknown key; expected one of {', '.join(allowed)}")
-    a = {n: params[n].default for n in allowed} | args
+        if key not in ANALYSIS_DEFAULTS:
+            raise ValueError(f"{where}.{key}: unknown key; expected one of "
+                             f"{', '.join(ANALYSIS_DEFAULTS)}")
+    a = ANALYSIS_DEFAULTS | args
     if not isinstance(a["figures"], bool):
         raise ValueError(f"{where}.figures: expected true or false; got {a['figures']!r}")
     for name, kind in (("splits", str), ("sites", str), ("heads", int)):
@@ -135,11 +172,9 @@ def analyze_run(
     task = cfg.task.resolve()
     sets, per_cell = select_problems(task, eval_sets(task), n_examples, splits)
     data = data_from_sets(sets, cfg.model.arch, task.answer_format, task.digit_positions)
-    params = {"sigmas": sigmas, "n_draws": n_draws, "threshold": threshold, "mode": mode,
-              "targets": list(targets), "noise": noise, "n_examples": n_examples,
-              "n_examples_used": data.n_examples, "per_cell": per_cell,
-              "splits": None if splits is None else list(splits), "sites": sites,
-              "heads": heads, "alpha": alpha}
+    params = _recorded(sigmas, n_draws, threshold, mode, targets, noise, n_examples, splits,
+                       sites, heads, alpha) | {"n_examples_used": data.n_examples,
+                                               "per_cell": per_cell}
     common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
               "params": params, "config": cfg.to_dict()}
     seconds: dict[str, float] = {}
@@ -186,3 +221,9 @@ def analyze_run(
         files += [str(out / f) for f in ("norms.png", "collapse.png", "interference.png")]
     return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
             "collapse": collapse, "interference": interference}
+
+
+#: `analyze_run`'s keyword arguments and their defaults: what a sweep's `[run.analysis]` may set
+ANALYSIS_DEFAULTS: dict[str, Any] = {
+    n: p.default for n, p in inspect.signature(analyze_run).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY}
