@@ -560,3 +560,13 @@ def test_a_source_row_without_tokens_is_refused() -> None:
     mask[1] = False
     with pytest.raises(ValueError, match=r"^src_mask: row 1 has no real source token"):
         model(src, src[:, :2], mask)
+
+
+def test_the_source_row_check_keeps_one_graph_under_compile() -> None:
+    """The check reads a tensor's value; under torch.compile it steps aside, so an
+    encoder-decoder's forward stays one graph (it broke the graph twice, with a warning)."""
+    model = build_model(cfg(arch="encoder_decoder", pos_encoding="rope")).eval()
+    src, mask = torch.randint(3, 16, (2, 5)), torch.ones(2, 5, dtype=torch.bool)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(src, src[:, :2], mask), model(src, src[:, :2], mask))

@@ -260,6 +260,14 @@ def test_a_finished_analysis_with_other_settings_is_not_taken_as_done(
     monkeypatch.setattr(report, "analyze_run", analyze_run)
     assert run_one(spec)["did"] == ["train", "eval", "analyze"]
     assert run_one(spec)["did"] == []  # the same settings: done
+    # one split, site or head given alone is the list of one it is recorded as; and an
+    # analysis recorded before this session, one split name as its letters, is the same
+    same = {"n_draws": 8, "sigmas": [0, 0.1], "splits": "train"}
+    assert run_one(dataclasses.replace(spec, analysis=same))["did"] == []
+    doc = json.loads((Path(spec.out) / "analysis" / "collapse.json").read_text())
+    doc["params"]["splits"] = list("train")
+    (Path(spec.out) / "analysis" / "collapse.json").write_text(json.dumps(doc))
+    assert run_one(spec)["did"] == []
     for changed in ({"n_draws": 16, "sigmas": [0, 0.1]}, {"n_draws": 8, "sigmas": [0, 0.2]},
                     {"n_draws": 8, "sigmas": [0, 0.1], "seed": 1}):
         with pytest.raises(ValueError, match=r"holds an analysis with \w+ = .* is asked"):

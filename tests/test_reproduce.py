@@ -67,3 +67,11 @@ def test_another_profile_into_the_same_folder_is_refused(
     err = capsys.readouterr().err.strip()
     assert "holds the 'smoke' profile's runs" in err and "\n" not in err
     assert {p: p.read_bytes() for p in before} == before
+
+
+def test_a_foreign_manifest_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for text in ("[1, 2]", "{not json", '{"runs": []}'):
+        (tmp_path / "manifest.json").write_text(text)
+        assert main(["reproduce", "--profile", "smoke", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "is not a normlab reproduce manifest" in err and "\n" not in err

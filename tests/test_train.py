@@ -626,11 +626,12 @@ def test_resumed_tensorboard_events_show_each_step_once(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
-    train(c, tmp_path / "run", progress=False, stop_after=15)
-    train(c, tmp_path / "run", progress=False, resume=True)
-    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("loss")] == [5, 10, 15, 20]
+    for stop in (15, 7):  # after a checkpoint, and before the first (the run starts again)
+        train(c, tmp_path / f"run{stop}", progress=False, stop_after=stop)
+        train(c, tmp_path / f"run{stop}", progress=False, resume=True)
+        acc = EventAccumulator(str(tmp_path / f"run{stop}" / "tb"))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("loss")] == [5, 10, 15, 20], stop
 
 
 def test_a_checkpoint_records_the_time_up_to_its_own_step(tmp_path: Path) -> None:

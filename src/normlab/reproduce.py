@@ -73,7 +73,14 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str =
     specs = profile_specs(profile, out)
     manifest = out / "manifest.json"
     if manifest.is_file():  # the run folders are {placement}-s{seed} in every profile
-        before = json.loads(manifest.read_text()).get("profile")
+        try:
+            before = json.loads(manifest.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            before = None
+        if not isinstance(before, dict) or "profile" not in before:
+            raise ValueError(f"{str(manifest)!r} is not a normlab reproduce manifest; give "
+                             "--out a folder of its own")
+        before = before["profile"]
         if before != profile:
             raise ValueError(f"--out {str(out)!r} holds the {before!r} profile's runs; give "
                              f"the {profile!r} profile a folder of its own")

@@ -244,7 +244,8 @@ def train(
     sets = eval_sets(task)
     # resumed: events a killed attempt logged past the checkpoint are purged, as the metrics
     # lines are (TensorBoard would show their steps twice)
-    writer = _tensorboard(out / "tb", purge_step=step + 1 if resuming else None)
+    # (killed before its first checkpoint: all of them, since the run starts again)
+    writer = _tensorboard(out / "tb", purge_step=step + 1 if resuming else 1 if resume else None)
     # Taken once, now: the code in memory is the code at start, whatever the tree holds later.
     started = provenance()
 
@@ -342,8 +343,9 @@ def train(
         if writer is not None:
             writer.close()
     if step >= tc.steps or last.get("early_stopped"):
-        # the record of the finish, and who finished it (versions, commit), as every result
-        write_json(out / DONE, last | {"provenance": provenance()})
+        # the record of the finish, and the versions and commit this segment started from
+        # (as its checkpoints record them: the code in memory, whatever the tree holds now)
+        write_json(out / DONE, last | {"provenance": started})
     return last
 
 

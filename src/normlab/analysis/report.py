@@ -75,8 +75,8 @@ def _recorded(sigmas: Sequence[float], n_draws: int, threshold: float, mode: str
               splits: Sequence[str] | str | None, sites: Sequence[str] | None,
               heads: Sequence[int] | None, alpha: float) -> dict[str, Any]:
     """The settings as the result files record them (`params`), from checked values."""
-    if isinstance(splits, str):
-        splits = [splits]
+    splits, sites, heads = ([v] if isinstance(v, str | int) and not isinstance(v, bool) else v
+                            for v in (splits, sites, heads))  # one name (or head): a list of one
     return {"sigmas": list(sigmas), "n_draws": n_draws, "threshold": threshold, "mode": mode,
             "targets": list(targets), "noise": noise, "n_examples": n_examples,
             "splits": None if splits is None else list(splits), "sites": sites, "heads": heads,
@@ -101,6 +101,15 @@ def check_same_analysis(folder: Path, args: dict[str, Any]) -> None:
                      a["n_examples"], a["splits"], a["sites"], a["heads"], a["alpha"])
     want = json.loads(json.dumps(want | {"seed": check_seed(a["seed"])}))
     have = doc["params"] | {"seed": doc.get("seed")}
+    for key in ("splits", "sites", "heads"):  # one name (or head) is a list of one
+        for d in (want, have):
+            v = d.get(key)
+            if isinstance(v, str | int) and not isinstance(v, bool):
+                d[key] = [v]
+            elif key == "splits" and isinstance(v, list) and v and all(
+                    isinstance(x, str) and len(x) == 1 for x in v):
+                d[key] = ["".join(v)]  # before this session one split name was recorded as
+                # its letters (analyze_run(splits="train"): ['t', 'r', 'a', 'i', 'n'])
     for key, value in want.items():
         if key in have and have[key] != value:
             raise ValueError(f"{str(folder)!r} holds an analysis with {key} = {have[key]!r}, "

@@ -247,7 +247,8 @@ class EncoderDecoderLM(HookedModule):
         self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
         aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if src_mask is not None and src_mask.numel() and not bool(src_mask.bool().any(-1).all()):
+        if (src_mask is not None and src_mask.numel() and not torch.compiler.is_compiling()
+                and not bool(src_mask.bool().any(-1).all())):  # (a graph break under compile)
             # the decoder's cross-attention would attend to nothing: NaN on one path, 0 on
             # another (SDPA), so an answer that depends on the batch it is in
             row = int((~src_mask.bool().any(-1)).nonzero()[0, 0])
