@@ -237,6 +237,7 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     assert c["collapse_rate"][0] in (0.0, None) and c["accuracy"][0] == c["accuracy_unperturbed"]
     assert len(c["collapse_ci95"]) == len(c["accuracy"]) == 2
     assert {"entries", "summary"} <= set(docs["norms"])
+    assert "method inverted_cdf" in docs["norms"]["note"]  # h90's definition, recorded
     assert {"probe", "synthetic"} <= set(docs["interference"])
     assert res["collapse"]["n_examples"] == docs["norms"]["n_examples"] >= 16
 

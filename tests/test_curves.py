@@ -75,3 +75,17 @@ def test_cli_curve_table_and_plot(tmp_path: Path, capsys) -> None:
     assert "--plot: needs --curve SPLIT" in capsys.readouterr().err
     assert main(["compare", "--curve", "nope", str(a)]) == 2
     assert "no split 'nope'" in capsys.readouterr().err
+
+
+def test_runs_of_the_same_name_from_two_folders_are_told_apart(tmp_path: Path,
+                                                                capsys) -> None:
+    """Two sweeps' `pre-s0` were two columns both called `pre-s0`: as many trailing path parts
+    as tell them apart name them; distinct names stay as they were."""
+    from normlab.curves import run_labels
+
+    a = _run(tmp_path / "sweep1" / "pre-s0", [{"step": 10, "accuracy": {"train": 0.5}}])
+    b = _run(tmp_path / "sweep2" / "pre-s0", [{"step": 10, "accuracy": {"train": 0.25}}])
+    assert run_labels([a, b]) == ["sweep1/pre-s0", "sweep2/pre-s0"]
+    assert run_labels([a, tmp_path / "sweep2" / "qkv-s0"]) == ["pre-s0", "qkv-s0"]
+    assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
+    assert "| step | sweep1/pre-s0 | sweep2/pre-s0 |" in capsys.readouterr().out

@@ -87,6 +87,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     """Split accuracies (with CI) of several evaluated runs, as table rows."""
+    from normlab.curves import run_labels
+
     results = []
     for d in run_dirs:
         path = Path(d) / "eval.json"
@@ -103,7 +105,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     splits = list(dict.fromkeys(s for _, r in results for s in r["splits"]))
     header = ["run", "placement", "seed", *splits]
     rows = []
-    for d, r in results:
+    for (_, r), label in zip(results, run_labels([d for d, _ in results]), strict=True):
         cells = []
         for s in splits:
             v = r["splits"].get(s)
@@ -113,7 +115,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
                 else f"{100 * v['accuracy']:.1f} [{100 * v['ci95'][0]:.1f}, "
                 f"{100 * v['ci95'][1]:.1f}]"
             )
-        rows.append([d.name, r["config"]["model"]["norm_placement"], str(r["seed"]), *cells])
+        rows.append([label, r["config"]["model"]["norm_placement"], str(r["seed"]), *cells])
     return header, rows
 
 
@@ -127,9 +129,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from normlab.io import refuse_overwrite
 
     if args.curve:
-        from normlab.curves import curve_table, learning_curve, plot_curves
+        import dataclasses
 
-        curves = [learning_curve(Path(d), args.curve) for d in args.run_dirs]
+        from normlab.curves import curve_table, learning_curve, plot_curves, run_labels
+
+        labels = run_labels(args.run_dirs)
+        curves = [dataclasses.replace(learning_curve(Path(d), args.curve), name=label)
+                  for d, label in zip(args.run_dirs, labels, strict=True)]
         header, rows = curve_table(curves)
         title = f"exact match % on {args.curve} (training seconds)"
         if args.plot:

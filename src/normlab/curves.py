@@ -36,6 +36,17 @@ def learning_curve(run_dir: Path, split: str = "train") -> Curve:
                  [r.get("elapsed_s") for r in rows], [float(r["accuracy"][split]) for r in rows])
 
 
+def run_labels(run_dirs: Sequence[Path | str]) -> list[str]:
+    """Names for runs side by side: each folder's name, or as many trailing path parts as
+    tell them apart (`a/pre-s0`, `b/pre-s0` from two sweeps, where both were `pre-s0`)."""
+    paths = [Path(d).resolve() for d in run_dirs]
+    for k in range(1, max((len(p.parts) for p in paths), default=0) + 1):
+        labels = ["/".join(p.parts[-k:]) for p in paths]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]  # a folder given twice
+
+
 def curve_table(curves: Sequence[Curve]) -> tuple[list[str], list[list[str]]]:
     """Rows per evaluated step (union over runs): `accuracy % (elapsed s)` per run, `-` if none."""
     header = ["step", *(c.name for c in curves)]

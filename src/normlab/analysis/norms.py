@@ -147,7 +147,8 @@ def norm_spread(
         "entries": entries,
         "summary": summary,
         "note": "ratio = hook_scale / median of that hook (and head) over real tokens of the "
-                "teacher-forced eval batch; h90: 90% of ratios lie in [1-h90, 1+h90]. "
+                "teacher-forced eval batch; h90: the smallest h with at least 90% of ratios "
+                "in [1-h, 1+h] (numpy quantile of |ratio - 1|, method inverted_cdf). "
                 "kind 'resid' = centred RMS of hook_resid_pre (reference, not a norm input).",
     }
 
