@@ -58,16 +58,16 @@ from normlab.io import provenance, write_json
 def _checked(
     sigmas: Sequence[float], threshold: float, targets: Sequence[str] | str, mode: str,
     noise: str, n_draws: int, n_examples: int, seed: int, alpha: float,
-) -> tuple[list[float], float, tuple[str, ...]]:
+) -> tuple[list[float], float, tuple[str, ...], int]:
     """`analyze_run`'s checks before any work (sites and heads wait for the model): a bad
     value is one line naming it, not an error after the sweep it would have spoiled."""
     _check_choice(mode, MODES, "mode")
     _check_choice(noise, NOISES, "noise")
     _check_positive_int(n_draws, "n_draws")
     _check_positive_int(n_examples, "n_examples")
-    check_seed(seed)
     check_alpha(alpha)
-    return check_sigmas(sigmas), check_threshold(threshold), check_targets(targets)
+    return (check_sigmas(sigmas), check_threshold(threshold), check_targets(targets),
+            check_seed(seed))
 
 
 def _recorded(sigmas: Sequence[float], n_draws: int, threshold: float, mode: str,
@@ -94,22 +94,23 @@ def check_same_analysis(folder: Path, args: dict[str, Any]) -> None:
     if not isinstance(doc, dict) or "params" not in doc:
         return
     a = ANALYSIS_DEFAULTS | args
-    sigmas, threshold, targets = _checked(a["sigmas"], a["threshold"], a["targets"], a["mode"],
-                                          a["noise"], a["n_draws"], a["n_examples"], a["seed"],
-                                          a["alpha"])
+    sigmas, threshold, targets, seed = _checked(a["sigmas"], a["threshold"], a["targets"],
+                                                a["mode"], a["noise"], a["n_draws"],
+                                                a["n_examples"], a["seed"], a["alpha"])
     want = _recorded(sigmas, a["n_draws"], threshold, a["mode"], targets, a["noise"],
                      a["n_examples"], a["splits"], a["sites"], a["heads"], a["alpha"])
-    want = json.loads(json.dumps(want | {"seed": check_seed(a["seed"])}))
+    want = json.loads(json.dumps(want | {"seed": seed}))
     have = doc["params"] | {"seed": doc.get("seed")}
-    for key in ("splits", "sites", "heads"):  # one name (or head) is a list of one
-        for d in (want, have):
-            v = d.get(key)
-            if isinstance(v, str | int) and not isinstance(v, bool):
-                d[key] = [v]
-            elif key == "splits" and isinstance(v, list) and v and all(
-                    isinstance(x, str) and len(x) == 1 for x in v):
-                d[key] = ["".join(v)]  # before this session one split name was recorded as
-                # its letters (analyze_run(splits="train"): ['t', 'r', 'a', 'i', 'n'])
+    # `want` comes normalised from `_recorded`; records written before it may hold one name
+    # (or head) alone, or one split name as its letters (analyze_run(splits="train") recorded
+    # ['t', 'r', 'a', 'i', 'n'])
+    for key in ("splits", "sites", "heads"):
+        v = have.get(key)
+        if isinstance(v, str | int) and not isinstance(v, bool):
+            have[key] = [v]
+        elif key == "splits" and isinstance(v, list) and v and all(
+                isinstance(x, str) and len(x) == 1 for x in v):
+            have[key] = ["".join(v)]
     for key, value in want.items():
         if key in have and have[key] != value:
             raise ValueError(f"{str(folder)!r} holds an analysis with {key} = {have[key]!r}, "
@@ -169,11 +170,9 @@ def analyze_run(
     from normlab.tasks.addition import eval_sets
     from normlab.train import load_run
 
-    sigmas, threshold, targets = _checked(sigmas, threshold, targets, mode, noise, n_draws,
-                                          n_examples, seed, alpha)
-    seed = check_seed(seed)  # an int in the result files, whatever integer was given
-    if isinstance(splits, str):  # one name, recorded as such (not letter by letter)
-        splits = [splits]
+    # the seed comes back an int for the result files, whatever integer was given
+    sigmas, threshold, targets, seed = _checked(sigmas, threshold, targets, mode, noise,
+                                                n_draws, n_examples, seed, alpha)
     run_dir = Path(run_dir)
     out = run_dir / "analysis" if out is None else Path(out)
     cfg, model, meta = load_run(run_dir)
