@@ -194,7 +194,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if not args.hf:
         given = [f for f, v in (("--out", args.out), ("--tokens", args.tokens),
                                 ("--text", args.text)) if v is not None]
-        if given or args.seq_len != 128:
+        if given or args.seq_len is not None:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
     if args.hf:
@@ -203,8 +203,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else None
         if out is not None:
             refuse_overwrite(out, "*.json", args.force)
-        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out,
-                   seq_len=args.seq_len, **kwargs)
+        if args.seq_len is not None:  # else analyze_hf's own default
+            kwargs["seq_len"] = args.seq_len
+        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
         print(f"wrote analysis to {args.out}")
         return 0
     if not args.run_dir:
@@ -296,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tokens", help="with --hf: a file of whitespace-separated token ids")
     a.add_argument("--text", help="with --hf: a text file, tokenised with the folder's tokenizer")
     a.add_argument("--out", help="with --hf: output folder")
-    a.add_argument("--seq-len", type=int, default=128,
-                   help="with --hf: tokens a row (at most the model's context)")
+    a.add_argument("--seq-len", type=int,
+                   help="with --hf: tokens a row (default 128; at most the model's context)")
     a.add_argument("--force", action="store_true", help="overwrite existing analysis files")
     a.set_defaults(fn=_cmd_analyze)
 

@@ -85,7 +85,7 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str =
             raise ValueError(f"--out {str(out)!r} holds the {before!r} profile's runs; give "
                              f"the {profile!r} profile a folder of its own")
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "manifest.json", {"profile": profile, "runs": [s.__dict__ for s in specs]})
+    write_json(manifest, {"profile": profile, "runs": [s.__dict__ for s in specs]})
     results = execute(specs, jobs=jobs, device=device, progress=progress)
     failed = [r for r in results if not r["ok"]]
     summary = write_report(out, [Path(s.out) for s in specs], profile)
