@@ -327,15 +327,16 @@ def train(
                 )
                 bar.update(step, info)
                 elapsed, tok_count, t0 = elapsed_now, 0, time.perf_counter()
-            if step % tc.checkpoint_every == 0 or step == tc.steps:
-                checkpoint()
-            if (
+            stop = (
                 "accuracy" in last
                 and last["step"] == step
                 and (best >= tc.early_stop_accuracy or (tc.patience and stale >= tc.patience))
-            ):
+            )
+            # one checkpoint at a stop, whether or not the step had one, saying it stopped
+            if step % tc.checkpoint_every == 0 or step == tc.steps or stop:
+                checkpoint(early_stopped=bool(stop))
+            if stop:
                 log(f"early stop at step {step}: {tc.early_stop_split} accuracy {best:.4f}")
-                checkpoint(early_stopped=True)  # again if this step had one: now it says so
                 last["early_stopped"] = True
                 break
     finally:
