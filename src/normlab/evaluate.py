@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from normlab.checks import check_int
 from normlab.io import save_figure
 from normlab.model import Model
 from normlab.model.generate import greedy_decode
@@ -145,9 +145,8 @@ def answer_token_accuracy(
 def check_limit(limit: object) -> None:
     """`limit` examples per cell: None (all) or an int >= 1 (a slice's 0 or -1 would
     silently evaluate none, or all but the last)."""
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral)
-                              or limit < 1):
-        raise ValueError(f"limit: expected an int >= 1 examples per cell; got {limit!r}")
+    if limit is not None:
+        check_int(limit, "limit", low=1, what="an int >= 1 examples per cell")
 
 
 def evaluate(

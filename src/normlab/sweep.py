@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab import allocator
+from normlab.checks import check_int
 from normlab.config import load_config
 from normlab.io import write_json
 
@@ -201,8 +202,8 @@ def _current_step(spec: RunSpec) -> int:
 
 def check_jobs(jobs: object) -> None:
     """Runs at once: None (one per core its threads leave) or an int >= 1."""
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise ValueError(f"--jobs: expected an int >= 1 runs at once; got {jobs!r}")
+    if jobs is not None:
+        check_int(jobs, "--jobs", low=1, what="an int >= 1 runs at once")
 
 
 def execute(

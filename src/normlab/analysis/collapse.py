@@ -46,7 +46,6 @@ from normlab.analysis.data import (
     FORWARD_COST_POSITIONS,
     EvalData,
     Site,
-    _check_positive_int,
     check_seed,
     chunk_copies,
     collect,
@@ -55,6 +54,7 @@ from normlab.analysis.data import (
     resolve_sites,
 )
 from normlab.analysis.theory import predict_collapse
+from normlab.checks import check_int
 from normlab.io import save_figure
 from normlab.model import EncoderDecoderLM, Model
 from normlab.model.attention import explicit_by_default
@@ -419,8 +419,8 @@ def measure_collapse(
     the per-row measured collapse frequency.
     """
     sigmas = check_sigmas(sigmas)
-    _check_positive_int(n_draws, "n_draws")
-    _check_positive_int(theory_draws, "theory_draws")
+    check_int(n_draws, "n_draws", low=1)
+    check_int(theory_draws, "theory_draws", low=1)
     seed = check_seed(seed)
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
     rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from normlab.checks import check_int
 from normlab.model import DecoderLM, EncoderDecoderLM, Model
 from normlab.model.attention import Attention
 from normlab.model.transformer import evaluating
@@ -161,7 +161,7 @@ def select_problems(
     problems serve the collapse sweep and `evaluate(..., limit=per_cell)`. Returns the reduced
     sets and `per_cell`. Deterministic: the eval sets are already fixed per cell.
     """
-    _check_positive_int(n_examples, "n_examples")
+    check_int(n_examples, "n_examples", low=1)
     if isinstance(splits, str):  # one name, not its letters
         splits = [splits]
     names = list(sets) if splits is None else list(splits)
@@ -322,18 +322,10 @@ def collect(
     return got
 
 
-def _check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1; got {value!r}")
-    return value
-
-
 def check_seed(seed: object) -> int:
     """A seed for torch's and numpy's generators, checked before any work (numpy refuses a
-    negative one only when it is used, and `int()` would round 1.7 down unseen)."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"seed: expected an int >= 0; got {seed!r}")
-    return int(seed)  # a numpy integer too
+    negative one only when it is used)."""
+    return check_int(seed, "seed")
 
 
 def length_buckets(data: EvalData, overhead: float = FORWARD_COST_POSITIONS) -> list[torch.Tensor]:

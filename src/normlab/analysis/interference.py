@@ -38,7 +38,6 @@ import torch
 from normlab.analysis.data import (
     EvalData,
     Site,
-    _check_positive_int,
     block_of,
     check_seed,
     chunk_copies,
@@ -46,6 +45,7 @@ from normlab.analysis.data import (
     resolve_sites,
     stack_of,
 )
+from normlab.checks import check_int
 from normlab.io import save_figure
 from normlab.model import Model, ModelConfig, build_model
 from normlab.model.block import PLACEMENTS
@@ -138,7 +138,7 @@ def interference_probe(
     `n_directions` directions; all heads and directions of a site run batched in one forward.
     """
     check_alpha(alpha)
-    _check_positive_int(n_directions, "n_directions")
+    check_int(n_directions, "n_directions", low=1)
     seed = check_seed(seed)
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"unknown tokens {tokens!r}; expected one of {', '.join(PROBE_TOKENS)}")

@@ -39,7 +39,6 @@ from normlab.analysis.collapse import (
     plot_collapse,
 )
 from normlab.analysis.data import (
-    _check_positive_int,
     check_seed,
     data_from_sets,
     resolve_sites,
@@ -52,6 +51,7 @@ from normlab.analysis.interference import (
     synthetic_interference,
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
+from normlab.checks import check_int
 from normlab.io import provenance, write_json
 
 
@@ -63,8 +63,8 @@ def _checked(
     value is one line naming it, not an error after the sweep it would have spoiled."""
     _check_choice(mode, MODES, "mode")
     _check_choice(noise, NOISES, "noise")
-    _check_positive_int(n_draws, "n_draws")
-    _check_positive_int(n_examples, "n_examples")
+    check_int(n_draws, "n_draws", low=1)
+    check_int(n_examples, "n_examples", low=1)
     check_alpha(alpha)
     return (check_sigmas(sigmas), check_threshold(threshold), check_targets(targets),
             check_seed(seed))

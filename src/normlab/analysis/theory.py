@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from normlab.checks import check_int
+
 NOISES = ("normal", "uniform")
 # Elements (R * K * draws) held at once by monte_carlo_collapse when chunk is None.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 22
@@ -47,9 +49,7 @@ def _check_noise(noise: str) -> str:
 
 
 def _check_n_draws(n_draws: int) -> int:
-    if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 1:
-        raise ValueError(f"n_draws must be an int >= 1, got {n_draws!r}")
-    return n_draws
+    return check_int(n_draws, "n_draws", low=1)
 
 
 def _prepare(logits: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,8 +161,8 @@ def monte_carlo_collapse(
     sigma = _check_sigma(sigma)
     _check_noise(noise)
     _check_n_draws(n_draws)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
+    if chunk is not None:
+        chunk = check_int(chunk, "chunk", low=1, what="None or an int >= 1")
     s, valid, winner = _prepare(logits, mask)
     n_rows, n_keys = s.shape
     if n_rows == 0 or sigma == 0.0:

@@ -38,8 +38,9 @@ from normlab.analysis.collapse import (
     measure_collapse,
     plot_collapse,
 )
-from normlab.analysis.data import EvalData, _check_positive_int
+from normlab.analysis.data import EvalData
 from normlab.analysis.norms import norm_spread, plot_norm_spread
+from normlab.checks import check_int
 from normlab.interop.hf import CONVERTERS, from_hf_pretrained
 from normlab.io import provenance, write_json
 from normlab.model import DecoderLM
@@ -84,9 +85,9 @@ def analyze_hf(
     targets = check_targets(targets)
     _check_choice(mode, MODES, "mode")
     _check_choice(noise, NOISES, "noise")
-    _check_positive_int(n_draws, "n_draws")
-    _check_positive_int(n_examples, "n_examples")
-    _check_positive_int(seq_len, "seq_len")
+    check_int(n_draws, "n_draws", low=1)
+    check_int(n_examples, "n_examples", low=1)
+    check_int(seq_len, "seq_len", low=1)
     if out is None:
         raise ValueError("analyze --hf: --out OUT (the output folder) is required")
     if (tokens is None) == (text is None):

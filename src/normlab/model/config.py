@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from normlab.checks import check_int, is_int
+
 ARCHS = ("decoder", "encoder_decoder")
 PLACEMENTS = ("none", "post", "pre", "qk", "qkv", "pre_qk")
 NORM_TYPES = ("layer", "rms")
@@ -58,9 +60,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         # derived sizes only from ints: anything else is left for `validate` to name
         d, h = self.d_model, self.n_heads
-        if self.d_head is None and _is_int(d) and _is_int(h) and h > 0 and d % h == 0:
+        if self.d_head is None and is_int(d) and is_int(h) and h > 0 and d % h == 0:
             self.d_head = d // h
-        if self.d_mlp is None and _is_int(d):
+        if self.d_mlp is None and is_int(d):
             self.d_mlp = 4 * d
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
@@ -95,28 +97,22 @@ class ModelConfig:
             "max_len",
             "n_kv_heads",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name}: expected a positive integer; got {value!r}")
+            setattr(self, name, check_int(getattr(self, name), f"ModelConfig.{name}", low=1,
+                                          what="a positive integer"))
         if self.d_head is None:
             raise ValueError(
                 f"ModelConfig.d_model: expected a multiple of n_heads={self.n_heads} when d_head "
                 f"is not given; got {self.d_model}"
             )
-        if isinstance(self.d_head, bool) or not isinstance(self.d_head, int) or self.d_head <= 0:
-            raise ValueError(
-                f"ModelConfig.d_head: expected a positive integer; got {self.d_head!r}"
-            )
+        self.d_head = check_int(self.d_head, "ModelConfig.d_head", low=1,
+                                what="a positive integer")
         if self.pos_encoding == "rope" and self.d_head % 2:
             raise ValueError(
                 f"ModelConfig.d_head: expected an even number with pos_encoding='rope'; "
                 f"got {self.d_head}"
             )
-        n_aux = self.n_aux_positions
-        if isinstance(n_aux, bool) or not isinstance(n_aux, int) or n_aux < 0:
-            raise ValueError(
-                f"ModelConfig.n_aux_positions: expected an integer >= 0; got {n_aux!r}"
-            )
+        self.n_aux_positions = check_int(self.n_aux_positions, "ModelConfig.n_aux_positions",
+                                         what="an integer >= 0")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_kv_heads: expected a divisor of n_heads={self.n_heads}; "
@@ -154,9 +150,6 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: unknown field {key!r}; expected one of {allowed}")
         return cls(**data)
 
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: object) -> bool:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 
 import torch
 
+from normlab.checks import check_int
 from normlab.model.transformer import DecoderLM, EncoderDecoderLM, Model, evaluating
 
 #: `aux_fn(ids, part)` -> task-supplied positions for a token row; `part` is "sequence" (a
@@ -67,9 +67,7 @@ def greedy_decode(
     positions of generated tokens are computed incrementally (tensor ops) instead of by
     calling `aux_fn` on every row at every step.
     """
-    if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
-        raise ValueError(f"max_new: expected a number of tokens >= 0, got {max_new!r}")
-    max_new = int(max_new)  # a numpy integer too
+    max_new = check_int(max_new, "max_new", what="a number of tokens >= 0")
     if not prompts:
         return []
     for i, prompt in enumerate(prompts):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normlab.checks import check_int
 from normlab.model.block import PLACEMENTS, Block, dropped
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookedModule, HookPoint
@@ -36,8 +37,7 @@ class KVCache:
 
     @classmethod
     def empty(cls, n_layers: int, capacity: int = 0) -> KVCache:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity: expected a number of positions >= 0, got {capacity!r}")
+        capacity = check_int(capacity, "capacity", what="a number of positions >= 0")
         if not capacity:
             return cls([{} for _ in range(n_layers)], 0)
         reserve = torch.tensor(capacity)  # one tensor, shared by every block's dict

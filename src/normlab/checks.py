@@ -1,0 +1,24 @@
+"""Checks of whole-number arguments, shared by every layer so each refuses bad input alike.
+
+A Python API argument (a seed, a count, a size) passes when it is an integer, numpy's
+included, and at least `low`. A bool is refused: `True` would pass as 1 unseen. So is a float,
+even a whole one: `int()` would round 1.7 down unseen, and a size read as 2.0 is a typo.
+Config files are checked against their dataclass's hints instead (`normlab.config.typed`).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python's or numpy's), and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(value: object, name: str, *, low: int = 0, what: str | None = None) -> int:
+    """`value` as a Python int if it is an integer >= `low`; else a one-line ValueError
+    "`name`: expected `what`; got `value`" (`what` defaults to "an int >= `low`")."""
+    if not is_int(value) or value < low:  # type: ignore[operator]
+        raise ValueError(f"{name}: expected {what or f'an int >= {low}'}; got {value!r}")
+    return int(value)  # type: ignore[call-overload]

@@ -1,0 +1,82 @@
+"""normlab.checks: one whole-number check for every layer's arguments."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from normlab.analysis.data import check_seed
+from normlab.analysis.theory import monte_carlo_collapse
+from normlab.checks import check_int, is_int
+from normlab.model import ModelConfig
+from normlab.model.generate import greedy_decode
+from normlab.model.transformer import KVCache
+from normlab.sweep import check_jobs
+
+
+@pytest.mark.parametrize("value", [0, 3, 2**70, np.int64(5), np.uint8(7)])
+def test_is_int_takes_python_and_numpy_integers(value: object) -> None:
+    assert is_int(value)
+
+
+@pytest.mark.parametrize("value", [True, False, 2.0, 1.7, "3", None, np.float32(2), [1]])
+def test_is_int_refuses_bools_floats_and_the_rest(value: object) -> None:
+    assert not is_int(value)
+
+
+def test_check_int_returns_a_python_int() -> None:
+    out = check_int(np.int64(12), "n", low=1)
+    assert out == 12 and type(out) is int
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "what", "message"),
+    [
+        (0, 1, None, "n: expected an int >= 1; got 0"),
+        (-1, 0, None, "n: expected an int >= 0; got -1"),
+        (True, 0, None, "n: expected an int >= 0; got True"),
+        (2.0, 0, None, "n: expected an int >= 0; got 2.0"),
+        ("2", 0, "a number of steps", "n: expected a number of steps; got '2'"),
+    ],
+)
+def test_check_int_refuses_with_one_line(value: object, low: int, what: str | None,
+                                         message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        check_int(value, "n", low=low, what=what)
+    assert str(info.value) == message
+
+
+def test_every_layer_takes_a_numpy_integer_as_an_int() -> None:
+    """The layers used to disagree: some took numpy integers, others refused them."""
+    cfg = ModelConfig(vocab_size=np.int64(16), d_model=np.int64(32), n_heads=np.int32(2),
+                      n_layers=np.int64(1), max_len=np.int64(16))
+    assert type(cfg.d_model) is int and type(cfg.d_head) is int and type(cfg.d_mlp) is int
+    json.dumps(cfg.to_dict())  # a config with numpy integers in it would not serialise
+    assert (cfg.d_head, cfg.d_mlp) == (16, 128)
+    assert KVCache.empty(1, np.int64(4)).layers[0]["self"]["reserve"].item() == 4
+    assert check_seed(np.uint32(3)) == 3
+    check_jobs(np.int64(2))
+    p = monte_carlo_collapse(torch.tensor([[2.0, 1.0]]), 0.5, np.int64(8),
+                             generator=torch.Generator().manual_seed(0))
+    assert p.shape == (1,)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: ModelConfig(d_model=True), "ModelConfig.d_model: expected a positive integer; "
+                                            "got True"),
+        (lambda: ModelConfig(n_aux_positions=-1), "ModelConfig.n_aux_positions: expected an "
+                                                  "integer >= 0; got -1"),
+        (lambda: check_seed(1.0), "seed: expected an int >= 0; got 1.0"),
+        (lambda: check_jobs(True), "--jobs: expected an int >= 1 runs at once; got True"),
+        (lambda: KVCache.empty(1, 2.0), "capacity: expected a number of positions >= 0; got 2.0"),
+        (lambda: greedy_decode(None, [[1]], max_new=-1, eos=2),  # type: ignore[arg-type]
+         "max_new: expected a number of tokens >= 0; got -1"),
+    ],
+)
+def test_each_layer_names_its_argument(call: object, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        call()  # type: ignore[operator]
+    assert str(info.value) == message
