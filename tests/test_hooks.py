@@ -166,6 +166,37 @@ def test_bound_hook_points_stay_registered_and_follow_reassignment() -> None:
     assert seen == [torch.Size([2, 6, 4, 8])]
 
 
+def test_hooks_reach_points_swapped_in_after_construction() -> None:
+    """A point or a block replaced after `setup_hooks` is the one hooks reach: attaching to
+    the old one would run nothing, silently."""
+    from normlab.model.block import Block
+    from normlab.model.hooks import HookPoint
+
+    model = build_model(cfg())
+    tokens = torch.randint(0, 16, (2, 6))
+    model.blocks[0].attn.hook_q = HookPoint()
+    seen: list[str] = []
+    model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_q",
+                                             lambda x, h: seen.append(h.name))])
+    assert seen == ["blocks.0.attn.hook_q"]
+    # a callable filter, after a whole block is swapped
+    torch.manual_seed(1)
+    model.blocks[1] = Block(model.cfg, causal=True, cross=False)
+    seen.clear()
+    model.run_with_hooks(tokens, fwd_hooks=[(lambda n: n == "blocks.1.hook_resid_pre",
+                                             lambda x, h: seen.append(h.name))])
+    assert seen == ["blocks.1.hook_resid_pre"]
+    # run_with_cache names the new block's points and reads their tensors
+    _, cache = model.run_with_cache(tokens)
+    new_attn = model.blocks[1].attn
+    _, direct = model.run_with_cache(tokens, names_filter="blocks.1.attn.hook_pattern")
+    assert "" not in cache and "blocks.1.attn.hook_pattern" in cache
+    torch.testing.assert_close(cache["blocks.1.attn.hook_pattern"],
+                               direct["blocks.1.attn.hook_pattern"])
+    assert model.hook_points()["blocks.1.attn.hook_pattern"] is new_attn.hook_pattern
+    assert set(model.hook_names()) == set(cache)
+
+
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 def test_rescaling_hook_k_acts_as_a_rescaled_key(placement: str) -> None:
     """Scaling key j by c multiplies column j of the raw scores by c, and nothing else."""

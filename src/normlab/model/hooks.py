@@ -93,7 +93,8 @@ class HookedModule(nn.Module):
         the model's 80-108 points 7.5-9.4% of a batch-1 forward (benchmarks/probes/hook_lookup.py).
         The HookPoint stays registered (`named_modules`, `model.blocks[0].attn.hook_q`), and
         assigning a new module to the name replaces both, since `nn.Module.__setattr__` drops
-        the plain attribute.
+        the plain attribute. A point or block swapped in later is found by name when hooks are
+        attached (`_refresh_hooks`).
         """
         self._hook_points = {}
         for name, module in self.named_modules():
@@ -104,17 +105,37 @@ class HookedModule(nn.Module):
                 vars(self.get_submodule(parent))[attr] = module
 
     def hook_points(self) -> dict[str, HookPoint]:
+        self._refresh_hooks()
         return self._hook_points
 
     def hook_names(self) -> list[str]:
-        return list(self._hook_points)
+        return list(self.hook_points())
+
+    def _refresh_hooks(self) -> None:
+        """Find the points again if a module was swapped since `setup_hooks`: otherwise a
+        function would be attached to a point the forward no longer calls, and never run."""
+        found = [m for m in self.modules() if isinstance(m, HookPoint)]
+        if len(found) != len(self._hook_points) or any(
+            hp is not m for hp, m in zip(self._hook_points.values(), found, strict=True)
+        ):
+            self.setup_hooks()
+
+    def _in_place(self, name: str, hp: HookPoint) -> bool:
+        """Whether `hp` is still the module at `name` (a walk down `_modules`, ~1 µs)."""
+        module: nn.Module | None = self
+        for part in name.split("."):
+            module = module._modules.get(part) if module is not None else None
+        return module is hp
 
     def _resolve(self, name: str | Callable[[str], bool]) -> list[HookPoint]:
         if callable(name):
-            return [hp for n, hp in self._hook_points.items() if name(n)]
-        if name not in self._hook_points:
+            return [hp for n, hp in self.hook_points().items() if name(n)]
+        hp = self._hook_points.get(name)
+        if hp is None or not self._in_place(name, hp):
+            hp = self.hook_points().get(name)
+        if hp is None:
             raise ValueError(f"unknown hook {name!r}; see model.hook_names() for the valid names")
-        return [self._hook_points[name]]
+        return [hp]
 
     @contextlib.contextmanager
     def hooks(
@@ -151,6 +172,7 @@ class HookedModule(nn.Module):
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         """Forward and return `(output, cache)` with every (filtered) hooked tensor."""
         match = _matcher(names_filter)
+        points = self.hook_points()
         if isinstance(names_filter, str):
             self._resolve(names_filter)
         elif names_filter is not None and not callable(names_filter):
@@ -161,6 +183,6 @@ class HookedModule(nn.Module):
         def save(x: torch.Tensor, hook: HookPoint) -> None:
             cache[hook.name] = x.detach() if detach else x
 
-        with self.hooks([(name, save) for name in self._hook_points if match(name)]):
+        with self.hooks([(name, save) for name in points if match(name)]):
             out = self(*args, **kwargs)
         return out, cache
