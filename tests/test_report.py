@@ -92,15 +92,18 @@ def test_collect_refuses_two_runs_of_one_placement_and_seed(tmp_path: Path) -> N
 
 def test_cli_zero_draws_or_examples_or_limit_is_refused(tmp_path: Path, capsys) -> None:
     """`--draws 0` and `--examples 0` used to mean "the default" (a truthiness test), and
-    `--limit 0` evaluated nothing; each is now a one-line error naming its field."""
+    `--limit 0` evaluated nothing; each is now a one-line error naming its flag."""
     from normlab import cli
 
-    for argv, field in ((["analyze", str(tmp_path), "--draws", "0"], "n_draws"),
-                        (["analyze", str(tmp_path), "--examples", "0"], "n_examples"),
-                        (["eval", str(tmp_path), "--limit", "0"], "limit")):
+    for argv, field in ((["analyze", str(tmp_path), "--draws", "0"], "--draws"),
+                        (["analyze", str(tmp_path), "--examples", "0"], "--examples"),
+                        (["analyze", "--hf", str(tmp_path), "--seq-len", "0"], "--seq-len"),
+                        (["analyze", str(tmp_path), "--seed", "-1"], "--seed"),
+                        (["eval", str(tmp_path), "--limit", "0"], "--limit")):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith(f"normlab: error: {field}: expected an int >= 1") and "\n" not in err
+        low = 0 if field == "--seed" else 1
+        assert err == f"normlab: error: {field}: expected an int >= {low}; got {argv[-1]}"
 
 
 def test_bad_sweep_configs(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.allocator import keep_freed_memory
+from normlab.checks import check_int
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -73,7 +74,18 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     return result
 
 
+def _check_flags(args: argparse.Namespace, flags: dict[str, int]) -> None:
+    """Counts given on the command line, checked under their flags' names (the library's own
+    checks would name its parameter, `n_examples` for `--examples`). `flags`: flag -> lowest
+    value; 0 is refused where it is below, not taken for "the default"."""
+    for flag, low in flags.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            check_int(value, flag, low=low)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
+    _check_flags(args, {"--limit": 1})
     result = eval_run(Path(args.run_dir), limit=args.limit, force=args.force)
     for split, r in result["splits"].items():
         lo, hi = r["ci95"]
@@ -165,9 +177,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from normlab.analysis.report import analyze_run
     from normlab.io import refuse_overwrite
 
+    _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1,
+                        "--seed": 0})
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: expected an int >= 1; got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
@@ -184,7 +196,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--sigmas: expected numbers separated by commas; got "
                              f"{args.sigmas!r}") from None
-    if args.draws is not None:  # 0 is checked (one line), not taken for "the default"
+    if args.draws is not None:
         kwargs["n_draws"] = args.draws
     if args.examples is not None:
         kwargs["n_examples"] = args.examples
