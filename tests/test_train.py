@@ -189,10 +189,36 @@ def test_checkpoint_sidecar_records_provenance(tmp_path: Path) -> None:
     # how malloc ran is on record too (it moves timings, not numbers): normlab.allocator
     assert meta["provenance"]["malloc"] == allocator.describe()
     assert meta["stream"] and meta["optimizer"]["param_groups"]
+    assert "cuda_rng" not in meta  # a CPU run has no device generator to record
     assert (tmp_path / "run/config.toml").is_file()
     assert list((tmp_path / "run/tb").glob("events.out.tfevents.*"))
     rec = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").open()]
     assert {"step", "loss", "lr", "tokens_per_s"} <= set(rec[-1])
+
+
+def test_the_gpu_random_state_is_checkpointed_and_restored(monkeypatch) -> None:
+    """On a GPU, dropout masks come from the device's generator: its state is saved with the
+    CPU's and set back on resume. Faked here (no GPU on the test machines): the fake device
+    generator's state is what `torch.cuda` would return and take."""
+    from normlab import checkpoint
+
+    gpu = torch.device("cuda", 0)
+    states = {gpu: torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: states[device].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device: states.__setitem__(device, state.clone()))
+    saved = checkpoint.rng_state(gpu)
+    assert set(saved) == {"torch_rng", "cuda_rng"}
+    assert set(checkpoint.rng_state(torch.device("cpu"))) == {"torch_rng"}
+    cpu_state = torch.get_rng_state()
+    states[gpu] = torch.zeros(16, dtype=torch.uint8)  # both generators move on
+    torch.rand(3)
+    assert checkpoint.restore_rng(saved, gpu)
+    assert torch.equal(states[gpu], torch.arange(16, dtype=torch.uint8))
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    del saved["cuda_rng"]  # a checkpoint written on the CPU, resumed on a GPU: said, not hidden
+    assert not checkpoint.restore_rng(saved, gpu)
+    assert checkpoint.restore_rng(saved, torch.device("cpu"))
 
 
 def test_checkpoints_record_the_commit_the_run_started_from(tmp_path: Path, monkeypatch) -> None:

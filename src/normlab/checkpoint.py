@@ -64,7 +64,7 @@ def save_checkpoint(
         "step": step,
         "sha256": hashlib.sha256(blob).hexdigest(),
         "optimizer": opt_meta,
-        "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        **rng_state(next(model.parameters()).device),
         "provenance": provenance(),
         **meta,
     }
@@ -151,5 +151,31 @@ def optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> d
     return {"state": state, "param_groups": meta["optimizer"]["param_groups"]}
 
 
-def torch_rng(meta: dict[str, Any]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(meta["torch_rng"])), dtype=torch.uint8)
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_state(device: torch.device) -> dict[str, str]:
+    """The random state a resume restores: torch's CPU generator (`torch_rng`) and, when
+    training on a GPU, that device's (`cuda_rng`), which draws the dropout masks there."""
+    state = {"torch_rng": _encode(torch.get_rng_state())}
+    if device.type == "cuda":
+        state["cuda_rng"] = _encode(torch.cuda.get_rng_state(device))
+    return state
+
+
+def restore_rng(meta: dict[str, Any], device: torch.device) -> bool:
+    """Set the generators `rng_state` recorded; False when training on a GPU from a
+    checkpoint without its state (written on another device, or by an older normlab), where
+    dropout masks then differ from an uninterrupted run's."""
+    torch.set_rng_state(_decode(meta["torch_rng"]))
+    if device.type != "cuda":
+        return True
+    if "cuda_rng" not in meta:
+        return False
+    torch.cuda.set_rng_state(_decode(meta["cuda_rng"]), device)
+    return True

@@ -25,8 +25,8 @@ from normlab.checkpoint import (
     model_state,
     optimizer_state,
     require,
+    restore_rng,
     save_checkpoint,
-    torch_rng,
 )
 from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
@@ -219,7 +219,9 @@ def train(
         load_weights(model, tensors, meta, ckpt_dir)
         opt.load_state_dict(optimizer_state(tensors, meta))
         stream.load_state_dict(meta["stream"])
-        torch.set_rng_state(torch_rng(meta))
+        if not restore_rng(meta, device):
+            log("the checkpoint holds no CUDA random state: dropout masks will differ from an "
+                "uninterrupted run's")
         step, elapsed = meta["step"], meta["elapsed_s"]
         best, stale = meta["best"], meta["stale"]
         # the last record is the checkpoint's own where one was logged: a run killed after
