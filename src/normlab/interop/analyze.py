@@ -41,7 +41,7 @@ from normlab.analysis.collapse import (
 from normlab.analysis.data import EvalData
 from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.checks import check_int
-from normlab.interop.hf import CONVERTERS, from_hf_pretrained
+from normlab.interop.hf import CONVERTERS, context_length, from_hf_pretrained
 from normlab.io import provenance, write_json
 from normlab.model import DecoderLM
 
@@ -107,10 +107,11 @@ def analyze_hf(
         ids, tok_name = _tokenize(folder, path)
     _check_vocab(ids, vocab, path, folder)
     data, n_used = _rows(ids, seq_len, n_examples)
-    model = from_hf_pretrained(folder)
-    if data.lengths["tokens"] > model.cfg.max_len:
+    context = context_length(config)  # before the weights load (transformers prints as it does)
+    if data.lengths["tokens"] > context:
         raise ValueError(f"rows of {data.lengths['tokens']} tokens exceed the model's context "
-                         f"of {model.cfg.max_len} positions; lower seq_len (--seq-len)")
+                         f"of {context} positions; lower seq_len (--seq-len)")
+    model = from_hf_pretrained(folder)
     seconds["load"] = time.perf_counter() - t0
 
     max_tokens = max(1, min(DEFAULT_MAX_TOKENS,

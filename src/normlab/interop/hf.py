@@ -23,6 +23,12 @@ HF_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "ge
 StateDict = dict[str, torch.Tensor]
 
 
+def context_length(c: Any) -> int:
+    """Positions a Hugging Face config's model takes (`ModelConfig.max_len`): GPT-2 names
+    them `n_positions`, the Llama family `max_position_embeddings`."""
+    return int(c.n_positions if hasattr(c, "n_positions") else c.max_position_embeddings)
+
+
 def _act(name: str) -> str:
     if name not in HF_ACT:
         raise ValueError(f"activation {name!r} is not supported; expected one of {sorted(HF_ACT)}")
@@ -58,7 +64,7 @@ def _gpt2(c: Any, sd: StateDict) -> DecoderLM:
     tied = bool(getattr(c, "tie_word_embeddings", True))
     cfg = ModelConfig(
         arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_layers=c.n_layer,
-        d_mlp=c.n_inner or 4 * d, max_len=c.n_positions, pos_encoding="learned",
+        d_mlp=c.n_inner or 4 * d, max_len=context_length(c), pos_encoding="learned",
         norm_placement="pre", norm_type="layer", norm_eps=c.layer_norm_epsilon,
         attn_bias=True, mlp_bias=True, act=_act(c.activation_function), tie_embeddings=tied,
     )
@@ -130,7 +136,7 @@ def _llama_like(c: Any, sd: StateDict, family: str, *, qk_norm: bool) -> Decoder
     cfg = ModelConfig(
         arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_kv_heads=kvh, d_head=e,
         n_layers=c.num_hidden_layers, d_mlp=c.intermediate_size,
-        max_len=c.max_position_embeddings, pos_encoding="rope",
+        max_len=context_length(c), pos_encoding="rope",
         rope_theta=_rope_theta(c, family), norm_placement="pre_qk" if qk_norm else "pre",
         norm_type="rms", norm_eps=c.rms_norm_eps, qkv_norm_scope="head", attn_scale="fixed",
         attn_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=False,
