@@ -431,3 +431,39 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     want = pattern_flips(model, data, rows, pert, sigma, n_draws)
     assert len(rows) > 20 and 0 < want.sum() < len(rows) * n_draws  # some rows flip, not all
     torch.testing.assert_close(res["rows"]["rate"][:, 0] * n_draws, want, rtol=0, atol=0)
+
+
+def test_theory_draws_fresh_noise_for_each_head_so_its_error_bar_holds() -> None:
+    """`_theory` combines the heads' Monte Carlo estimates as independent; they were not: every
+    head reused one seed, so four heads with the same rows gave four copies of one estimate,
+    and over many seeds the combined estimate spread twice as far as its stated standard
+    error. The exact rate of the row [2, 1.6] under (1 + σz) noise on both logits, σ = 0.3:
+    P(2(1 + σz0) < 1.6(1 + σz1)) = Φ(−0.4 / (σ √(2² + 1.6²))) ≈ 0.3013."""
+    import math
+
+    from normlab.analysis.collapse import SparseRows, _theory
+
+    n_heads, n_rows, sigma, draws = 4, 10, 0.3, 64
+    R = n_heads * n_rows
+    rows = SparseRows(
+        threshold=0.9, sites=["blocks.0.attn"], site=torch.zeros(R, dtype=torch.long),
+        head=torch.arange(n_heads).repeat_interleave(n_rows), example=torch.zeros(R),
+        qpos=torch.zeros(R), key=torch.zeros(R), weight=torch.ones(R),
+        logits={"blocks.0.attn": torch.tensor([[2.0, 1.6]]).repeat(R, 1)},
+        valid_rows={}, counts={})
+    out = _theory(rows, [sigma], "normal", draws, seed=0)
+    per_head = [v["predicted_rate"][0] for v in out["per_head"].values()]
+    assert len(set(per_head)) > 1  # the heads' draws differ
+    exact = 0.5 * math.erfc(0.4 / (sigma * math.hypot(2.0, 1.6)) / math.sqrt(2))
+    assert abs(exact - 0.3013) < 1e-4
+    estimates, ses = [], []
+    for seed in range(200):
+        out = _theory(rows, [sigma], "normal", draws, seed=seed)
+        estimates.append(out["monte_carlo"][0])
+        ses.append(out["monte_carlo_se"][0])
+    mean = sum(estimates) / len(estimates)
+    spread = math.sqrt(sum((e - mean) ** 2 for e in estimates) / (len(estimates) - 1))
+    stated = sum(ses) / len(ses)
+    assert abs(stated - math.sqrt(exact * (1 - exact) / (draws * R))) < 0.001
+    assert abs(mean - exact) < 3 * stated / math.sqrt(len(estimates)) + 1e-3
+    assert 0.8 < spread / stated < 1.25  # was ~2 = sqrt(4 heads) with one seed for all

@@ -114,3 +114,33 @@ def test_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError) as err:
         interference_probe(model("pre"), data(n=2), **kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_probe_averages_only_rows_that_can_move() -> None:
+    """A causal row 0 has one key: its pattern cannot change, and counting it halved the TV of
+    two-token sequences. The TV of row 1 is recomputed here from two forwards by hand."""
+    m = model("pre", n_layers=1)
+    randomise_gains(m)
+    B, alpha = 6, 0.5
+    tokens = torch.randint(1, 16, (B, 2), generator=torch.Generator().manual_seed(3))
+    d = EvalData.from_tokens(tokens)
+    res = interference_probe(m, d, alpha=alpha, n_directions=1, sites=["blocks.0.attn"],
+                             heads=[0], seed=0)
+    r = res["per_head"][0]
+    assert r["n_rows"] == B  # not 2B
+    site = attention_sites(m)["blocks.0.attn"]
+    u, _ = null_directions(m, site, 0, 1, torch.Generator().manual_seed(0))
+
+    def pattern(shift: bool) -> torch.Tensor:
+        got = {}
+        hooks = [("blocks.0.attn.hook_pattern", lambda p, hook: got.__setitem__("p", p))]
+        if shift:
+            hooks.append(("blocks.0.hook_resid_pre",
+                          lambda x, hook: x + alpha * x.norm(dim=-1, keepdim=True) * u[0]))
+        with torch.no_grad(), m.hooks(hooks):
+            d.forward(m)
+        return got["p"][:, 0].double()  # head 0: [B, 2, 2]
+
+    row_tv = 0.5 * (pattern(True) - pattern(False)).abs().sum(-1)  # [B, 2]
+    assert float(row_tv[:, 0].abs().max()) == 0.0 and float(row_tv[:, 1].min()) > 0
+    assert abs(r["tv_mean"] - float(row_tv[:, 1].mean())) < 1e-6

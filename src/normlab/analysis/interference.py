@@ -134,7 +134,9 @@ def interference_probe(
     """Mean TV distance of each head's pattern when unreadable content is added.
 
     `tokens="all"` adds to every real token, `"one"` to one random real token per example (the
-    key-specific effect). TV = 0.5 * sum_k |a - a'| averaged over real query rows and the
+    key-specific effect). TV = 0.5 * sum_k |a - a'| averaged over the real query rows with at
+    least two keys to attend to (a row with one key has TV 0 whatever is added: counting it
+    would only dilute the mean, as in `find_sparse_rows` and the synthetic study) and the
     `n_directions` directions; all heads and directions of a site run batched in one forward.
     """
     check_alpha(alpha)
@@ -152,15 +154,19 @@ def interference_probe(
         def save(x: torch.Tensor, hook: Any) -> None:
             ref[hook.name] = x
 
-        with model.hooks([(f"{s.name}.hook_pattern", save) for s in chosen if not s.cross]):
+        with model.hooks([(f"{s.name}.{name}", save) for s in chosen if not s.cross
+                          for name in ("hook_pattern", "hook_attn_scores")]):
             data.forward(model)
         for site in chosen:
             if site.cross:
                 skipped.append(site.name)
                 continue
             hs = list(range(site.n_heads)) if head_sel is None else head_sel
+            # rows that can move: real queries with two or more keys they may attend to
+            keys = torch.isfinite(ref[f"{site.name}.hook_attn_scores"][:, 0]).sum(-1)
+            rows = data.valid[site.q_stream] & (keys >= 2)
             results += _probe_site(model, data, site, hs, ref[f"{site.name}.hook_pattern"],
-                                   alpha, n_directions, tokens, gen, max_tokens, B)
+                                   rows, alpha, n_directions, tokens, gen, max_tokens, B)
     tv = [r["tv_mean"] for r in results if r["tv_mean"] is not None]
     return {
         "alpha": float(alpha),
@@ -180,9 +186,11 @@ def interference_probe(
 
 
 def _probe_site(
-    model: Model, data: EvalData, site: Site, hs: list[int], ref: torch.Tensor, alpha: float,
-    n_dir: int, tokens: str, gen: torch.Generator, max_tokens: int, B: int,
+    model: Model, data: EvalData, site: Site, hs: list[int], ref: torch.Tensor,
+    rows: torch.Tensor, alpha: float, n_dir: int, tokens: str, gen: torch.Generator,
+    max_tokens: int, B: int,
 ) -> list[dict[str, Any]]:
+    """TV per head of `hs`, averaged over the query `rows` [B, Q] (see `interference_probe`)."""
     prefix, layer = block_of(model, site.name)
     norm, where = read_norm(model, site)
     valid = data.valid[site.q_stream]
@@ -200,7 +208,7 @@ def _probe_site(
     u_all = torch.cat(dirs)  # [n_heads_sel * n_dir, d], copy c = (head index, direction)
     n_copies = u_all.shape[0]
     tv = torch.zeros(n_copies, dtype=torch.float64)
-    qmask = valid.float()
+    qmask = rows.float()
     n_rows = float(qmask.sum())
     chunk = chunk_copies(data, max_tokens, n_copies)
     start = 0
@@ -234,12 +242,12 @@ def _probe_site(
         p_head = p[torch.arange(c), :, head_idx]  # [c, B, Q, K]
         r_head = ref[:, head_idx].permute(1, 0, 2, 3)  # [c, B, Q, K]
         row_tv = 0.5 * (p_head - r_head).abs().sum(-1).double()  # [c, B, Q]
-        tv[start:start + c] = (row_tv * qmask.double()).sum((1, 2)) / n_rows
+        tv[start:start + c] = (row_tv * qmask.double()).sum((1, 2)) / max(n_rows, 1.0)
         start += c
     out = []
     for i, h in enumerate(hs):
         v = tv[i * n_dir:(i + 1) * n_dir]
-        ok = dims[i] > 0
+        ok = dims[i] > 0 and n_rows > 0  # no direction to add, or no row that can move
         out.append({"site": site.name, "head": h, "null_dim": dims[i],
                     "tv_mean": float(v.mean()) if ok else None,
                     "tv_max": float(v.max()) if ok else None,
