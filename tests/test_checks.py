@@ -80,3 +80,33 @@ def test_each_layer_names_its_argument(call: object, message: str) -> None:
     with pytest.raises(ValueError) as info:
         call()  # type: ignore[operator]
     assert str(info.value) == message
+
+
+def test_the_analyses_refuse_a_model_off_the_cpu_in_one_line() -> None:
+    """They build inputs, masks and noise on the CPU: a GPU model failed deep in a forward with
+    a device mismatch. The `meta` device stands in for a GPU (no GPU on the test machines)."""
+    import random
+
+    from normlab import build_model
+    from normlab.analysis.collapse import find_sparse_rows, measure_collapse, perturbed_accuracy
+    from normlab.analysis.data import EvalData
+    from normlab.analysis.interference import interference_probe
+    from normlab.analysis.norms import norm_spread
+    from normlab.config import load_config
+    from normlab.evaluate import answer_token_accuracy
+    from normlab.tasks.addition import Cell, eval_sets
+
+    model = build_model(ModelConfig(d_model=32, n_heads=2, n_layers=1, max_len=32)).to("meta")
+    rng = random.Random(0)
+    problems = [Cell(2, 1).sample(rng) for _ in range(4)]
+    data = EvalData.from_problems(problems, "decoder")
+    task = load_config("configs/addition/pre.toml").validate()
+    calls = [lambda: norm_spread(model, data), lambda: find_sparse_rows(model, data),
+             lambda: measure_collapse(model, data), lambda: interference_probe(model, data),
+             lambda: perturbed_accuracy(model, task, eval_sets(task), limit=1),
+             lambda: answer_token_accuracy(model, problems, answer_format="msd")]
+    for call in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == ("model: expected a model on the CPU, where the analyses run; "
+                                   "got one on meta (call model.cpu() first)")

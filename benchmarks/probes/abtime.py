@@ -1,5 +1,6 @@
 """A/B timing for probes (one switch flipped off and on, alternating, in one process), and the
 set-ups several probes time. Probes put `benchmarks/` on sys.path before importing this."""
+import random
 import statistics as st
 import sys
 import time
@@ -66,6 +67,25 @@ def ab(label: str, switch: Callable[[bool], None], fn: Callable[[], object], inn
           f"{st.median(times[True]):8.3f} ms, {off} / {on} {st.median(ratios):.3f} "
           f"[{min(ratios):.3f}, {max(ratios):.3f}]")
     return ratios
+
+
+def shuffled(ways: dict, rounds: int, warmup: int = 2, seed: int = 0) -> dict:
+    """Seconds per call of each of `ways` (name -> fn), every round in a new random order
+    (`seed`), after `warmup` calls each: for more than two contenders, where `ab`'s
+    alternation leaves an order effect."""
+    for fn in ways.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {name: [] for name in ways}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(ways.items())
+        rng.shuffle(order)
+        for name, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def n5d1_prompts(run: RunConfig) -> tuple[list[list[int]], int]:

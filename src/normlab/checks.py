@@ -1,6 +1,6 @@
-"""Checks of whole-number arguments, shared by every layer so each refuses bad input alike.
+"""Checks of arguments shared by every layer, so each refuses bad input alike, in one line.
 
-A Python API argument (a seed, a count, a size) passes when it is an integer, numpy's
+A whole-number argument (a seed, a count, a size) passes when it is an integer, numpy's
 included, and at least `low`. A bool is refused: `True` would pass as 1 unseen. So is a float,
 even a whole one: `int()` would round 1.7 down unseen, and a size read as 2.0 is a typo.
 Config files are checked against their dataclass's hints instead (`normlab.config.typed`).
@@ -9,6 +9,8 @@ Config files are checked against their dataclass's hints instead (`normlab.confi
 from __future__ import annotations
 
 import numbers
+
+from torch import nn
 
 
 def is_int(value: object) -> bool:
@@ -22,3 +24,12 @@ def check_int(value: object, name: str, *, low: int = 0, what: str | None = None
     if not is_int(value) or value < low:  # type: ignore[operator]
         raise ValueError(f"{name}: expected {what or f'an int >= {low}'}; got {value!r}")
     return int(value)  # type: ignore[call-overload]
+
+
+def check_on_cpu(model: nn.Module) -> None:
+    """The analyses build their inputs, masks and noise on the CPU and read results back as
+    numpy: a model on another device is refused in one line, not deep inside a forward."""
+    weight = next(model.parameters(), None)  # a stand-in model may have none
+    if weight is not None and weight.device.type != "cpu":
+        raise ValueError(f"model: expected a model on the CPU, where the analyses run; got one "
+                         f"on {weight.device} (call model.cpu() first)")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from normlab.checks import check_int
+from normlab.checks import check_int, check_on_cpu
 from normlab.io import save_figure
 from normlab.model import Model
 from normlab.model.generate import greedy_decode
@@ -102,6 +102,7 @@ def answer_token_accuracy(
     match, which can also derail after a mistake). `first_token` splits position 0 by the
     sign of the true result.
     """
+    check_on_cpu(model)
     if not problems:
         raise ValueError("answer_token_accuracy needs at least one problem")
     was = model.training

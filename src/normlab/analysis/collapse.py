@@ -54,7 +54,7 @@ from normlab.analysis.data import (
     resolve_sites,
 )
 from normlab.analysis.theory import predict_collapse
-from normlab.checks import check_int
+from normlab.checks import check_int, check_on_cpu
 from normlab.io import save_figure
 from normlab.model import EncoderDecoderLM, Model
 from normlab.model.attention import explicit_by_default
@@ -255,6 +255,7 @@ def find_sparse_rows(
     out everywhere: they are trivially "sparse" and can never collapse, so counting them
     would only dilute the collapse rate.
     """
+    check_on_cpu(model)
     threshold = check_threshold(threshold)
     chosen, head_sel = resolve_sites(model, sites, heads)
     names = [f"{s.name}.hook_{k}" for s in chosen for k in ("attn_scores", "pattern")]
@@ -418,6 +419,7 @@ def measure_collapse(
     the per-row columns as tensors (pop it before writing JSON), with `rate` [R, n_sigmas]
     the per-row measured collapse frequency.
     """
+    check_on_cpu(model)
     sigmas = check_sigmas(sigmas)
     check_int(n_draws, "n_draws", low=1)
     check_int(theory_draws, "theory_draws", low=1)
@@ -676,6 +678,7 @@ def perturbed_accuracy(
     """
     from normlab.evaluate import evaluate
 
+    check_on_cpu(model)
     sigmas = check_sigmas(sigmas)
     seed = check_seed(seed)
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)

@@ -45,7 +45,7 @@ from normlab.analysis.data import (
     resolve_sites,
     stack_of,
 )
-from normlab.checks import check_int
+from normlab.checks import check_int, check_on_cpu
 from normlab.io import save_figure
 from normlab.model import Model, ModelConfig, build_model
 from normlab.model.block import PLACEMENTS
@@ -139,6 +139,7 @@ def interference_probe(
     would only dilute the mean, as in `find_sparse_rows` and the synthetic study) and the
     `n_directions` directions; all heads and directions of a site run batched in one forward.
     """
+    check_on_cpu(model)
     check_alpha(alpha)
     check_int(n_directions, "n_directions", low=1)
     seed = check_seed(seed)

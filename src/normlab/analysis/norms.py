@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from normlab.analysis.data import EvalData, evaluating, model_kwargs, stream_of
+from normlab.checks import check_on_cpu
 from normlab.io import save_figure
 from normlab.model import Model
 
@@ -45,6 +46,7 @@ def norm_scales(
     `names` restricts the `hook_scale` hooks (unknown names raise a one-line ValueError);
     `resid` adds the centred RMS of every `hook_resid_pre` (kind `resid`).
     """
+    check_on_cpu(model)
     norm_names = _norm_hooks(model)
     if names is not None:
         names = [names] if isinstance(names, str) else list(names)
