@@ -1,13 +1,15 @@
 """normlab.checks: one whole-number check for every layer's arguments."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from normlab.analysis.data import check_seed
-from normlab.analysis.theory import monte_carlo_collapse
+from normlab import build_model
+from normlab.analysis.data import check_seed, resolve_sites
+from normlab.analysis.theory import monte_carlo_collapse, predict_collapse
 from normlab.checks import check_int, is_int
 from normlab.model import ModelConfig
 from normlab.model.generate import greedy_decode
@@ -60,6 +62,16 @@ def test_every_layer_takes_a_numpy_integer_as_an_int() -> None:
     p = monte_carlo_collapse(torch.tensor([[2.0, 1.0]]), 0.5, np.int64(8),
                              generator=torch.Generator().manual_seed(0))
     assert p.shape == (1,)
+    pred = predict_collapse(torch.tensor([[2.0, 1.0]]), [0.5], np.int64(8))
+    assert type(pred["n_draws"]) is int  # results hold Python ints: plain json.dumps takes them
+    # sizes derived from numpy integers are worked out as Python ints: uint8 200 * 4 wrapped
+    wide = ModelConfig(d_model=np.uint8(200), n_heads=np.uint8(4), n_layers=1)
+    assert (wide.d_mlp, wide.d_head) == (800, 50)
+    model = build_model(cfg)
+    assert resolve_sites(model, None, np.int64(1))[1] == [1]
+    assert resolve_sites(model, None, np.arange(2))[1] == [0, 1]
+    with pytest.raises(ValueError, match=r"^unknown head 2\.0; expected an int in \[0, 2\)$"):
+        resolve_sites(model, None, [2.0])
 
 
 @pytest.mark.parametrize(
@@ -87,8 +99,13 @@ def test_the_analyses_refuse_a_model_off_the_cpu_in_one_line() -> None:
     a device mismatch. The `meta` device stands in for a GPU (no GPU on the test machines)."""
     import random
 
-    from normlab import build_model
-    from normlab.analysis.collapse import find_sparse_rows, measure_collapse, perturbed_accuracy
+    from normlab.analysis.collapse import (
+        Perturbation,
+        find_sparse_rows,
+        measure_collapse,
+        perturbed_accuracy,
+        perturbed_predictor,
+    )
     from normlab.analysis.data import EvalData
     from normlab.analysis.interference import interference_probe
     from normlab.analysis.norms import norm_spread
@@ -100,10 +117,11 @@ def test_the_analyses_refuse_a_model_off_the_cpu_in_one_line() -> None:
     rng = random.Random(0)
     problems = [Cell(2, 1).sample(rng) for _ in range(4)]
     data = EvalData.from_problems(problems, "decoder")
-    task = load_config("configs/addition/pre.toml").validate()
+    task = load_config(Path(__file__).resolve().parents[1] / "configs/addition/pre.toml").validate()
     calls = [lambda: norm_spread(model, data), lambda: find_sparse_rows(model, data),
              lambda: measure_collapse(model, data), lambda: interference_probe(model, data),
              lambda: perturbed_accuracy(model, task, eval_sets(task), limit=1),
+             lambda: perturbed_predictor(model, task, Perturbation(model), 0.1),
              lambda: answer_token_accuracy(model, problems, answer_format="msd")]
     for call in calls:
         with pytest.raises(ValueError) as info:

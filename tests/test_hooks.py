@@ -169,7 +169,6 @@ def test_bound_hook_points_stay_registered_and_follow_reassignment() -> None:
 def test_hooks_reach_points_swapped_in_after_construction() -> None:
     """A point or a block replaced after `setup_hooks` is the one hooks reach: attaching to
     the old one would run nothing, silently."""
-    from normlab.model.block import Block
     from normlab.model.hooks import HookPoint
 
     model = build_model(cfg())
@@ -180,8 +179,8 @@ def test_hooks_reach_points_swapped_in_after_construction() -> None:
                                              lambda x, h: seen.append(h.name))])
     assert seen == ["blocks.0.attn.hook_q"]
     # a callable filter, after a whole block is swapped
-    torch.manual_seed(1)
-    model.blocks[1] = Block(model.cfg, causal=True, cross=False)
+    torch.manual_seed(1)  # a block of another model: a bare Block's weights are uninitialised
+    model.blocks[1] = build_model(cfg()).blocks[1]
     seen.clear()
     model.run_with_hooks(tokens, fwd_hooks=[(lambda n: n == "blocks.1.hook_resid_pre",
                                              lambda x, h: seen.append(h.name))])
@@ -195,6 +194,9 @@ def test_hooks_reach_points_swapped_in_after_construction() -> None:
                                direct["blocks.1.attn.hook_pattern"])
     assert model.hook_points()["blocks.1.attn.hook_pattern"] is new_attn.hook_pattern
     assert set(model.hook_names()) == set(cache)
+    new_attn.hook_q.fns.append(lambda x, h: None)  # reset_hooks reaches the new points too
+    model.reset_hooks()
+    assert not new_attn.hook_q.fns
 
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])

@@ -177,12 +177,6 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from normlab.analysis.report import analyze_run
     from normlab.io import refuse_overwrite
 
-    _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1,
-                        "--seed": 0})
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     kwargs: dict[str, Any] = {
         "threshold": args.threshold,
         "mode": args.mode,
@@ -209,6 +203,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         if given or args.seq_len is not None:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
+    _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1,
+                        "--seed": 0})
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.hf:
         from normlab.interop.analyze import analyze_hf
 

@@ -219,7 +219,7 @@ def train(
         load_weights(model, tensors, meta, ckpt_dir)
         opt.load_state_dict(optimizer_state(tensors, meta))
         stream.load_state_dict(meta["stream"])
-        if not restore_rng(meta, device):
+        if not restore_rng(meta, device) and cfg.model.dropout > 0:
             log("the checkpoint holds no CUDA random state: dropout masks will differ from an "
                 "uninterrupted run's")
         step, elapsed = meta["step"], meta["elapsed_s"]

@@ -421,8 +421,8 @@ def measure_collapse(
     """
     check_on_cpu(model)
     sigmas = check_sigmas(sigmas)
-    check_int(n_draws, "n_draws", low=1)
-    check_int(theory_draws, "theory_draws", low=1)
+    n_draws = check_int(n_draws, "n_draws", low=1)
+    theory_draws = check_int(theory_draws, "theory_draws", low=1)
     seed = check_seed(seed)
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
     rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads)
@@ -627,6 +627,7 @@ def perturbed_predictor(
     Decoding is uncached so every step recomputes all positions with the same pre-drawn eps
     (one draw per question); with sigma = 0 it returns the unperturbed greedy answers.
     """
+    check_on_cpu(model)
     sigma = check_sigmas([sigma])[0]
     seed = check_seed(seed)
     arch = model.cfg.arch

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from normlab.checks import check_int
+from normlab.checks import check_int, is_int
 from normlab.model import DecoderLM, EncoderDecoderLM, Model
 from normlab.model.attention import Attention
 from normlab.model.transformer import evaluating
@@ -161,7 +161,7 @@ def select_problems(
     problems serve the collapse sweep and `evaluate(..., limit=per_cell)`. Returns the reduced
     sets and `per_cell`. Deterministic: the eval sets are already fixed per cell.
     """
-    check_int(n_examples, "n_examples", low=1)
+    n_examples = check_int(n_examples, "n_examples", low=1)
     if isinstance(splits, str):  # one name, not its letters
         splits = [splits]
     names = list(sets) if splits is None else list(splits)
@@ -258,13 +258,14 @@ def resolve_sites(
         if not chosen:
             raise ValueError("sites: expected at least one attention site")
     if heads is not None:
-        if isinstance(heads, int):  # one head, as `sites` takes one name
+        if is_int(heads):  # one head, as `sites` takes one name
             heads = [heads]
         heads = list(heads)
         n = min(s.n_heads for s in chosen)
         for h in heads:
-            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n:
+            if not is_int(h) or not 0 <= h < n:
                 raise ValueError(f"unknown head {h!r}; expected an int in [0, {n})")
+        heads = [int(h) for h in heads]
         if not heads:
             raise ValueError("heads: expected at least one head")
     return chosen, heads

@@ -141,7 +141,7 @@ def interference_probe(
     """
     check_on_cpu(model)
     check_alpha(alpha)
-    check_int(n_directions, "n_directions", low=1)
+    n_directions = check_int(n_directions, "n_directions", low=1)
     seed = check_seed(seed)
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"unknown tokens {tokens!r}; expected one of {', '.join(PROBE_TOKENS)}")
@@ -155,8 +155,11 @@ def interference_probe(
         def save(x: torch.Tensor, hook: Any) -> None:
             ref[hook.name] = x
 
-        with model.hooks([(f"{s.name}.{name}", save) for s in chosen if not s.cross
-                          for name in ("hook_pattern", "hook_attn_scores")]):
+        def count_keys(x: torch.Tensor, hook: Any) -> None:  # the mask is every head's
+            ref[hook.name] = torch.isfinite(x[:, 0]).sum(-1)  # [B, Q] keys a row may attend
+
+        with model.hooks([(f"{s.name}.hook_{name}", fn) for s in chosen if not s.cross
+                          for name, fn in (("pattern", save), ("attn_scores", count_keys))]):
             data.forward(model)
         for site in chosen:
             if site.cross:
@@ -164,8 +167,7 @@ def interference_probe(
                 continue
             hs = list(range(site.n_heads)) if head_sel is None else head_sel
             # rows that can move: real queries with two or more keys they may attend to
-            keys = torch.isfinite(ref[f"{site.name}.hook_attn_scores"][:, 0]).sum(-1)
-            rows = data.valid[site.q_stream] & (keys >= 2)
+            rows = data.valid[site.q_stream] & (ref[f"{site.name}.hook_attn_scores"] >= 2)
             results += _probe_site(model, data, site, hs, ref[f"{site.name}.hook_pattern"],
                                    rows, alpha, n_directions, tokens, gen, max_tokens, B)
     tv = [r["tv_mean"] for r in results if r["tv_mean"] is not None]

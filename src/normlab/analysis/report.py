@@ -63,8 +63,8 @@ def _checked(
     value is one line naming it, not an error after the sweep it would have spoiled."""
     _check_choice(mode, MODES, "mode")
     _check_choice(noise, NOISES, "noise")
-    check_int(n_draws, "n_draws", low=1)
-    check_int(n_examples, "n_examples", low=1)
+    n_draws = check_int(n_draws, "n_draws", low=1)
+    n_examples = check_int(n_examples, "n_examples", low=1)
     check_alpha(alpha)
     return (check_sigmas(sigmas), check_threshold(threshold), check_targets(targets),
             check_seed(seed))

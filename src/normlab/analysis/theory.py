@@ -160,7 +160,7 @@ def monte_carlo_collapse(
     """
     sigma = _check_sigma(sigma)
     _check_noise(noise)
-    _check_n_draws(n_draws)
+    n_draws = _check_n_draws(n_draws)
     if chunk is not None:
         chunk = check_int(chunk, "chunk", low=1, what="None or an int >= 1")
     s, valid, winner = _prepare(logits, mask)
@@ -205,7 +205,7 @@ def predict_collapse(
     reuses the same seed (common random numbers), which makes ``monte_carlo`` monotone in σ.
     """
     _check_noise(noise)
-    _check_n_draws(n_draws)
+    n_draws = _check_n_draws(n_draws)
     if isinstance(sigmas, (str, bytes)) or not isinstance(sigmas, Sequence):
         raise ValueError(f"sigmas must be a sequence of floats >= 0, got {type(sigmas).__name__}")
     sigma_list = [_check_sigma(sg, "sigmas") for sg in sigmas]

@@ -85,9 +85,9 @@ def analyze_hf(
     targets = check_targets(targets)
     _check_choice(mode, MODES, "mode")
     _check_choice(noise, NOISES, "noise")
-    check_int(n_draws, "n_draws", low=1)
-    check_int(n_examples, "n_examples", low=1)
-    check_int(seq_len, "seq_len", low=1)
+    n_draws = check_int(n_draws, "n_draws", low=1)
+    n_examples = check_int(n_examples, "n_examples", low=1)
+    seq_len = check_int(seq_len, "seq_len", low=1)
     if out is None:
         raise ValueError("analyze --hf: --out OUT (the output folder) is required")
     if (tokens is None) == (text is None):

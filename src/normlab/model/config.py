@@ -58,8 +58,9 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        # derived sizes only from ints: anything else is left for `validate` to name
-        d, h = self.d_model, self.n_heads
+        # derived sizes only from ints, as Python ints (numpy's uint8 200 * 4 would wrap):
+        # anything else is left for `validate` to name
+        d, h = (int(v) if is_int(v) else v for v in (self.d_model, self.n_heads))
         if self.d_head is None and is_int(d) and is_int(h) and h > 0 and d % h == 0:
             self.d_head = d // h
         if self.d_mlp is None and is_int(d):
@@ -149,7 +150,6 @@ class ModelConfig:
                 allowed = ", ".join(sorted(known))
                 raise ValueError(f"ModelConfig: unknown field {key!r}; expected one of {allowed}")
         return cls(**data)
-
 
 
 def _is_number(v: object) -> bool:

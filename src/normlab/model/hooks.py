@@ -96,15 +96,16 @@ class HookedModule(nn.Module):
         the plain attribute. A point or block swapped in later is found by name when hooks are
         attached (`_refresh_hooks`).
         """
-        self._hook_points = {}
-        self._hook_paths: dict[str, tuple[str, ...]] = {}
+        points, paths = {}, {}
         for name, module in self.named_modules():
             if isinstance(module, HookPoint):
                 module.name = name
-                self._hook_points[name] = module
-                self._hook_paths[name] = tuple(name.split("."))
+                points[name], paths[name] = module, tuple(name.split("."))
                 parent, _, attr = name.rpartition(".")
                 vars(self.get_submodule(parent))[attr] = module
+        # whole, then swapped in: a refresh never shows another thread a half-built registry
+        self._hook_points: dict[str, HookPoint] = points
+        self._hook_paths: dict[str, tuple[str, ...]] = paths
 
     def hook_points(self) -> dict[str, HookPoint]:
         self._refresh_hooks()
@@ -159,7 +160,7 @@ class HookedModule(nn.Module):
                 hp.fns.remove(fn)
 
     def reset_hooks(self) -> None:
-        for hp in self._hook_points.values():
+        for hp in self.hook_points().values():
             hp.fns.clear()
 
     def run_with_hooks(
