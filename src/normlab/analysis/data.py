@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -258,7 +258,7 @@ def resolve_sites(
         if not chosen:
             raise ValueError("sites: expected at least one attention site")
     if heads is not None:
-        if is_int(heads):  # one head, as `sites` takes one name
+        if is_int(heads) or not isinstance(heads, Iterable):  # one head, as `sites` one name
             heads = [heads]
         heads = list(heads)
         n = min(s.n_heads for s in chosen)
