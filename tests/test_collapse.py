@@ -467,3 +467,18 @@ def test_theory_draws_fresh_noise_for_each_head_so_its_error_bar_holds() -> None
     assert abs(stated - math.sqrt(exact * (1 - exact) / (draws * R))) < 0.001
     assert abs(mean - exact) < 3 * stated / math.sqrt(len(estimates)) + 1e-3
     assert 0.8 < spread / stated < 1.25  # was ~2 = sqrt(4 heads) with one seed for all
+
+
+def test_a_sigmas_ci_does_not_depend_on_the_other_sigmas() -> None:
+    """Each σ's noise comes from the seed alone (common random numbers), so its measured rate is
+    the same in any list of σ; its bootstrap CI was not: the resamples came from one stream
+    drawn σ by σ in turn. Every σ now shares one set of resamples."""
+    model = small()
+    data = EvalData.from_problems(problems(), "decoder")
+    kw = dict(n_draws=4, threshold=0.5, seed=3)
+    alone = measure_collapse(model, data, sigmas=[0.3], **kw)
+    among = measure_collapse(model, data, sigmas=[0.05, 0.1, 0.3], **kw)
+    assert alone["collapse_rate"][0] == among["collapse_rate"][2] > 0
+    assert alone["collapse_ci95"][0] == among["collapse_ci95"][2]
+    lo, hi = alone["collapse_ci95"][0]
+    assert lo < alone["collapse_rate"][0] < hi

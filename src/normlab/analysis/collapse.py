@@ -80,7 +80,8 @@ CPU, chunks of ~8k positions ran the sweep ~15% faster than 32k ones (activation
 cache size; `benchmarks/probes/collapse_prof.py`)."""
 
 CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): draws and rows "
-             "of one example are correlated, so examples, not row-draws, are resampled")
+             "of one example are correlated, so examples, not row-draws, are resampled; every "
+             "sigma uses the same resamples")
 
 
 # --------------------------------------------------------------------------- validation
@@ -371,14 +372,18 @@ def _winners(
     return _RowWinners(site, example, head, qpos, attendable)
 
 
-def _cluster_ci(
-    flips: np.ndarray, counts: np.ndarray, rng: np.random.Generator, n_boot: int = 1000
-) -> list[float | None]:
-    """95% percentile CI of sum(flips)/sum(counts) resampling examples (clusters)."""
-    n = flips.size
+def _resamples(n: int, seed: int, n_boot: int = 1000) -> np.ndarray:
+    """[n_boot, n] how often each of n examples (clusters) is drawn in each bootstrap resample.
+    One set serves every sigma, so a sigma's CI does not depend on which sigmas came before it
+    (it did while they drew from one stream in turn), and CIs across sigma are paired."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
+
+
+def _cluster_ci(flips: np.ndarray, counts: np.ndarray, w: np.ndarray) -> list[float | None]:
+    """95% percentile CI of sum(flips)/sum(counts) over the resamples `w` [n_boot, examples]."""
     if counts.sum() == 0:
         return [None, None]
-    w = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
     num, den = w @ flips, w @ counts
     rates = num[den > 0] / den[den > 0]
     lo, hi = np.percentile(rates, [2.5, 97.5])
@@ -477,7 +482,7 @@ def measure_collapse(
             row_draws += R * total
     draws = torch.tensor(draws_used, dtype=torch.float64)
     rate_rows = flips / draws
-    rng = np.random.default_rng(seed)
+    resamples = _resamples(B, seed)
     ex = rows.example.numpy()
     rows_per_example = np.bincount(ex, minlength=B).astype(np.float64)
     collapse_rate, ci = [], []
@@ -485,7 +490,7 @@ def measure_collapse(
         f_ex = np.bincount(ex, weights=flips[:, si].numpy(), minlength=B)
         c_ex = rows_per_example * draws_used[si]
         collapse_rate.append(float(f_ex.sum() / c_ex.sum()) if R else None)
-        ci.append(_cluster_ci(f_ex, c_ex, rng))
+        ci.append(_cluster_ci(f_ex, c_ex, resamples))
     theory = _theory(rows, sigmas, noise, theory_draws, seed)
     per_head = []
     for (site_name, h), n_valid in rows.valid_rows.items():
