@@ -239,6 +239,9 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     assert {"entries", "summary"} <= set(docs["norms"])
     assert "method inverted_cdf" in docs["norms"]["note"]  # h90's definition, recorded
     assert {"probe", "synthetic"} <= set(docs["interference"])
+    # which definitions made the numbers, recorded (both changed in the twenty-second session)
+    assert "rows with at least two keys" in docs["interference"]["probe"]["note"]
+    assert "draws its own noise" in c["theory_note"]
     assert res["collapse"]["n_examples"] == docs["norms"]["n_examples"] >= 16
 
 

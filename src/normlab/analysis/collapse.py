@@ -559,10 +559,12 @@ THEORY_NOTE = (
     "predicted_*: theory.predict_collapse on the recorded unperturbed raw scores (scaled q.k, "
     "-inf masked) of the sparse rows, key-norm noise at the row's own layer only (monte_carlo = "
     "predicted_rate, union upper bound, pair_max lower bound; the bounds are None for uniform "
-    "noise). The measurement perturbs all selected sites at once: noise from earlier layers "
-    "propagates into this layer's logits and value noise changes later inputs, so measured "
-    "rates may exceed the prediction; in token mode a self-attention query shares its eps with "
-    "its own key, and targets without k have no direct effect in the theory."
+    "noise). Each (site, head) draws its own noise (group_seed), so predicted_rate_se, which "
+    "adds the heads' variances, holds. The measurement perturbs all selected sites at once: "
+    "noise from earlier layers propagates into this layer's logits and value noise changes "
+    "later inputs, so measured rates may exceed the prediction; in token mode a self-attention "
+    "query shares its eps with its own key, and targets without k have no direct effect in the "
+    "theory."
 )
 
 

@@ -183,8 +183,10 @@ def interference_probe(
         "skipped_sites": skipped,
         "note": "TV of a head's pattern when alpha*||x||*u is added to the residual feeding the "
                 "attention, u in the null space of the head's effective q/k read map "
-                "(LayerNorm gain and centring included under pre/pre_qk/post). Zero to float "
-                "precision means the head is immune to content it cannot read.",
+                "(LayerNorm gain and centring included under pre/pre_qk/post), averaged over the "
+                "real query rows with at least two keys (n_rows; before normlab's twenty-second "
+                "session, over every real row, one-key rows included). Zero to float precision "
+                "means the head is immune to content it cannot read.",
     }
 
 
