@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -303,3 +305,83 @@ def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
     assert all(r["ok"] for r in results), results
     for s in specs:
         assert (Path(s.out) / "eval.json").is_file()
+
+
+QUICK = Path(__file__).resolve().parents[1] / "docs/results/quick/runs"
+
+
+def _quick_copy(out: Path) -> list[Path]:
+    """The committed quick runs' result files (no checkpoints), to write reports from."""
+    dirs = []
+    for name in ("pre-s0", "pre-s1", "qkv-s0", "qkv-s1"):
+        d = out / "runs" / name
+        (d / "analysis").mkdir(parents=True)
+        for f in ("eval.json", "train_done.json", "timings.json", "analysis/norms.json",
+                  "analysis/collapse.json"):
+            shutil.copy(QUICK / name / f, d / f)
+        dirs.append(d)
+    return dirs
+
+
+def test_seed_means_pair_sigmas_by_value(tmp_path: Path) -> None:
+    """Seeds analysed over other sigmas, or in another order: read at the same sigma (it was
+    by position, an IndexError with fewer sigmas, a wrong figure in another order)."""
+    from normlab.report import _seed_mean, write_report
+
+    a = {"sigmas": [0.0, 0.1, 0.3], "collapse_rate": [0.0, 0.001, 0.02]}
+    b = {"sigmas": [0.3, 0.1, 0.0], "collapse_rate": [0.04, 0.003, 0.0]}
+    c = {"sigmas": [0.1], "collapse_rate": [0.005]}
+    assert _seed_mean([a, b, c], "collapse_rate") == pytest.approx([0.0, 0.003, 0.03])
+    dirs = _quick_copy(tmp_path)
+    path = tmp_path / "runs/pre-s1/analysis/collapse.json"
+    col = json.loads(path.read_text())
+    keep = [col["sigmas"].index(s) for s in (0.3, 0.1, 0.0)]  # fewer, and reversed
+    for key in ("sigmas", "collapse_rate", "predicted_rate", "accuracy"):
+        col[key] = [col[key][i] for i in keep]
+    path.write_text(json.dumps(col))
+    summary = write_report(tmp_path / "report", dirs, "quick")
+    h2 = {r["id"]: r for r in summary["claims"]}["H2"]
+    s0 = json.loads((QUICK / "pre-s0/analysis/collapse.json").read_text())
+    s1 = json.loads((QUICK / "pre-s1/analysis/collapse.json").read_text())
+    at = {run: r["collapse_rate"][r["sigmas"].index(0.1)] for run, r in (("s0", s0), ("s1", s1))}
+    assert h2["per_seed"] == [at["s0"], at["s1"]]
+
+
+def test_one_seed_gives_strict_json_and_no_infinite_interval(tmp_path: Path) -> None:
+    from normlab.report import write_report
+
+    dirs = _quick_copy(tmp_path)
+    (tmp_path / "runs/qkv-s1/eval.json").unlink()  # qkv seed 1 never finished
+    summary = write_report(tmp_path / "report", dirs, "quick")
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    json.loads((tmp_path / "report/summary.json").read_text(), parse_constant=refuse)
+    h3 = {r["id"]: r for r in summary["claims"]}["H3"]
+    assert h3["n_seeds"] == 1 and h3["ci95"] == [None, None] and h3["verdict"] == "inconclusive"
+    assert "inf" not in (tmp_path / "report/report.md").read_text()
+
+
+def test_a_run_that_failed_is_left_out_of_the_claims_and_named(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """A run that failed in this pass may hold an older attempt's results (a config that
+    changed is refused before anything is written): they counted in the claims, unseen."""
+    import normlab.reproduce as reproduce
+
+    _quick_copy(tmp_path)
+
+    def execute(specs: list, **kw: object) -> list[dict]:
+        return [{"ok": s.name != "pre-s1", "name": s.name, "did": [], "seconds": 0.0,
+                 "error": "ValueError: --resume: the config differs"} for s in specs]
+
+    monkeypatch.setattr(reproduce, "execute", execute)
+    with pytest.raises(RuntimeError, match="1 of 4 runs failed"):
+        reproduce.reproduce("quick", tmp_path, progress=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    h1 = {r["id"]: r for r in summary["claims"]}["H1"]
+    h90 = json.loads((QUICK / "pre-s0/analysis/norms.json").read_text())["summary"]["all"]["h90"]
+    assert h1["n_seeds"] == 1 and h1["per_seed"] == [h90]  # pre-s0's alone
+    assert summary["failed"] == {"pre-s1": "ValueError: --resume: the config differs"}
+    head = (tmp_path / "report.md").read_text().split("## The paper")[0]
+    assert "Left out: run pre-s1 failed" in head

@@ -87,9 +87,11 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
                          "ci95": None, "n_seeds": 0, "verdict": "inconclusive", "unit": unit})
             return
         m, ci = mean_ci(values)
+        # one seed: no interval (JSON has no infinity; the report prints "—")
         rows.append({"id": cid, "claim": CLAIMS[cid], "paper": paper, "ours": m,
-                     "ci95": list(ci), "n_seeds": len(values), "verdict": verdict_fn(ci),
-                     "unit": unit, "per_seed": values})
+                     "ci95": [x if math.isfinite(x) else None for x in ci],
+                     "n_seeds": len(values), "verdict": verdict_fn(ci), "unit": unit,
+                     "per_seed": values})
 
     h1 = [r["norms"]["summary"]["all"]["h90"] for r in pre.values()
           if r["norms"] and r["norms"]["summary"]["all"].get("h90") is not None]
@@ -140,10 +142,13 @@ def _fmt(v: float | None, unit: str) -> str:
 
 
 def _seed_mean(cols: list[dict[str, Any]], key: str) -> list[float]:
-    """Mean over seeds per sigma; None entries (no sparse rows) are skipped, all-None is NaN."""
+    """Mean over seeds at each of the first seed's sigmas, matched by value (a seed analysed
+    over other sigmas, or in another order, is read at the same sigma, or left out there);
+    None entries (no sparse rows) are skipped, all-None is NaN."""
     out = []
-    for i in range(len(cols[0]["sigmas"])):
-        vals = [c[key][i] for c in cols if c.get(key) and c[key][i] is not None]
+    for sigma in cols[0]["sigmas"]:
+        vals = [v for c in cols if c.get(key) for v in [_at_sigma(c, key, sigma)]
+                if v is not None]
         out.append(sum(vals) / len(vals) if vals else math.nan)
     return out
 
@@ -158,11 +163,13 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    splits: set[str] = set()  # the splits the perturbed accuracy was measured on
     for p, by in runs.items():
         cols = [r["collapse"] for r in by.values() if r["collapse"]]
         if not cols:
             continue
         sig = cols[0]["sigmas"]
+        splits |= {s for c in cols for s in (c.get("params", {}).get("splits") or ["all splits"])}
         mean, pred, acc = (_seed_mean(cols, k) for k in ("collapse_rate", "predicted_rate",
                                                           "accuracy"))
         line = ax1.plot(sig, mean, "o-", label=f"{p} measured")[0]
@@ -172,7 +179,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     ax1.set_ylabel("collapse rate of sparse rows")
     ax1.legend(fontsize=7)
     ax2.set_xlabel("σ")
-    ax2.set_ylabel("exact-match accuracy (all splits)")
+    ax2.set_ylabel(f"exact-match accuracy ({' + '.join(sorted(splits)) or 'all splits'})")
     ax2.legend(fontsize=7)
     fig.tight_layout()
     out["collapse"] = folder / "collapse_vs_sigma.png"
@@ -184,10 +191,10 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
                 if r["norms"] and r["norms"]["summary"]["all"].get("h90") is not None]
         if vals:
             h = [v["h90"] for v in vals]
-            ax.bar(i, sum(h) / len(h), yerr=(max(h) - min(h)) / 2, capsize=4)
+            ax.bar(i, sum(h) / len(h), yerr=(max(h) - min(h)) / 2, capsize=4)  # seeds' range
     ax.axhline(0.2, color="k", ls="--", lw=1, label="paper: ±20%")
     ax.set_xticks(range(len(runs)), list(runs))
-    ax.set_ylabel("h90 of norm-input ratios")
+    ax.set_ylabel("h90 of norm-input ratios (bar: seeds' range)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     out["norms"] = folder / "norm_spread.png"
@@ -195,9 +202,15 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     return out
 
 
-def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "") -> dict:
-    """Write summary.json, report.md and a self-contained report.html into `out`."""
-    runs = collect(run_dirs)
+def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "",
+                 failed: dict[str, str] | None = None) -> dict:
+    """Write summary.json, report.md and a self-contained report.html into `out`.
+
+    `failed` (run folder name -> error) names the runs that failed in this pass: their
+    folders may still hold an older attempt's results, which must not count in the claims.
+    """
+    failed = failed or {}
+    runs = collect([d for d in run_dirs if Path(d).name not in failed])
     claims = claims_table(runs)
     figs = figures(runs, out / "figures")
     heatmaps = {f"{p}-s{s}": r["dir"] / "heatmap.png" for p, by in runs.items()
@@ -213,13 +226,15 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
                 "provenance": r["eval"].get("provenance"), "config": r["eval"]["config"],
             })
     summary = {"profile": profile, "claims": claims, "splits": split_table(runs),
-               "runs": run_info, "provenance": provenance(), "rules": __doc__}
+               "runs": run_info, "failed": failed, "provenance": provenance(), "rules": __doc__}
     write_json(out / "summary.json", summary)
 
     prov = summary["provenance"]
     md = [f"# normlab reproduction — profile `{profile}`", "",
           f"Machine: {machine or prov['machine']}; torch {prov['torch']}; normlab's CPU kernels "
           f"{prov['native']}; commit {prov['git_commit']}.",
+          *([""] + [f"**Left out: run {name} failed** ({err}); rerun to retry it."
+                      for name, err in failed.items()] if failed else []),
           "", "## The paper's headline claims beside ours", "",
           "| claim | paper | ours (mean [95% CI over seeds]) | seeds | verdict |",
           "|---|---|---|---|---|"]

@@ -88,9 +88,12 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str =
     write_json(manifest, {"profile": profile, "runs": [s.__dict__ for s in specs]})
     results = execute(specs, jobs=jobs, device=device, progress=progress)
     failed = [r for r in results if not r["ok"]]
-    summary = write_report(out, [Path(s.out) for s in specs], profile)
-    for r in failed:
+    for r in failed:  # first: a report that cannot be written must not hide them
         print(f"normlab: run {r['name']} failed: {r['error']}", file=sys.stderr)
+    errors = {r["name"]: r["error"] for r in failed}  # results come in the order runs end
+    summary = write_report(out, [Path(s.out) for s in specs], profile,
+                           failed={Path(s.out).name: errors[s.name] for s in specs
+                                   if s.name in errors})
     if progress:
         print(f"report: {out / 'report.md'} ({len(specs) - len(failed)}/{len(specs)} runs ok)",
               file=sys.stderr)
