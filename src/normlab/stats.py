@@ -6,10 +6,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-# two-sided 97.5% Student-t quantiles for 1..30 degrees of freedom (then the normal's 1.96)
+# two-sided 97.5% Student-t quantiles for 1..30 degrees of freedom (`t975` beyond)
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
          2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom: the table up to 30, then
+    the Cornish-Fisher expansion around the normal's 1.959964 (within 1e-4 from 31 on; the
+    normal's value alone made intervals over 32+ seeds ~4% too narrow)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def mean_ci(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
@@ -22,7 +32,7 @@ def mean_ci(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
     if n == 1:
         return m, (-math.inf, math.inf)
     sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1))
-    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    t = t975(n - 1)
     half = t * sd / math.sqrt(n)
     return m, (m - half, m + half)
 
