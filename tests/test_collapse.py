@@ -171,7 +171,7 @@ def test_cross_attention_memory_has_its_own_table() -> None:
      dict(sites=["blocks.9.attn"]), dict(heads=[4]), dict(mode="tokens"),
      dict(noise="cauchy"), dict(targets=("q", "x")), dict(targets=()), dict(n_draws=0),
      dict(sites=["blocks.0.attn", "blocks.0.attn"]), dict(seed=-1), dict(seed=1.5),
-     dict(seed=True), dict(heads=True)],
+     dict(seed=True), dict(heads=True), dict(heads=1.5), dict(heads=np.array(1))],
 )
 def test_bad_arguments_are_one_line_value_errors(kwargs: dict) -> None:
     model = small(n_layers=1)
@@ -485,3 +485,10 @@ def test_a_sigmas_ci_does_not_depend_on_the_other_sigmas() -> None:
     assert alone["collapse_ci95"][0] == among["collapse_ci95"][2]
     lo, hi = alone["collapse_ci95"][0]
     assert lo < alone["collapse_rate"][0] < hi
+
+
+def test_no_examples_gives_no_intervals_not_an_error() -> None:
+    """The resamples are drawn once for every sigma; with no examples there are none to draw."""
+    data = EvalData.from_tokens(torch.zeros(0, 6, dtype=torch.long))
+    res = measure_collapse(small(), data, sigmas=[0.0, 0.1], n_draws=2)
+    assert res["n_sparse_rows"] == 0 and res["collapse_ci95"] == [[None, None], [None, None]]

@@ -398,3 +398,31 @@ def test_a_run_that_failed_is_left_out_of_the_claims_and_named(tmp_path: Path,
     assert summary["failed"] == {"pre-s1": "ValueError: --resume: the config differs"}
     head = (tmp_path / "report.md").read_text().split("## The paper")[0]
     assert "Left out: run pre-s1 failed" in head
+
+
+def test_the_report_lists_failures_one_line_each_and_names_the_measured_splits(
+        tmp_path: Path) -> None:
+    """Errors span lines (torch's do): each failure is one list item. The accuracy panel's
+    splits come from the records, also from an older record that kept "train" as letters."""
+    from normlab.report import collect, figures, write_report
+
+    dirs = _quick_copy(tmp_path)
+    write_report(tmp_path / "report", dirs, "quick",
+                 failed={"pre-s1": "RuntimeError: boom\n  at line 2", "qkv-s1": "ValueError: x"})
+    md = (tmp_path / "report/report.md").read_text()
+    assert "- **Left out: run pre-s1 failed** (RuntimeError: boom at line 2); rerun" in md
+    assert "- **Left out: run qkv-s1 failed** (ValueError: x); rerun" in md
+    path = tmp_path / "runs/pre-s0/analysis/collapse.json"
+    col = json.loads(path.read_text())
+    col["params"]["splits"] = list("train")
+    path.write_text(json.dumps(col))
+    import matplotlib.pyplot as plt
+
+    seen = []
+    real = plt.Axes.set_ylabel
+    try:
+        plt.Axes.set_ylabel = lambda ax, text, *a, **k: seen.append(text)  # type: ignore[method-assign]
+        figures(collect(dirs), tmp_path / "figs")
+    finally:
+        plt.Axes.set_ylabel = real  # type: ignore[method-assign]
+    assert "exact-match accuracy (train)" in seen

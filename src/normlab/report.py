@@ -157,6 +157,8 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     """Collapse and accuracy vs sigma per placement (mean over seeds) and the norm spread."""
     import matplotlib
 
+    from normlab.analysis.report import recorded_splits
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -169,7 +171,8 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
         if not cols:
             continue
         sig = cols[0]["sigmas"]
-        splits |= {s for c in cols for s in (c.get("params", {}).get("splits") or ["all splits"])}
+        splits |= {s for c in cols
+                   for s in (recorded_splits(c.get("params", {}).get("splits")) or ["all splits"])}
         mean, pred, acc = (_seed_mean(cols, k) for k in ("collapse_rate", "predicted_rate",
                                                           "accuracy"))
         line = ax1.plot(sig, mean, "o-", label=f"{p} measured")[0]
@@ -233,8 +236,8 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
     md = [f"# normlab reproduction — profile `{profile}`", "",
           f"Machine: {machine or prov['machine']}; torch {prov['torch']}; normlab's CPU kernels "
           f"{prov['native']}; commit {prov['git_commit']}.",
-          *([""] + [f"**Left out: run {name} failed** ({err}); rerun to retry it."
-                      for name, err in failed.items()] if failed else []),
+          *([""] + [f"- **Left out: run {name} failed** ({' '.join(str(err).split())}); "
+                      "rerun to retry it." for name, err in failed.items()] if failed else []),
           "", "## The paper's headline claims beside ours", "",
           "| claim | paper | ours (mean [95% CI over seeds]) | seeds | verdict |",
           "|---|---|---|---|---|"]

@@ -376,6 +376,8 @@ def _resamples(n: int, seed: int, n_boot: int = 1000) -> np.ndarray:
     """[n_boot, n] how often each of n examples (clusters) is drawn in each bootstrap resample.
     One set serves every sigma, so a sigma's CI does not depend on which sigmas came before it
     (it did while they drew from one stream in turn), and CIs across sigma are paired."""
+    if n == 0:  # no examples: every CI is None (`_cluster_ci`)
+        return np.zeros((n_boot, 0))
     rng = np.random.default_rng(seed)
     return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
 

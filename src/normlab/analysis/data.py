@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -258,9 +258,12 @@ def resolve_sites(
         if not chosen:
             raise ValueError("sites: expected at least one attention site")
     if heads is not None:
-        if is_int(heads) or not isinstance(heads, Iterable):  # one head, as `sites` one name
+        if is_int(heads):  # one head, as `sites` takes one name
             heads = [heads]
-        heads = list(heads)
+        try:
+            heads = list(heads)
+        except TypeError:  # not a collection (True, 1.5, a 0-d tensor): checked as one head
+            heads = [heads]
         n = min(s.n_heads for s in chosen)
         for h in heads:
             if not is_int(h) or not 0 <= h < n:

@@ -83,6 +83,17 @@ def _recorded(sigmas: Sequence[float], n_draws: int, threshold: float, mode: str
             "alpha": alpha}
 
 
+def recorded_splits(value: Any) -> Any:
+    """A record's `params.splits` as a list of split names, also from older records: one name
+    alone, or one name as its letters (analyze_run(splits="train") recorded ['t', 'r', ...])."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(x, str) and len(x) == 1
+                                                 for x in value):
+        return ["".join(value)]
+    return value
+
+
 def check_same_analysis(folder: Path, args: dict[str, Any]) -> None:
     """A run's finished analysis (`folder/collapse.json`) must be the one `args` ask for: a
     sweep whose `[run.analysis]` changed kept the old results without a word."""
@@ -102,15 +113,13 @@ def check_same_analysis(folder: Path, args: dict[str, Any]) -> None:
     want = json.loads(json.dumps(want | {"seed": seed}))
     have = doc["params"] | {"seed": doc.get("seed")}
     # `want` comes normalised from `_recorded`; records written before it may hold one name
-    # (or head) alone, or one split name as its letters (analyze_run(splits="train") recorded
-    # ['t', 'r', 'a', 'i', 'n'])
-    for key in ("splits", "sites", "heads"):
+    # (or head) alone, or one split name as its letters (`recorded_splits`)
+    for key in ("sites", "heads"):
         v = have.get(key)
         if isinstance(v, str | int) and not isinstance(v, bool):
             have[key] = [v]
-        elif key == "splits" and isinstance(v, list) and v and all(
-                isinstance(x, str) and len(x) == 1 for x in v):
-            have[key] = ["".join(v)]
+    if "splits" in have:
+        have["splits"] = recorded_splits(have["splits"])
     for key, value in want.items():
         if key in have and have[key] != value:
             raise ValueError(f"{str(folder)!r} holds an analysis with {key} = {have[key]!r}, "
