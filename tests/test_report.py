@@ -51,8 +51,9 @@ def test_verdict_rules() -> None:
 
 def _run(placement: str, seed: int, train: float, held: float, h90: float, rate: float):
     ev = {"config": {"model": {"norm_placement": placement}, "train": {"seed": seed}},
-          "splits": {"train": {"accuracy": train}, "interpolation": {"accuracy": held},
-                     "extrapolation": {"accuracy": held}}}
+          "splits": {"train": {"accuracy": train, "count": 1280},
+                     "interpolation": {"accuracy": held, "count": 256},
+                     "extrapolation": {"accuracy": held, "count": 768}}}
     norms = {"summary": {"all": {"h90": h90}}}
     col = {"sigmas": [0.0, 0.1], "collapse_rate": [0.0, rate]}
     return {"eval": ev, "norms": norms, "collapse": col, "dir": Path(f"{placement}-s{seed}")}
@@ -426,3 +427,23 @@ def test_the_report_lists_failures_one_line_each_and_names_the_measured_splits(
     finally:
         plt.Axes.set_ylabel = real  # type: ignore[method-assign]
     assert "exact-match accuracy (train)" in seen
+
+
+
+def test_seeds_that_agree_exactly_keep_their_measurement_error() -> None:
+    """Two seeds with the same train-accuracy difference gave H3 an interval of zero width
+    (the committed quick report's +0.16% [0.16%, 0.16%] -> agrees). The seeds' variance is now
+    floored at the differences' binomial variance. By hand: each seed's difference 0.99 - 0.98
+    over 1280 questions has variance v = (0.99 * 0.01 + 0.98 * 0.02) / 1280; two seeds, t(1)
+    = 12.706: half-width 12.706 * sqrt(v) / sqrt(2)."""
+    runs = {"pre": {s: _run("pre", s, 0.98, 0.5, 0.2, 0.01) for s in (0, 1)},
+            "qkv": {s: _run("qkv", s, 0.99, 0.5, 0.1, 0.01) for s in (0, 1)}}
+    h3 = {r["id"]: r for r in claims_table(runs)}["H3"]
+    v = (0.99 * 0.01 + 0.98 * 0.02) / 1280
+    half = 12.706 * math.sqrt(v) / math.sqrt(2)
+    assert h3["ci95"] == pytest.approx([0.01 - half, 0.01 + half])
+    assert h3["verdict"] == "inconclusive"  # [-0.0244, 0.0444] reaches past the ±0.02 band
+    _, (lo, hi) = mean_ci([0.2, 0.4], within_var=[1e-6, 1e-6])  # the seeds' spread is larger
+    assert (lo, hi) == mean_ci([0.2, 0.4])[1]
+    with pytest.raises(ValueError, match="expected 2 within-seed variances"):
+        mean_ci([0.2, 0.4], within_var=[1e-6])

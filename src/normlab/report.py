@@ -7,9 +7,12 @@ Verdict rules (computed, never set by hand; `normlab.stats`):
 - H2 circuit collapse: Pre-Norm collapse rate at sigma = 0.1. Band [0.005, 0.02] (factor 2
   around 1%), same rule.
 - H3 in-distribution parity: per-seed difference qkv - pre of train-cell accuracy. `agrees` if
-  the CI lies in [-0.02, +0.02], `disagrees` if it misses it.
+  the CI lies in [-0.02, +0.02], `disagrees` if it misses it. The seeds' variance is floored at
+  the differences' mean binomial variance (each accuracy's p(1 - p) / questions), so seeds that
+  happen to agree exactly do not give an interval of zero width.
 - H4 out-of-distribution gap: per-seed difference qkv - pre of held-out accuracy (mean over
   the held-out splits). `agrees` if the CI is below 0 (QKV-Norm worse), `disagrees` if above.
+  The same binomial floor as H3.
 """
 
 from __future__ import annotations
@@ -69,6 +72,18 @@ def held_out(ev: dict[str, Any]) -> float:
     return sum(accs) / len(accs) if accs else math.nan
 
 
+def _binomial_var(split: dict[str, Any]) -> float:
+    """An accuracy's sampling variance over its questions, p (1 - p) / n."""
+    p, n = split["accuracy"], split["count"]
+    return p * (1 - p) / n if n else 0.0
+
+
+def held_out_var(ev: dict[str, Any]) -> float:
+    """The sampling variance of `held_out`, a mean of independent split accuracies."""
+    vs = [_binomial_var(r) for s, r in ev["splits"].items() if s != "train"]
+    return sum(vs) / len(vs) ** 2 if vs else 0.0
+
+
 def _at_sigma(col: dict[str, Any], key: str, sigma: float) -> float | None:
     for s, v in zip(col["sigmas"], col[key], strict=True):
         if abs(s - sigma) < 1e-9:
@@ -81,12 +96,13 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
     pre, qkv = runs.get("pre", {}), runs.get("qkv", {})
     rows = []
 
-    def row(cid: str, paper: str, values: list[float], verdict_fn: Any, unit: str) -> None:
+    def row(cid: str, paper: str, values: list[float], verdict_fn: Any, unit: str,
+            within_var: list[float] | None = None) -> None:
         if not values:
             rows.append({"id": cid, "claim": CLAIMS[cid], "paper": paper, "ours": None,
                          "ci95": None, "n_seeds": 0, "verdict": "inconclusive", "unit": unit})
             return
-        m, ci = mean_ci(values)
+        m, ci = mean_ci(values, within_var)
         # one seed: no interval (JSON has no infinity; the report prints "—")
         rows.append({"id": cid, "claim": CLAIMS[cid], "paper": paper, "ours": m,
                      "ci95": [x if math.isfinite(x) else None for x in ci],
@@ -103,11 +119,14 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
     seeds = sorted(set(pre) & set(qkv))
     h3 = [qkv[s]["eval"]["splits"]["train"]["accuracy"] - pre[s]["eval"]["splits"]["train"]
           ["accuracy"] for s in seeds]
+    v3 = [_binomial_var(qkv[s]["eval"]["splits"]["train"])
+          + _binomial_var(pre[s]["eval"]["splits"]["train"]) for s in seeds]
     row("H3", "comparable", h3, lambda ci: verdict_band(ci, -0.02, 0.02),
-        "qkv − pre, train-cell accuracy")
+        "qkv − pre, train-cell accuracy", v3)
     h4 = [held_out(qkv[s]["eval"]) - held_out(pre[s]["eval"]) for s in seeds]
+    v4 = [held_out_var(qkv[s]["eval"]) + held_out_var(pre[s]["eval"]) for s in seeds]
     row("H4", "QKV-Norm worse", h4, lambda ci: verdict_sign(ci, expect_negative=True),
-        "qkv − pre, held-out accuracy")
+        "qkv − pre, held-out accuracy", v4)
     return rows
 
 

@@ -22,8 +22,16 @@ def t975(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def mean_ci(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
-    """Mean and 95% t-interval over seeds; one value gives an unbounded interval."""
+def mean_ci(
+    values: Sequence[float], within_var: Sequence[float] | None = None
+) -> tuple[float, tuple[float, float]]:
+    """Mean and 95% t-interval over seeds; one value gives an unbounded interval.
+
+    `within_var`, each value's own sampling variance (an accuracy's binomial one), floors the
+    seeds' variance at its mean: the spread between seeds cannot be smaller than each seed's
+    measurement error, however alike two seeds happen to come out (two equal accuracies gave
+    an interval of zero width, and a confident verdict from it).
+    """
     vals = [float(v) for v in values]
     if not vals:
         raise ValueError("mean_ci: expected at least one value")
@@ -31,7 +39,12 @@ def mean_ci(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
     m = sum(vals) / n
     if n == 1:
         return m, (-math.inf, math.inf)
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1))
+    var = sum((v - m) ** 2 for v in vals) / (n - 1)
+    if within_var is not None:
+        if len(within_var) != n:
+            raise ValueError(f"mean_ci: expected {n} within-seed variances, got {len(within_var)}")
+        var = max(var, sum(within_var) / n)
+    sd = math.sqrt(var)
     t = t975(n - 1)
     half = t * sd / math.sqrt(n)
     return m, (m - half, m + half)
