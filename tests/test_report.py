@@ -412,6 +412,8 @@ def test_the_report_lists_failures_one_line_each_and_names_the_measured_splits(
                  failed={"pre-s1": "RuntimeError: boom\n  at line 2", "qkv-s1": "ValueError: x"})
     md = (tmp_path / "report/report.md").read_text()
     assert "- **Left out: run pre-s1 failed** (RuntimeError: boom at line 2); rerun" in md
+    # one seed per placement left: H3 a difference in signed points, with no interval
+    assert "| +0.16 points [—, —] | 1 | **inconclusive** |" in md
     assert "- **Left out: run qkv-s1 failed** (ValueError: x); rerun" in md
     path = tmp_path / "runs/pre-s0/analysis/collapse.json"
     col = json.loads(path.read_text())

@@ -155,8 +155,12 @@ def _pct(m: float, lo: float, hi: float) -> str:
 
 
 def _fmt(v: float | None, unit: str) -> str:
+    """A claim's value in its unit: a difference of accuracies in signed percentage points, a
+    rate or accuracy in %, anything else (h90) as a number."""
     if v is None:
         return "—"
+    if unit.startswith("qkv − pre"):
+        return f"{100 * v:+.2f} points"
     return f"{100 * v:.2f}%" if "rate" in unit or "accuracy" in unit else f"{v:.3f}"
 
 
