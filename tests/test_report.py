@@ -449,3 +449,37 @@ def test_seeds_that_agree_exactly_keep_their_measurement_error() -> None:
     assert (lo, hi) == mean_ci([0.2, 0.4])[1]
     with pytest.raises(ValueError, match="expected 2 within-seed variances"):
         mean_ci([0.2, 0.4], within_var=[1e-6])
+
+
+
+def test_a_report_refuses_runs_made_with_other_settings(tmp_path: Path) -> None:
+    """Claims pool runs over seeds: a run analysed at another threshold, evaluated on fewer
+    examples or trained on another grid was averaged in without a word."""
+    from normlab.report import collect
+
+    dirs = _quick_copy(tmp_path)
+    collect(dirs)  # the committed runs agree
+    path = tmp_path / "runs/qkv-s1/analysis/collapse.json"
+    col = json.loads(path.read_text())
+    col["params"]["threshold"] = 0.8
+    path.write_text(json.dumps(col))
+    with pytest.raises(ValueError, match=r"qkv-s1' was made with analysis threshold = 0\.8, "
+                                         r".*pre-s0' with 0\.9; a report pools"):
+        collect(dirs)
+    col["params"]["threshold"] = 0.9
+    col["params"]["splits"] = list("train")  # an older record's spelling of the same split
+    path.write_text(json.dumps(col))
+    collect(dirs)
+    for run, limit in (("pre-s0", 8), ("qkv-s0", None)):  # recorded since the limit was
+        ev_path = tmp_path / f"runs/{run}/eval.json"
+        ev = json.loads(ev_path.read_text())
+        ev["limit"] = limit
+        ev_path.write_text(json.dumps(ev))
+    with pytest.raises(ValueError, match="eval limit = None"):
+        collect(dirs)
+    ev = json.loads((tmp_path / "runs/pre-s0/eval.json").read_text())
+    ev["limit"] = None
+    ev["config"]["task"]["grid"] = "paper"
+    (tmp_path / "runs/pre-s0/eval.json").write_text(json.dumps(ev))
+    with pytest.raises(ValueError, match="was made with task = "):
+        collect(dirs)

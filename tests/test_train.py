@@ -293,6 +293,7 @@ def test_eval_json_schema(tmp_path: Path) -> None:
     assert {"n", "d", "split", "accuracy", "count"} <= set(cell)
     assert saved["config"]["model"]["norm_placement"] == "pre"
     assert saved["checkpoint"]["step"] == 5 and result["splits"] == saved["splits"]
+    assert saved["limit"] == 8  # a report pools only runs evaluated alike (report.collect)
     assert (tmp_path / "run/heatmap.png").stat().st_size > 1000
     tokens = {(t["cell"], t["split"]): t for t in saved["answer_tokens"]}
     assert tokens.keys() == {(c["cell"], c["split"]) for c in saved["cells"]}

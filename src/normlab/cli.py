@@ -61,6 +61,7 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
             },
             "seed": cfg.train.seed,
             "eval_seed": task.eval_seed,
+            "limit": limit,  # examples per cell (None: all), so reports compare like with like
             "provenance": provenance(),
         }
     )

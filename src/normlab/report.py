@@ -64,7 +64,39 @@ def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
             "collapse": _load(d / "analysis" / "collapse.json"),
             "timings": _load(d / "timings.json") or {}, "done": _load(d / "train_done.json"),
         }
+    _check_comparable([r for by in runs.values() for r in by.values()])
     return runs
+
+
+def _settings(run: dict[str, Any]) -> dict[str, Any]:
+    """What must be the same in every run a report pools: the task, the evaluation's examples
+    per cell, and the analysis settings (a record lacking one is not compared on it)."""
+    from normlab.analysis.report import recorded_splits
+
+    out = {"task": run["eval"]["config"].get("task")}
+    if "limit" in run["eval"]:  # recorded since normlab's twenty-second session
+        out["eval limit"] = run["eval"]["limit"]
+    if run["collapse"] and "params" in run["collapse"]:
+        params = dict(run["collapse"]["params"])
+        for derived in ("n_examples_used", "per_cell"):  # follow from the task and n_examples
+            params.pop(derived, None)
+        params["splits"] = recorded_splits(params.get("splits"))
+        out |= {f"analysis {k}": v for k, v in params.items()}
+    return out
+
+
+def _check_comparable(runs: list[dict[str, Any]]) -> None:
+    """Claims pool runs over seeds and placements: runs made with other settings (another
+    grid, another threshold or sigma list) would be averaged without a word."""
+    if not runs:
+        return
+    first, ref = runs[0], _settings(runs[0])
+    for run in runs[1:]:
+        for key, value in _settings(run).items():
+            if key in ref and value != ref[key]:
+                raise ValueError(f"{str(run['dir'])!r} was made with {key} = {value!r}, "
+                                 f"{str(first['dir'])!r} with {ref[key]!r}; a report pools "
+                                 "runs of one task, evaluation and analysis setting")
 
 
 def held_out(ev: dict[str, Any]) -> float:
