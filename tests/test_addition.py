@@ -313,7 +313,7 @@ def test_eval_sets_deterministic_and_independent_of_other_splits() -> None:
 
 def test_eval_sets_distinct_cells_get_distinct_problems() -> None:
     task = TaskConfig(
-        train=[[2, 1]], splits={"x": [[2, [1, 2]], [2, 2], [2, [1, 2, 3]]]}, eval_size=16
+        train=[[1, 1]], splits={"x": [[2, [1, 2]], [2, 2], [2, [1, 2, 3]]]}, eval_size=16
     )
     probs = [p for split in A.eval_sets(task).values() for p in split.values()]
     assert len({tuple(p) for p in probs}) == len(probs)
@@ -497,3 +497,42 @@ def test_eval_keying_is_the_documented_one() -> None:
     assert sets["train"][Cell(3, 2)] == [A.sample_problem(3, 2, rng) for _ in range(8)]
     rng = np.random.default_rng([5, 2, 0, 1, 3])
     assert sets["m"][Cell(2, (1, 3))] == [A.sample_problem(2, (1, 3), rng) for _ in range(8)]
+
+
+def _lsd_by_hand(value: int) -> str:
+    """The lsd text of an integer from Python's str alone: the sign first, digits reversed."""
+    return ("N" if value < 0 else "") + str(abs(value))[::-1]
+
+
+def test_only_the_written_lsd_text_reads_as_its_answer() -> None:
+    """Reversing a whole text read the sign-last `63N` as N36, so a model writing the sign
+    last was scored right under `lsd` (under `lsd_complement` it never was). Every text of up
+    to four characters over 0-9 and N reads as a possible answer only if it is its text."""
+    import itertools
+
+    for n in range(1, 5):
+        for chars in itertools.product("0123456789N", repeat=n):
+            text = "".join(chars)
+            read = A.read_answer(text, "lsd")
+            if ANSWER_RE.fullmatch(read) and read != "N0":  # what a true answer could be
+                assert _lsd_by_hand(answer_value(read)) == text, (text, read)
+    assert A.read_answer("63N", "lsd") == "?63N"
+    assert A.parse_answer(A.encode("63NE"), "lsd") != "N36"
+    for value in (0, 7, -7, 120, -120, 10**20, -(10**20) - 3):
+        text = _lsd_by_hand(value)
+        assert A.format_answer(str(value).replace("-", "N"), "lsd") == text
+        assert A.read_answer(text, "lsd") == str(value).replace("-", "N")
+
+
+@pytest.mark.parametrize(
+    ("train", "split", "shared"),
+    [([[2, [1, 2]]], [[2, 1]], "n2d1-2"), ([[2, 2]], [[2, [1, 2]]], "n2d2"),
+     ([[3, [1, 3]]], [[3, [2, 3]]], "n3d1_3")],
+)
+def test_a_held_out_cell_never_shares_problems_with_a_train_cell(train, split, shared) -> None:
+    """n2d1 lies inside n2d1-2: with one training, every held-out question could be a
+    training one. Only identical cells were refused."""
+    with pytest.raises(ValueError, match=rf"^task\.splits\.x: cell .* shares problems with "
+                                         rf"train cell {shared}$"):
+        TaskConfig(train=train, splits={"x": split}).resolve()
+    TaskConfig(train=[[2, 1]], splits={"x": [[2, 2], [3, 1]]}).resolve()  # no overlap: fine

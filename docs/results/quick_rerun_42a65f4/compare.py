@@ -26,7 +26,8 @@ for run in sorted(p.name for p in (root / "after").iterdir()):
               f"{100 * b['predicted_rate'][i]:.3f}% +- {100 * b['predicted_rate_se'][i]:.4f} "
               f"before, {100 * a['predicted_rate'][i]:.3f}% +- "
               f"{100 * a['predicted_rate_se'][i]:.4f} after")
-    pb, pa = load("before", run, "interference")["probe"], load("after", run, "interference")["probe"]
+    pb = load("before", run, "interference")["probe"]
+    pa = load("after", run, "interference")["probe"]
     print(f"  interference TV mean {pb['tv_mean']:.4g} -> {pa['tv_mean']:.4g}, max "
           f"{pb['tv_max']:.4g} -> {pa['tv_max']:.4g}; rows a head averages over "
           f"{pb['per_head'][0]['n_rows']} -> {pa['per_head'][0]['n_rows']}")

@@ -153,10 +153,17 @@ def _same(text: str) -> str:
     return text
 
 
+def _unreverse(text: str) -> str:
+    """Inverse of `reverse_digits` on the texts it writes; any other text (``63N``, the sign
+    last, which reversing whole would read as ``N36``) maps to ``?text``, never an answer."""
+    answer = reverse_digits(text)
+    return answer if reverse_digits(answer) == text else "?" + text
+
+
 # format -> (true answer -> model text, model text -> answer)
 _WRITE_READ = {
     "msd": (_same, _same),
-    "lsd": (reverse_digits, reverse_digits),
+    "lsd": (reverse_digits, _unreverse),
     "lsd_complement": (_complement, _uncomplement),
 }
 
@@ -548,6 +555,12 @@ class TaskConfig:
             for cell in cells:
                 if cell in train_set:
                     raise ValueError(f"{where}: cell {cell} is also a train cell{from_grid}")
+                # n2d1 is inside n2d1-2: a held-out question could be a training one
+                shared = next((c for c in train if c.n == cell.n
+                               and set(c.digits) & set(cell.digits)), None)
+                if shared is not None:
+                    raise ValueError(f"{where}: cell {cell} shares problems with train cell "
+                                     f"{shared}{from_grid}")
                 if cell in owner:
                     raise ValueError(
                         f"{where}: cell {cell} is also in split {owner[cell]!r}{from_grid}"
