@@ -51,7 +51,7 @@ from normlab.analysis.interference import (
     synthetic_interference,
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
-from normlab.checks import check_int
+from normlab.checks import check_int, is_int
 from normlab.io import provenance, write_json
 
 
@@ -75,19 +75,22 @@ def _recorded(sigmas: Sequence[float], n_draws: int, threshold: float, mode: str
               splits: Sequence[str] | str | None, sites: Sequence[str] | None,
               heads: Sequence[int] | None, alpha: float) -> dict[str, Any]:
     """The settings as the result files record them (`params`), from checked values."""
-    splits, sites, heads = ([v] if isinstance(v, str | int) and not isinstance(v, bool) else v
-                            for v in (splits, sites, heads))  # one name (or head): a list of one
+    splits, sites, heads = (_one_as_list(v) for v in (splits, sites, heads))
     return {"sigmas": list(sigmas), "n_draws": n_draws, "threshold": threshold, "mode": mode,
             "targets": list(targets), "noise": noise, "n_examples": n_examples,
             "splits": None if splits is None else list(splits), "sites": sites, "heads": heads,
             "alpha": alpha}
 
 
+def _one_as_list(value: Any) -> Any:
+    """One split or site name, or one head, as a list of one; anything else as it is."""
+    return [value] if isinstance(value, str) or is_int(value) else value
+
+
 def recorded_splits(value: Any) -> Any:
     """A record's `params.splits` as a list of split names, also from older records: one name
     alone, or one name as its letters (analyze_run(splits="train") recorded ['t', 'r', ...])."""
-    if isinstance(value, str):
-        return [value]
+    value = _one_as_list(value)
     if isinstance(value, list) and value and all(isinstance(x, str) and len(x) == 1
                                                  for x in value):
         return ["".join(value)]
@@ -115,9 +118,8 @@ def check_same_analysis(folder: Path, args: dict[str, Any]) -> None:
     # `want` comes normalised from `_recorded`; records written before it may hold one name
     # (or head) alone, or one split name as its letters (`recorded_splits`)
     for key in ("sites", "heads"):
-        v = have.get(key)
-        if isinstance(v, str | int) and not isinstance(v, bool):
-            have[key] = [v]
+        if key in have:
+            have[key] = _one_as_list(have[key])
     if "splits" in have:
         have["splits"] = recorded_splits(have["splits"])
     for key, value in want.items():
