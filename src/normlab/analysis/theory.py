@@ -48,10 +48,6 @@ def _check_noise(noise: str) -> str:
     return noise
 
 
-def _check_n_draws(n_draws: int) -> int:
-    return check_int(n_draws, "n_draws", low=1)
-
-
 def _prepare(logits: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Validate a [R, K] logit matrix; return (float64 logits, valid keys, winner index).
 
@@ -160,7 +156,7 @@ def monte_carlo_collapse(
     """
     sigma = _check_sigma(sigma)
     _check_noise(noise)
-    n_draws = _check_n_draws(n_draws)
+    n_draws = check_int(n_draws, "n_draws", low=1)
     if chunk is not None:
         chunk = check_int(chunk, "chunk", low=1, what="None or an int >= 1")
     s, valid, winner = _prepare(logits, mask)
@@ -205,7 +201,7 @@ def predict_collapse(
     reuses the same seed (common random numbers), which makes ``monte_carlo`` monotone in σ.
     """
     _check_noise(noise)
-    n_draws = _check_n_draws(n_draws)
+    n_draws = check_int(n_draws, "n_draws", low=1)
     if isinstance(sigmas, (str, bytes)) or not isinstance(sigmas, Sequence):
         raise ValueError(f"sigmas must be a sequence of floats >= 0, got {type(sigmas).__name__}")
     sigma_list = [_check_sigma(sg, "sigmas") for sg in sigmas]

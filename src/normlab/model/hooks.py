@@ -96,16 +96,15 @@ class HookedModule(nn.Module):
         the plain attribute. A point or block swapped in later is found by name when hooks are
         attached (`_refresh_hooks`).
         """
-        points, paths = {}, {}
+        points = {}
         for name, module in self.named_modules():
             if isinstance(module, HookPoint):
                 module.name = name
-                points[name], paths[name] = module, tuple(name.split("."))
+                points[name] = module
                 parent, _, attr = name.rpartition(".")
                 vars(self.get_submodule(parent))[attr] = module
         # whole, then swapped in: a refresh never shows another thread a half-built registry
         self._hook_points: dict[str, HookPoint] = points
-        self._hook_paths: dict[str, tuple[str, ...]] = paths
 
     def hook_points(self) -> dict[str, HookPoint]:
         self._refresh_hooks()
@@ -124,10 +123,10 @@ class HookedModule(nn.Module):
             self.setup_hooks()
 
     def _in_place(self, name: str, hp: HookPoint) -> bool:
-        """Whether `hp` is still the module at `name`: a walk down `_modules` along the path
-        `setup_hooks` split, a few dict reads (it runs for every name attached)."""
+        """Whether `hp` is still the module at `name`: a walk down `_modules`, a few dict reads
+        (it runs for every name attached)."""
         module: nn.Module | None = self
-        for part in self._hook_paths[name]:
+        for part in name.split("."):
             module = module._modules.get(part)
             if module is None:
                 return False
