@@ -404,11 +404,15 @@ def test_prompts_and_parse_answer_round_trip() -> None:
             out = b["tgt_out"][i]
             generated = [*out[out != -100].tolist(), A.PAD, 7]  # junk after E is ignored
             assert A.parse_answer(generated, fmt) == a
-            assert A.parse_answer(torch.tensor([A.BOS, *generated]), fmt) == a
+            assert A.parse_answer(torch.tensor([A.BOS, *generated]), fmt, after_bos=True) == a
+            # a B the model generated is not skipped: such output is wrong, not the answer
+            assert A.parse_answer([A.BOS, *generated], fmt) != a
     assert A.reverse_digits("N7836") == "N6387" and A.reverse_digits("120") == "021"
     assert A.parse_answer(A.encode("N6387E"), "lsd") == "N7836"
     assert A.parse_answer(A.encode("4612NE"), "lsd_complement") == "N7836"
     assert A.parse_answer(A.encode("12"), "msd") == "12"  # no E: take all
+    with pytest.raises(ValueError, match="after_bos=True: expected ids starting with B"):
+        A.parse_answer(A.encode("12E"), "msd", after_bos=True)
 
 
 def complement_value(text: str) -> int:

@@ -345,7 +345,8 @@ def test_seed_means_pair_sigmas_by_value(tmp_path: Path) -> None:
     a = {"sigmas": [0.0, 0.1, 0.3], "collapse_rate": [0.0, 0.001, 0.02]}
     b = {"sigmas": [0.3, 0.1, 0.0], "collapse_rate": [0.04, 0.003, 0.0]}
     c = {"sigmas": [0.1], "collapse_rate": [0.005]}
-    assert _seed_mean([a, b, c], "collapse_rate") == pytest.approx([0.0, 0.003, 0.03])
+    sig = [0.0, 0.1, 0.3]
+    assert _seed_mean([a, b, c], "collapse_rate", sig) == pytest.approx([0.0, 0.003, 0.03])
     dirs = _quick_copy(tmp_path)
     path = tmp_path / "runs/pre-s1/analysis/collapse.json"
     col = json.loads(path.read_text())
@@ -483,3 +484,29 @@ def test_a_report_refuses_runs_made_with_other_settings(tmp_path: Path) -> None:
     (tmp_path / "runs/pre-s0/eval.json").write_text(json.dumps(ev))
     with pytest.raises(ValueError, match="was made with task = "):
         collect(dirs)
+
+
+def test_the_figure_shows_every_seeds_sigmas() -> None:
+    """The collapse figure was drawn at the first seed's sigmas only: a sigma another seed
+    measured was dropped from the curve. `collect` refuses such runs; hand-built ones reach
+    `figures`."""
+    from normlab.report import _seed_mean, _sigma_grid
+
+    a = {"sigmas": [0.1, 0.0], "collapse_rate": [0.002, 0.0]}
+    b = {"sigmas": [0.0, 0.3, 0.1 + 1e-12], "collapse_rate": [0.0, 0.04, 0.004]}
+    sig = _sigma_grid([a, b])
+    assert sig == pytest.approx([0.0, 0.1, 0.3]) and len(sig) == 3
+    assert _seed_mean([a, b], "collapse_rate", sig) == pytest.approx([0.0, 0.003, 0.04])
+
+
+def test_a_task_without_held_out_splits_gives_no_number_for_h4(tmp_path: Path) -> None:
+    """H4 compares held-out accuracy; runs evaluated on `train` alone gave NaN in
+    summary.json (not JSON) and a NaN verdict input. Now no number, inconclusive."""
+    runs = {p: {s: _run(p, s, 0.99, 0.5, 0.2, 0.01) for s in (0, 1)} for p in ("pre", "qkv")}
+    for by in runs.values():
+        for r in by.values():
+            for split in ("interpolation", "extrapolation"):
+                del r["eval"]["splits"][split]
+    h4 = {r["id"]: r for r in claims_table(runs)}["H4"]
+    assert h4["ours"] is None and h4["n_seeds"] == 0 and h4["verdict"] == "inconclusive"
+    json.dumps(h4, allow_nan=False)

@@ -100,6 +100,7 @@ def _check_comparable(runs: list[dict[str, Any]]) -> None:
 
 
 def held_out(ev: dict[str, Any]) -> float:
+    """Mean accuracy over the held-out splits (every split but `train`); NaN if none."""
     accs = [r["accuracy"] for s, r in ev["splits"].items() if s != "train"]
     return sum(accs) / len(accs) if accs else math.nan
 
@@ -155,8 +156,12 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
           + _binomial_var(pre[s]["eval"]["splits"]["train"]) for s in seeds]
     row("H3", "comparable", h3, lambda ci: verdict_band(ci, -0.02, 0.02),
         "qkv − pre, train-cell accuracy", v3)
-    h4 = [held_out(qkv[s]["eval"]) - held_out(pre[s]["eval"]) for s in seeds]
-    v4 = [held_out_var(qkv[s]["eval"]) + held_out_var(pre[s]["eval"]) for s in seeds]
+    # seeds where both runs were evaluated on held-out splits (a task without any has none:
+    # no number, rather than NaN in the summary)
+    both = [s for s in seeds
+            if not (math.isnan(held_out(qkv[s]["eval"])) or math.isnan(held_out(pre[s]["eval"])))]
+    h4 = [held_out(qkv[s]["eval"]) - held_out(pre[s]["eval"]) for s in both]
+    v4 = [held_out_var(qkv[s]["eval"]) + held_out_var(pre[s]["eval"]) for s in both]
     row("H4", "QKV-Norm worse", h4, lambda ci: verdict_sign(ci, expect_negative=True),
         "qkv − pre, held-out accuracy", v4)
     return rows
@@ -196,12 +201,22 @@ def _fmt(v: float | None, unit: str) -> str:
     return f"{100 * v:.2f}%" if "rate" in unit or "accuracy" in unit else f"{v:.3f}"
 
 
-def _seed_mean(cols: list[dict[str, Any]], key: str) -> list[float]:
-    """Mean over seeds at each of the first seed's sigmas, matched by value (a seed analysed
-    over other sigmas, or in another order, is read at the same sigma, or left out there);
+def _sigma_grid(cols: list[dict[str, Any]]) -> list[float]:
+    """Every sigma any seed was analysed at, ascending: a figure shows them all, not only
+    the first seed's."""
+    grid: list[float] = []
+    for sigma in sorted(s for c in cols for s in c["sigmas"]):
+        if not grid or abs(sigma - grid[-1]) >= 1e-9:  # `_at_sigma`'s tolerance
+            grid.append(sigma)
+    return grid
+
+
+def _seed_mean(cols: list[dict[str, Any]], key: str, sigmas: list[float]) -> list[float]:
+    """Mean over seeds at each of `sigmas`, matched by value (a seed analysed over other
+    sigmas, or in another order, is read at the same sigma, or left out where it has none);
     None entries (no sparse rows) are skipped, all-None is NaN."""
     out = []
-    for sigma in cols[0]["sigmas"]:
+    for sigma in sigmas:
         vals = [v for c in cols if c.get(key) for v in [_at_sigma(c, key, sigma)]
                 if v is not None]
         out.append(sum(vals) / len(vals) if vals else math.nan)
@@ -225,11 +240,11 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
         cols = [r["collapse"] for r in by.values() if r["collapse"]]
         if not cols:
             continue
-        sig = cols[0]["sigmas"]
+        sig = _sigma_grid(cols)
         splits |= {s for c in cols
                    for s in (recorded_splits(c.get("params", {}).get("splits")) or ["all splits"])}
-        mean, pred, acc = (_seed_mean(cols, k) for k in ("collapse_rate", "predicted_rate",
-                                                          "accuracy"))
+        mean, pred, acc = (_seed_mean(cols, k, sig) for k in ("collapse_rate",
+                                                               "predicted_rate", "accuracy"))
         line = ax1.plot(sig, mean, "o-", label=f"{p} measured")[0]
         ax1.plot(sig, pred, "--", color=line.get_color(), label=f"{p} predicted")
         ax2.plot(sig, acc, "o-", color=line.get_color(), label=p)

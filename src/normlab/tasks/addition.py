@@ -751,17 +751,23 @@ def make_prompts(questions: Sequence[str], arch: str) -> list[list[int]]:
     return [[BOS, *encode(q), EOS] for q in questions]
 
 
-def parse_answer(ids: Sequence[int] | torch.Tensor, answer_format: str = "msd") -> str:
+def parse_answer(
+    ids: Sequence[int] | torch.Tensor, answer_format: str = "msd", *, after_bos: bool = False
+) -> str:
     """Generated answer ids -> answer string comparable with the true answer.
 
-    Reads up to the first ``E`` (excluded; all of ``ids`` if there is none), skipping one
-    leading ``B`` so an encoder-decoder's full output can be passed as is, then undoes
-    ``answer_format`` (`read_answer`). Malformed output decodes to a string that won't match.
+    Reads up to the first ``E`` (excluded; all of ``ids`` if there is none), then undoes
+    ``answer_format`` (`read_answer`). Malformed output decodes to a string that won't match;
+    a generated ``B`` is malformed. ``after_bos=True`` takes an encoder-decoder's whole
+    target row, which starts with the ``B`` it was fed, and skips that ``B``.
     """
     if isinstance(ids, torch.Tensor | np.ndarray):
         ids = ids.tolist()
     ids = list(ids)
-    if ids and ids[0] == BOS:
+    if after_bos:
+        if not ids or ids[0] != BOS:
+            raise ValueError(f"after_bos=True: expected ids starting with B ({BOS}), got "
+                             f"{ids[:1]}")
         ids = ids[1:]
     if EOS in ids:
         ids = ids[: ids.index(EOS)]
