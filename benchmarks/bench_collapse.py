@@ -14,6 +14,11 @@ number of noise draws, and count rows whose argmax key changes.
 - naive (`naive_sweep`, below): one forward per example per draw, batch size 1, with hooks
   that scale q/k/v by the very same eps tables (drawn through `Perturbation.draw` in the same
   order), so the flip counts must agree row for row (up to float ties); we report agreement.
+  Like `measure_collapse`, each forward stops once the last pattern it reads is in hand (the
+  last block's MLP and the unembedding cannot change it), so the speed-up is the
+  vectorisation's alone. Until normlab's twenty-third session the loop ran every forward to
+  the logits; that loop is still timed (`naive_full`, `speedup_sweep_full_forward`), for
+  comparison with earlier results.
 
 Throughput = sparse rows x draws / second. The naive loop gets its sparse rows for free.
 
@@ -23,6 +28,7 @@ Throughput = sparse rows x draws / second. The naive loop gets its sparse rows f
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -52,11 +58,16 @@ SIGMA = 0.3
 SEED = 0
 
 
+class _Read(Exception):
+    """Raised by the naive loop's last pattern hook: the rest of the forward is not needed."""
+
+
 def naive_sweep(
     model: Model, data: Any, rows: Any, pert: Any, sigma: float, n_draws: int, chunk: int,
-    seed: int = SEED,
+    seed: int = SEED, stop_early: bool = True,
 ) -> torch.Tensor:
-    """Flip count per sparse row: for each draw, for each example, one batch-1 forward."""
+    """Flip count per sparse row: for each draw, for each example, one batch-1 forward,
+    stopped after the last pattern it reads (`stop_early`) or run to the logits."""
     tokens = data.inputs["tokens"]
     aux = data.inputs.get("aux")  # digit positions, when the model uses them
     B, R = data.n_examples, len(rows)
@@ -86,11 +97,13 @@ def naive_sweep(
 
                     def grab(x: torch.Tensor, hook: Any, store: dict = argmax) -> None:
                         store[hook.name.removesuffix(".hook_pattern")] = x[0].argmax(-1)
+                        if stop_early and len(store) == len(rows.sites):
+                            raise _Read
 
                     hooks = [(f"{s}.hook_{t}", scale(tables[(s, t)][r:r + 1]))
                              for s in site_names for t in pert.targets]
                     hooks += [(f"{s}.hook_pattern", grab) for s in rows.sites]
-                    with model.hooks(hooks):
+                    with model.hooks(hooks), contextlib.suppress(_Read):
                         model(tokens[b:b + 1], aux=None if aux is None else aux[b:b + 1])
                     for i, site, head, qpos, key in per_example[b]:
                         if int(argmax[site][head, qpos]) != key:
@@ -162,22 +175,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results[f"flips{key}"] = res["rows"]["rate"][:, 0] * n_draws
         results["n_rows"] = res["n_sparse_rows"]
 
-    def naive() -> None:
-        results["naive_flips"] = naive_sweep(model, data, rows, pert, SIGMA, n_draws, chunk)
+    def naive(stop_early: bool = True) -> None:
+        key = "naive_flips" if stop_early else "naive_full_flips"
+        results[key] = naive_sweep(model, data, rows, pert, SIGMA, n_draws, chunk,
+                                   stop_early=stop_early)
 
     times = paired_timing({"vectorised": vectorised, "one_width": lambda: vectorised(False),
-                           "naive": naive}, repeats=repeats, inner=1, warmup=0)
+                           "naive": naive, "naive_full": lambda: naive(False)},
+                          repeats=repeats, inner=1, warmup=0)
     R = len(rows)
     work = R * n_draws
     sweep_s, sweep_one = results["sweep_s"], results["sweep_s_one_width"]
     agree = float((results["flips"].round() == results["naive_flips"]).double().mean()) if R else 1
     same = bool(torch.equal(results["flips"], results["flips_one_width"]))
+    if not torch.equal(results["naive_flips"], results["naive_full_flips"]):
+        raise RuntimeError("the naive loop counted other flips when stopped early")
     groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk)
     return {
         "benchmark": "collapse", "info": info, "model": source, "sigma": SIGMA,
         "n_examples": data.n_examples, "seq_len": data.lengths["tokens"], "n_draws": n_draws,
         "sparse_rows": R, "chunk_copies": chunk, "repeats": repeats,
-        "naive": summary(times["naive"]), "vectorised_call": summary(times["vectorised"]),
+        "naive": summary(times["naive"]), "naive_full": summary(times["naive_full"]),
+        "vectorised_call": summary(times["vectorised"]),
         "vectorised_sweep": summary(sweep_s),
         "one_width_sweep": summary(sweep_one),
         "length_groups": [[len(g), data.subset(g).lengths["tokens"]] for g in groups],
@@ -186,6 +205,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vectorised_call_row_draws_per_s": work / summary(times["vectorised"])["median_s"],
         "vectorised_sweep_row_draws_per_s": work / summary(sweep_s)["median_s"],
         "speedup_sweep": ratio_stats(times["naive"], sweep_s),
+        "speedup_sweep_full_forward": ratio_stats(times["naive_full"], sweep_s),
+        "early_stop_gain_naive": ratio_stats(times["naive_full"], times["naive"]),
         "speedup_one_width_sweep": ratio_stats(times["naive"], sweep_one),
         "bucketing_gain": ratio_stats(sweep_one, sweep_s),
         "bucketed_equals_one_width": same,
@@ -200,9 +221,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(res: dict[str, Any]) -> str:
     if "skipped" in res:
         return f"### Collapse sweep\n\nskipped: {res['skipped']}"
+    work = res["sparse_rows"] * res["n_draws"]
     rows = [
-        ["naive loop (batch 1 per example per draw)", res["naive"]["median_s"],
-         res["naive_row_draws_per_s"], rf(1.0), ""],
+        ["naive loop (batch 1 per example per draw, stopped after the last pattern)",
+         res["naive"]["median_s"], res["naive_row_draws_per_s"], rf(1.0), ""],
+        ["naive loop run to the logits (the baseline until the twenty-third session)",
+         res["naive_full"]["median_s"], work / res["naive_full"]["median_s"],
+         rf(1 / res["early_stop_gain_naive"]["median"]), ""],
         ["measure_collapse, perturbed forwards (sweep_seconds)",
          res["vectorised_sweep"]["median_s"], res["vectorised_sweep_row_draws_per_s"],
          rf(res["speedup_sweep"]["median"]), rci(res["speedup_sweep"])],
@@ -228,6 +253,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         f"width: {res['bucketed_equals_one_width']}.",
         md_table(["contender", "seconds", "row-draws/s", "speed-up vs naive",
                   "its median's CI"], rows),
+        f"Against the loop run to the logits the perturbed forwards are "
+        f"{rf(res['speedup_sweep_full_forward']['median'])}x faster "
+        f"{rci(res['speedup_sweep_full_forward'])}.",
     ])
 
 

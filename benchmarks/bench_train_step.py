@@ -1,5 +1,10 @@
 """Training-step throughput: normlab (every placement) vs nanoGPT-style and x-transformers.
 
+The references: the nanoGPT-style model of `nanogpt_ref.py` with each of nanoGPT's attention
+paths (`nanogpt`: SDPA, nanoGPT's default; `nanogpt-manual`: its explicit scores and softmax,
+the path normlab itself takes on short CPU rows) and x-transformers' `Decoder` as it comes
+(its default attention). normlab is held to the fastest of them.
+
 One step = forward, cross-entropy on the answer tokens, backward, gradient clipping, AdamW
 (`normlab.train.make_optimizer`, identical for every contender). All contenders see the same
 real training batch of the quick grid (`TrainStream`, seed 0) and are timed side by side,
@@ -91,7 +96,8 @@ def build_contender(
     kind: str, cfg: ModelConfig, run: RunConfig, batch: dict[str, torch.Tensor],
     compiled: bool = False,
 ) -> tuple[torch.nn.Module, Callable[[], None]]:
-    """kind: 'normlab' (cfg.norm_placement), 'nanogpt' or 'x-transformers'.
+    """kind: 'normlab' (cfg.norm_placement), 'nanogpt' (SDPA), 'nanogpt-manual' (nanoGPT's
+    explicit attention) or 'x-transformers' (its default attention).
 
     `compiled` runs the model's forward (and so its backward) through `torch.compile`, as
     `train.compile` does for normlab and nanoGPT's `compile=True` for its model; the loss,
@@ -104,9 +110,9 @@ def build_contender(
 
         def loss_fn() -> torch.Tensor:
             return loss_on(model, batch)[0]  # the training loop's own loss
-    elif kind == "nanogpt":
+    elif kind in ("nanogpt", "nanogpt-manual"):
         model = NanoGPT(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_mlp,
-                        cfg.max_len, rope=cfg.pos_encoding == "rope")
+                        cfg.max_len, rope=cfg.pos_encoding == "rope", flash=kind == "nanogpt")
 
         def loss_fn() -> torch.Tensor:
             return _ce(model(tokens), targets)
@@ -119,7 +125,6 @@ def build_contender(
             attn_layers=Decoder(
                 dim=cfg.d_model, depth=cfg.n_layers, heads=cfg.n_heads,
                 attn_dim_head=cfg.d_head, ff_mult=cfg.d_mlp / cfg.d_model, ff_no_bias=True,
-                attn_flash=True,  # SDPA, like normlab's fast path and the nanoGPT reference
                 # RoPE over the whole head (no absolute table) when normlab uses RoPE
                 rotary_pos_emb=cfg.pos_encoding == "rope", rotary_emb_dim=cfg.d_head,
                 verbose=False,
@@ -148,11 +153,14 @@ def build_contender(
 
 
 COMPILED = "+compile"  # suffix of a compiled contender's name
+#: the references normlab is held to, the fastest of them: nanoGPT's two attention paths and
+#: x-transformers as it comes (its own default attention, not SDPA)
+REFERENCES = ("nanogpt", "nanogpt-manual", "x-transformers")
 
 
 def contenders_for(
     run: RunConfig, d_model: int, batch: dict[str, torch.Tensor], placements: tuple[str, ...],
-    refs: tuple[str, ...] = ("nanogpt", "x-transformers"), compile_too: bool = False,
+    refs: tuple[str, ...] = REFERENCES, compile_too: bool = False,
 ) -> tuple[dict[str, Callable[[], None]], dict[str, int]]:
     """Every contender's step, eager, and with `compile_too` also compiled (`name+compile`)."""
     steps: dict[str, Callable[[], None]] = {}
@@ -201,8 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for d in widths:
         steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS, compile_too=compile_too)
         times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1)
-        refs = [r + c for c in ("", COMPILED) for r in ("nanogpt", "x-transformers")
-                if r + c in times]
+        refs = [r + c for c in ("", COMPILED) for r in REFERENCES if r + c in times]
         fastest = min(refs, key=lambda r: summary(times[r])["median_s"])
         rows = {}
         for name, ts in times.items():

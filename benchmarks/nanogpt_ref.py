@@ -3,8 +3,11 @@
 Same shapes as a normlab `pre` decoder: learned token and position embeddings (with
 `rope=True`: no position table, rotary q/k in the rotate-half layout as normlab's
 `pos_encoding = "rope"`), Pre-LN blocks (LayerNorm with bias), one fused qkv Linear, causal
-`F.scaled_dot_product_attention`, a GELU MLP, final LayerNorm, untied unembedding; no biases in
-Linear layers (normlab's defaults `attn_bias = mlp_bias = False`). Parameter counts match a
+attention, a GELU MLP, final LayerNorm, untied unembedding; no biases in Linear layers
+(normlab's defaults `attn_bias = mlp_bias = False`). Attention is nanoGPT's two ways: `flash`
+(its default when torch has it) `F.scaled_dot_product_attention`, else the explicit scores,
+causal mask, softmax and weighted sum, which is normlab's own path on short CPU rows; the
+benchmarks time both and hold normlab to the faster. Parameter counts match a
 normlab `pre` decoder with learned positions exactly; with RoPE, normlab's digit-position table
 (`n_aux_positions x d_model`, when used) has no counterpart here.
 """
@@ -35,9 +38,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, flash: bool = True) -> None:
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.flash = n_heads, flash
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
@@ -47,15 +50,20 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (y.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.flash:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            z = att.masked_fill(~causal, float("-inf")).softmax(-1) @ v
         return self.proj(z.transpose(1, 2).reshape(b, t, d))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, d_mlp: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, d_mlp: int, flash: bool = True) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.attn = CausalSelfAttention(d_model, n_heads, flash)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, d_mlp, bias=False)
         self.out = nn.Linear(d_mlp, d_model, bias=False)
@@ -68,13 +76,14 @@ class Block(nn.Module):
 class NanoGPT(nn.Module):
     def __init__(
         self, vocab: int, d_model: int, n_layers: int, n_heads: int, d_mlp: int, max_len: int,
-        rope: bool = False,
+        rope: bool = False, flash: bool = True,
     ) -> None:
         super().__init__()
         self.d_head = d_model // n_heads
         self.wte = nn.Embedding(vocab, d_model)
         self.wpe = None if rope else nn.Embedding(max_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, d_mlp) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, d_mlp, flash)
+                                    for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         out_std = 0.02 / math.sqrt(2 * n_layers)

@@ -1,0 +1,38 @@
+"""benchmarks/nanogpt_ref.py: the training-step references compute what they claim to."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from nanogpt_ref import NanoGPT
+from normlab import ModelConfig, build_model
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_both_attention_paths_give_the_same_model(rope: bool) -> None:
+    """nanoGPT's explicit attention (the `nanogpt-manual` reference) is its SDPA path's
+    function: same weights, same logits, causal (a later token changes no earlier logit)."""
+    torch.manual_seed(0)
+    flash = NanoGPT(16, 64, 2, 4, 256, 32, rope=rope)
+    manual = NanoGPT(16, 64, 2, 4, 256, 32, rope=rope, flash=False)
+    manual.load_state_dict(flash.state_dict())
+    tokens = torch.randint(0, 16, (3, 17))
+    out = manual(tokens)
+    torch.testing.assert_close(out, flash(tokens), atol=1e-5, rtol=1e-5)
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 16
+    torch.testing.assert_close(manual(changed)[:, :-1], out[:, :-1])
+
+
+def test_the_reference_has_normlab_pre_decoders_parameter_count() -> None:
+    cfg = ModelConfig(vocab_size=16, d_model=64, n_heads=4, n_layers=2, d_mlp=256, max_len=32,
+                      norm_placement="pre", pos_encoding="learned")
+    ours = sum(p.numel() for p in build_model(cfg).parameters())
+    for flash in (True, False):
+        ref = NanoGPT(16, 64, 2, 4, 256, 32, flash=flash)
+        assert sum(p.numel() for p in ref.parameters()) == ours
