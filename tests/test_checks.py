@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from normlab import build_model
-from normlab.analysis.data import check_seed, resolve_sites
+from normlab.analysis.data import resolve_sites
 from normlab.analysis.theory import monte_carlo_collapse, predict_collapse
-from normlab.checks import check_int, is_int
+from normlab.checks import check_int, check_seed, is_int
+from normlab.config import load_config
 from normlab.model import ModelConfig
 from normlab.model.generate import greedy_decode
 from normlab.model.transformer import KVCache
@@ -81,7 +82,10 @@ def test_every_layer_takes_a_numpy_integer_as_an_int() -> None:
                                             "got True"),
         (lambda: ModelConfig(n_aux_positions=-1), "ModelConfig.n_aux_positions: expected an "
                                                   "integer >= 0; got -1"),
-        (lambda: check_seed(1.0), "seed: expected an int >= 0; got 1.0"),
+        (lambda: check_seed(1.0), "seed: expected an int in [0, 2**63); got 1.0"),
+        (lambda: check_seed(2**63), f"seed: expected an int in [0, 2**63); got {2**63}"),
+        (lambda: load_config(None, [f"train.seed={2**63}"]),
+         f"train.seed: expected an int in [0, 2**63); got {2**63}"),
         (lambda: check_jobs(True), "--jobs: expected an int >= 1 runs at once; got True"),
         (lambda: KVCache.empty(1, 2.0), "capacity: expected a number of positions >= 0; got 2.0"),
         (lambda: greedy_decode(None, [[1]], max_new=-1, eos=2),  # type: ignore[arg-type]

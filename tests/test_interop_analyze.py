@@ -173,3 +173,24 @@ def test_errors(folders: dict[str, Path], tmp_path: Path,
     assert err.startswith("normlab: error: rows of ") and "\n" not in err
     assert err.endswith("lower seq_len (--seq-len)")
     assert not (tmp_path / "out").exists()
+
+
+def test_without_transformers_hf_input_is_refused_in_one_line(
+    folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """transformers is an optional dependency (`normlab[hf]`); without it `analyze --hf`
+    ended in a ModuleNotFoundError traceback."""
+    import sys
+
+    from normlab.interop import from_hf_pretrained
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    out = tmp_path / "out"
+    msg = _error(["analyze", "--hf", str(folders["gpt2"]), "--tokens", str(folders["tokens"]),
+                  "--out", str(out)], capsys)
+    assert msg == ("normlab: error: analyze --hf needs Hugging Face transformers: pip install "
+                   "'normlab[hf]'")
+    with pytest.raises(ValueError, match=r"^from_hf_pretrained needs Hugging Face transformers"):
+        from_hf_pretrained(folders["gpt2"])
+    assert not out.exists()

@@ -93,6 +93,42 @@ def test_digit_position_config_errors(sets: list[str], message: str) -> None:
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_the_fewest_digit_places_a_config_takes_decode_an_answer_that_never_stops(
+    arch: str,
+) -> None:
+    """The check asked for places up to the longest answer, but decoding feeds back one
+    generated digit more: the smallest accepted table crashed the first evaluation with an
+    IndexError when a model wrote digits past the answer. Now it is scored, as wrong."""
+    from normlab.evaluate import evaluate
+    from normlab.tasks.addition import eval_sets
+
+    base = ["task.grid='smoke'", "task.digit_positions=true", "task.reverse_answer=true",
+            f"model.arch='{arch}'"]
+    fewest = next(n for n in range(1, 64) if _accepted([*base, f"model.n_aux_positions={n}"]))
+    run = load_config(None, [*base, f"model.n_aux_positions={fewest}"])
+    task = run.validate()
+    torch.manual_seed(0)
+    model = build_model(run.model).eval()
+    nine = encode("9")[0]
+
+    def only_nines(module: torch.nn.Module, args: object, logits: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.arange(logits.shape[-1]) == nine, 1.0, 0.0).expand_as(logits)
+
+    model.register_forward_hook(only_nines)  # a model that writes 9s and never stops
+    res = evaluate(model, task, eval_sets(task), limit=2)
+    assert all(split["accuracy"] == 0.0 for split in res["splits"].values())
+    assert fewest == task.max_lengths()[1] + 2  # the longest answer, its E and one more
+
+
+def _accepted(sets: list[str]) -> bool:
+    try:
+        load_config(None, sets).validate()
+    except ValueError:
+        return False
+    return True
+
+
 # ---- norm gain offset (Gemma-style 1 + w) ---------------------------------------------------
 
 

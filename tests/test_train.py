@@ -400,6 +400,36 @@ def test_eval_and_analyze_never_overwrite_without_force(tmp_path: Path, capsys) 
     assert (run / "analysis" / "collapse.json").read_text() == "{}"
 
 
+def test_analyze_writes_all_its_files_or_none(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`analyze --force` wrote norms.json first: a failure later (a seed past 2**63 reached
+    torch's generator only then) left a new norms.json beside the old collapse.json. Now the
+    seed is refused before any work, a failure part way leaves every file as it was, and
+    the command lists the files it wrote (it printed the keys of its return value)."""
+    import normlab.analysis.report
+
+    run = tmp_path / "run"
+    train(cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5"), run,
+          progress=False)
+    small = ["--examples", "4", "--draws", "2", "--sigmas", "0.1"]
+    capsys.readouterr()
+    assert main(["analyze", str(run), *small]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == (f"wrote {run / 'analysis'}: norms.json, collapse.json, collapse_rows.npz, "
+                   "interference.json, norms.png, collapse.png, interference.png")
+    before = {f.name: f.read_bytes() for f in (run / "analysis").iterdir()}
+    code, err = _cli(capsys, "analyze", str(run), *small, "--force", "--seed", str(2**63))
+    assert code == 2 and err == ("normlab: error: --seed: expected an int in [0, 2**63); got "
+                                 f"{2**63}")
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the probe failed")
+
+    monkeypatch.setattr(normlab.analysis.report, "interference_probe", fail)
+    code, err = _cli(capsys, "analyze", str(run), *small, "--force", "--seed", "7")
+    assert code == 2 and err == "normlab: error: the probe failed"
+    assert {f.name: f.read_bytes() for f in (run / "analysis").iterdir()} == before
+
+
 def test_cli_analyze_threads(tmp_path: Path, monkeypatch, capsys) -> None:
     """`normlab analyze --threads N` runs the analysis on N torch threads; 0 is a clear error."""
     import torch
@@ -408,7 +438,8 @@ def test_cli_analyze_threads(tmp_path: Path, monkeypatch, capsys) -> None:
 
     seen = []
     monkeypatch.setattr(normlab.analysis.report, "analyze_run",
-                        lambda run_dir, **kw: seen.append(torch.get_num_threads()) or {})
+                        lambda run_dir, **kw: seen.append(torch.get_num_threads())
+                        or {"out": str(run_dir), "files": []})
     before = torch.get_num_threads()
     try:
         assert main(["analyze", str(tmp_path), "--threads", "2"]) == 0  # conftest sets 1

@@ -26,6 +26,16 @@ def check_int(value: object, name: str, *, low: int = 0, what: str | None = None
     return int(value)  # type: ignore[call-overload]
 
 
+def check_seed(value: object, name: str = "seed") -> int:
+    """A seed for torch's and numpy's generators, checked before any work: torch's take a
+    64-bit signed one (past it, an overflow error naming no field), numpy refuses a negative
+    one only when it is used."""
+    seed = check_int(value, name, what="an int in [0, 2**63)")
+    if seed >= 2**63:
+        raise ValueError(f"{name}: expected an int in [0, 2**63); got {value!r}")
+    return seed
+
+
 def check_on_cpu(model: nn.Module) -> None:
     """The analyses build their inputs, masks and noise on the CPU and read results back as
     numpy: a model on another device is refused in one line, not deep inside a forward."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.allocator import keep_freed_memory
-from normlab.checks import check_int
+from normlab.checks import check_int, check_seed
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -204,8 +204,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         if given or args.seq_len is not None:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
-    _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1,
-                        "--seed": 0})
+    _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1})
+    check_seed(args.seed, "--seed")
     if args.threads is not None:
         import torch
 
@@ -218,17 +218,13 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             refuse_overwrite(out, "*.json", args.force)
         if args.seq_len is not None:  # else analyze_hf's own default
             kwargs["seq_len"] = args.seq_len
-        analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
-        print(f"wrote analysis to {args.out}")
-        return 0
-    if not args.run_dir:
-        raise ValueError("analyze: give RUN_DIR, or --hf DIR with --tokens/--text and --out")
-    refuse_overwrite(Path(args.run_dir) / "analysis", "*.json", args.force)
-    out = analyze_run(Path(args.run_dir), **kwargs)
-    print(
-        f"wrote {Path(args.run_dir) / 'analysis'}: "
-        + ", ".join(k for k in out if not k.startswith("_"))
-    )
+        done = analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
+    else:
+        if not args.run_dir:
+            raise ValueError("analyze: give RUN_DIR, or --hf DIR with --tokens/--text and --out")
+        refuse_overwrite(Path(args.run_dir) / "analysis", "*.json", args.force)
+        done = analyze_run(Path(args.run_dir), **kwargs)
+    print(f"wrote {done['out']}: {', '.join(Path(f).name for f in done['files'])}")
     return 0
 
 
@@ -341,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("normlab: interrupted; finished checkpoints are kept (use --resume)", file=sys.stderr)
         return 130
-    except (ValueError, OSError, RuntimeError) as err:  # OSError names its file (a full disk)
+    # OSError names its file (a full disk); IndexError is an id outside its table
+    # (`positions.lookup` names the input)
+    except (ValueError, OSError, RuntimeError, IndexError) as err:
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"normlab: error: {msg}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from normlab.checks import check_seed
 from normlab.model.config import ModelConfig
 from normlab.tasks.addition import VOCAB_SIZE, ResolvedTask, TaskConfig
 
@@ -64,11 +65,10 @@ class TrainConfig:
                 raise ValueError(
                     f"train.{name}: expected a positive integer; got {getattr(self, name)}"
                 )
-        for name in ("warmup_steps", "patience", "seed"):
+        for name in ("warmup_steps", "patience"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: expected >= 0; got {getattr(self, name)}")
-        if self.seed >= 2**63:  # torch's generators take a 64-bit signed seed
-            raise ValueError(f"train.seed: expected < 2**63; got {self.seed}")
+        check_seed(self.seed, "train.seed")
         if self.threads > MAX_THREADS:  # libgomp crashes the process (exit 139) far above this
             raise ValueError(f"train.threads: expected at most {MAX_THREADS}; got {self.threads}")
         # finite and in range here, where the field is named, not in torch's AdamW
@@ -169,7 +169,9 @@ class RunConfig:
                 f"got {self.model.vocab_size}"
             )
         if task.digit_positions:
-            places = max(task.max_lengths()[1], max(max(c.digits) for c in task.all_cells)) + 1
+            # places 1..d of the questions' digits, and up to max_new - 1 of generated digits
+            # fed back while decoding (an answer that does not stop is scored, not a crash)
+            places = max(max(max(c.digits) for c in task.all_cells) + 1, task.max_new())
             if self.model.n_aux_positions < places:
                 raise ValueError(f"model.n_aux_positions: expected >= {places} for "
                                  f"task.digit_positions; got {self.model.n_aux_positions}")

@@ -162,7 +162,7 @@ def evaluate(
     """Accuracy per split (with 95% CI) and per cell; `limit` caps examples per cell."""
     check_limit(limit)
     arch = model.cfg.arch
-    max_new = task.max_lengths()[1] + 2
+    max_new = task.max_new()
     predictor = predictor or (
         lambda qs: predict(
             model, qs, arch, task.answer_format, max_new, batch_size, task.digit_positions

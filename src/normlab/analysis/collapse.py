@@ -46,7 +46,6 @@ from normlab.analysis.data import (
     FORWARD_COST_POSITIONS,
     EvalData,
     Site,
-    check_seed,
     chunk_copies,
     collect,
     evaluating,
@@ -54,7 +53,7 @@ from normlab.analysis.data import (
     resolve_sites,
 )
 from normlab.analysis.theory import predict_collapse
-from normlab.checks import check_int, check_on_cpu
+from normlab.checks import check_int, check_on_cpu, check_seed
 from normlab.io import save_figure
 from normlab.model import EncoderDecoderLM, Model
 from normlab.model.attention import explicit_by_default
@@ -640,7 +639,7 @@ def perturbed_predictor(
     sigma = check_sigmas([sigma])[0]
     seed = check_seed(seed)
     arch = model.cfg.arch
-    max_new = task.max_lengths()[1] + 2
+    max_new = task.max_new()
 
     def predict(questions: list[str]) -> list[str]:
         gen = torch.Generator().manual_seed(seed)

@@ -326,12 +326,6 @@ def collect(
     return got
 
 
-def check_seed(seed: object) -> int:
-    """A seed for torch's and numpy's generators, checked before any work (numpy refuses a
-    negative one only when it is used)."""
-    return check_int(seed, "seed")
-
-
 def length_buckets(data: EvalData, overhead: float = FORWARD_COST_POSITIONS) -> list[torch.Tensor]:
     """Split the examples into groups of similar length that are cheapest to run separately.
 

@@ -39,13 +39,12 @@ from normlab.analysis.data import (
     EvalData,
     Site,
     block_of,
-    check_seed,
     chunk_copies,
     evaluating,
     resolve_sites,
     stack_of,
 )
-from normlab.checks import check_int, check_on_cpu
+from normlab.checks import check_int, check_on_cpu, check_seed
 from normlab.io import save_figure
 from normlab.model import Model, ModelConfig, build_model
 from normlab.model.block import PLACEMENTS

@@ -18,6 +18,7 @@ collapse sweep is about 70% of it. Cost scales with n_examples * n_draws * len(s
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import time
 from collections.abc import Sequence
@@ -39,7 +40,6 @@ from normlab.analysis.collapse import (
     plot_collapse,
 )
 from normlab.analysis.data import (
-    check_seed,
     data_from_sets,
     resolve_sites,
     select_problems,
@@ -51,8 +51,8 @@ from normlab.analysis.interference import (
     synthetic_interference,
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
-from normlab.checks import check_int, is_int
-from normlab.io import provenance, write_json
+from normlab.checks import check_int, check_seed, is_int
+from normlab.io import atomic_write_bytes, provenance, write_json
 
 
 def _checked(
@@ -152,6 +152,17 @@ def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
         raise ValueError(f"{where}: {err}") from None
 
 
+def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any],
+                   sigmas: Sequence[float]) -> list[str]:
+    """`collapse.json` and its per-row columns, `collapse_rows.npz`; returns their paths."""
+    write_json(out / "collapse.json", collapse)
+    buf = io.BytesIO()  # written as atomically as the JSON beside it
+    np.savez_compressed(buf, sites=np.array(collapse["sites"]), sigmas=np.array(sigmas),
+                        **{k: v.numpy() for k, v in rows.items()})
+    atomic_write_bytes(out / "collapse_rows.npz", buf.getvalue())
+    return [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
+
+
 def analyze_run(
     run_dir: Path,
     out: Path | None = None,
@@ -197,12 +208,9 @@ def analyze_run(
     common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
               "params": params, "config": cfg.to_dict()}
     seconds: dict[str, float] = {}
-    files: list[str] = []
 
     t0 = time.perf_counter()
     norms = norm_spread(model, data) | common | {"provenance": provenance()}
-    write_json(out / "norms.json", norms)
-    files.append(str(out / "norms.json"))
     seconds["norms"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -217,10 +225,6 @@ def analyze_run(
                                    seed=seed)
     seconds["accuracy"] = time.perf_counter() - t0
     collapse |= common | {"provenance": provenance()}
-    write_json(out / "collapse.json", collapse)
-    np.savez_compressed(out / "collapse_rows.npz", sites=np.array(collapse["sites"]),
-                        sigmas=np.array(sigmas), **{k: v.numpy() for k, v in rows.items()})
-    files += [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
 
     t0 = time.perf_counter()
     interference = {
@@ -228,9 +232,15 @@ def analyze_run(
                                     seed=seed),
         "synthetic": synthetic_interference(seed=seed),
     } | common | {"provenance": provenance()}
+    seconds["interference"] = time.perf_counter() - t0
+
+    # written once all three are made: a failure part way leaves the folder as it was, not
+    # one new file beside two old ones of other settings
+    files = [str(out / "norms.json")]
+    write_json(out / "norms.json", norms)
+    files += write_collapse(out, collapse, rows, sigmas)
     write_json(out / "interference.json", interference)
     files.append(str(out / "interference.json"))
-    seconds["interference"] = time.perf_counter() - t0
 
     if figures:
         name = f"{run_dir.name} ({cfg.model.arch}, {cfg.model.norm_placement})"

@@ -40,8 +40,14 @@ from normlab.analysis.collapse import (
 )
 from normlab.analysis.data import EvalData
 from normlab.analysis.norms import norm_spread, plot_norm_spread
-from normlab.checks import check_int
-from normlab.interop.hf import CONVERTERS, context_length, from_hf_pretrained
+from normlab.analysis.report import write_collapse
+from normlab.checks import check_int, check_seed
+from normlab.interop.hf import (
+    CONVERTERS,
+    context_length,
+    from_hf_pretrained,
+    require_transformers,
+)
 from normlab.io import provenance, write_json
 from normlab.model import DecoderLM
 
@@ -80,9 +86,11 @@ def analyze_hf(
     the input is shorter). Every bad input is a one-line ValueError, raised before the model is
     loaded where possible. Returns both JSON documents plus `out`, `files` and `seconds`.
     """
+    require_transformers("analyze --hf")
     sigmas = check_sigmas(sigmas)
     threshold = check_threshold(threshold)
     targets = check_targets(targets)
+    seed = check_seed(seed)
     _check_choice(mode, MODES, "mode")
     _check_choice(noise, NOISES, "noise")
     n_draws = check_int(n_draws, "n_draws", low=1)
@@ -130,12 +138,9 @@ def analyze_hf(
         "params": params,
         "config": model.cfg.to_dict(),
     }
-    files: list[str] = []
     with _skip_unembed(model):
         t0 = time.perf_counter()
         norms = norm_spread(model, data) | common | {"provenance": provenance()}
-        write_json(out / "norms.json", norms)
-        files.append(str(out / "norms.json"))
         seconds["norms"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -148,10 +153,10 @@ def analyze_hf(
                  "accuracy_unperturbed_by_split": None, "accuracy_examples": 0,
                  "accuracy_note": ACCURACY_NOTE, "seconds": seconds}
     collapse |= common | {"provenance": provenance()}
-    write_json(out / "collapse.json", collapse)
-    np.savez_compressed(out / "collapse_rows.npz", sites=np.array(collapse["sites"]),
-                        sigmas=np.array(sigmas), **{k: v.numpy() for k, v in rows.items()})
-    files += [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
+    # written once both are made: a failure leaves the folder as it was, not half new
+    files = [str(out / "norms.json")]
+    write_json(out / "norms.json", norms)
+    files += write_collapse(out, collapse, rows, sigmas)
 
     if figures:
         name = f"{folder.name} ({hf_class})"

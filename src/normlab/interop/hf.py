@@ -199,8 +199,19 @@ def from_hf(hf_model: Any) -> DecoderLM:
     return model.eval()
 
 
+def require_transformers(what: str) -> None:
+    """Hugging Face transformers is an optional dependency (`normlab[hf]`): without it, `what`
+    is refused in one line, not with an import traceback."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{what} needs Hugging Face transformers: pip install "
+                         "'normlab[hf]'") from None
+
+
 def from_hf_pretrained(path: str | Path) -> DecoderLM:
     """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`."""
+    require_transformers("from_hf_pretrained")
     folder = Path(path)
     if not (folder / "config.json").is_file():
         what = "has no config.json" if folder.is_dir() else "does not exist"

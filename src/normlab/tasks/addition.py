@@ -463,6 +463,13 @@ class ResolvedTask:
         """Worst-case lengths over every cell a model will see (train and eval)."""
         return max_lengths(self.all_cells)
 
+    def max_new(self) -> int:
+        """Tokens greedy decoding generates at most: the longest answer, its ``E`` and one
+        more, so that an answer that does not stop reads as wrong instead of being cut to a
+        right one. All but the last are fed back, so with digit positions a model needs
+        places up to ``max_new() - 1``."""
+        return self.max_lengths()[1] + 2
+
     def max_seq_len(self, arch: str) -> int:
         """Positions a model of ``arch`` needs for every cell of the task."""
         return max_seq_len(self.all_cells, arch)
