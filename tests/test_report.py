@@ -118,8 +118,8 @@ def test_cli_zero_draws_or_examples_or_limit_is_refused(tmp_path: Path, capsys) 
                         (["eval", str(tmp_path), "--limit", "0"], "--limit")):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
-        low = 0 if field == "--seed" else 1
-        assert err == f"normlab: error: {field}: expected an int >= {low}; got {argv[-1]}"
+        expected = "an int in [0, 2**63)" if field == "--seed" else "an int >= 1"
+        assert err == f"normlab: error: {field}: expected {expected}; got {argv[-1]}"
 
 
 def test_bad_sweep_configs(tmp_path: Path) -> None:
