@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from normlab import allocator
 from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from normlab.cli import eval_run, main
-from normlab.config import load_config
+from normlab.config import dump_toml, load_config
 from normlab.train import TrainingError, lr_at, train
 
 TINY = [
@@ -475,6 +475,20 @@ def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
             train(cfg("train.steps=5", "train.device='cuda'"), tmp_path / "run", progress=False,
                   force=True)
         assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_resume_with_force_is_refused(tmp_path: Path, capsys) -> None:
+    """`train --resume --force` ignored --force, and a changed config's error then told the
+    user to pass --force: the two are refused together, before the folder is touched."""
+    c = cfg("train.steps=2", "train.checkpoint_every=1", "train.eval_every=2")
+    train(c, tmp_path / "run", progress=False, stop_after=1)
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    (tmp_path / "c.toml").write_text(dump_toml(cfg("train.steps=3").to_dict()))
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"),
+                 "--resume", "--force", "--quiet"]) == 2
+    assert capsys.readouterr().err == ("normlab: error: --resume and --force: give one; --resume "
+                                       "continues the run, --force deletes it and starts over\n")
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
 
 
 def test_resume_past_a_torn_last_metrics_line(tmp_path: Path) -> None:

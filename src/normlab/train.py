@@ -183,6 +183,9 @@ def train(
     that a killed run resumes to the same weights.
     """
     out = Path(out)
+    if resume and force:  # --force was ignored, and a changed config's error then suggested it
+        raise ValueError("--resume and --force: give one; --resume continues the run, --force "
+                         "deletes it and starts over")
     task = cfg.validate()
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
