@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import re
 import shutil
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from normlab.config import load_config
 from normlab.report import claims_table
 from normlab.stats import mean_ci, verdict_band, verdict_sign
 from normlab.sweep import load_sweep
@@ -138,21 +141,60 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
         load_sweep(f, tmp_path / "out")
     with pytest.raises(ValueError, match="not found"):
         load_sweep(tmp_path / "missing.toml", tmp_path / "out")
-    # [run.analysis] is checked when the sweep is read, not after every run's training
-    for run, match in (('analysis = {n_draw = 8}', r"^sweep\.run\.analysis\.n_draw: unknown key"),
-                       ('analysis = {sigmas = [-0.1]}', r"^sweep\.run\.analysis: sigma: "),
-                       ('analysis = {alpha = 0}', r"^sweep\.run\.analysis: alpha: "),
-                       ('analysis = 3', r"^sweep\.run\.analysis: expected a table"),
-                       ('analysis = {figures = "no"}', r"^sweep\.run\.analysis\.figures: "),
-                       ('analysis = {heads = ["0"]}', r"^sweep\.run\.analysis\.heads: "),
+    # [run.analysis] is checked when the sweep is read, not after every run's training;
+    # every error names the sweep file
+    at = "^" + re.escape(f"sweep file {str(f)!r}: ")
+    for run, match in (('analysis = {n_draw = 8}', r"sweep\.run\.analysis\.n_draw: unknown key"),
+                       ('analysis = {sigmas = [-0.1]}', r"sweep\.run\.analysis: sigma: "),
+                       ('analysis = {alpha = 0}', r"sweep\.run\.analysis: alpha: "),
+                       ('analysis = 3', r"sweep\.run\.analysis: expected a table"),
+                       ('analysis = {figures = "no"}', r"sweep\.run\.analysis\.figures: "),
+                       ('analysis = {heads = ["0"]}', r"sweep\.run\.analysis\.heads: "),
                        ('analysis = {splits = ["trian"]}',
-                        r"^sweep\.run\.analysis\.splits: unknown split 'trian' for run "),
-                       ('analyze = "yes"', r"^sweep\.run\.analyze: expected true or false")):
+                        r"sweep\.run\.analysis\.splits: unknown split 'trian'; .* \(run 0\)$"),
+                       ('analyze = "yes"', r"sweep\.run\.analyze: expected true or false")):
         f.write_text(f'[grid]\n"train.seed" = [0]\n[run]\n{run}\n')
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=at + match):
             load_sweep(f, tmp_path / "out")
     f.write_text('[grid]\n"train.seed" = [0]\n[run]\nanalysis = {n_draws = 8, seed = 2}\n')
     assert load_sweep(f, tmp_path / "out")[0].analysis == {"n_draws": 8, "seed": 2}
+
+
+
+def test_a_sweeps_analysis_is_checked_against_each_runs_model_when_read(tmp_path: Path) -> None:
+    """Heads and sites were checked only once every run had trained (splits alone were checked
+    when the sweep was read): now each run's model config is, by analyze_run's own checks."""
+    f = tmp_path / "s.toml"
+    at = "^" + re.escape(f"sweep file {str(f)!r}: sweep.run.analysis.")
+    grid = '[grid]\n"model.n_heads" = [4, 2]\n"model.arch" = ["decoder"]\n"task.grid" = ["smoke"]\n'
+    for analysis, match in (
+            ("{heads = [99]}", r"heads: unknown head 99; expected an int in \[0, 4\) \(run 4-"),
+            ("{heads = 3}", r"heads: unknown head 3; expected an int in \[0, 2\) \(run 2-"),
+            ('{sites = ["blocks.9.attn"]}', r"sites: unknown attention site 'blocks\.9\.attn'"),
+            ('{sites = ["blocks.0.attn", "blocks.0.attn"]}', r"sites: expected each attention "),
+            ("{sites = []}", r"sites: expected at least one attention site"),
+            ('{splits = ["train", "train"]}', r"splits: expected each split once")):
+        f.write_text(grid + f"[run]\nanalysis = {analysis}\n")
+        with pytest.raises(ValueError, match=at + match):
+            load_sweep(f, tmp_path / "out")
+    # an encoder-decoder's sites, as analyze_run names them; not checked where not analysed
+    f.write_text(grid.replace('"decoder"', '"encoder_decoder"')
+                 + '[run]\nanalysis = {sites = ["decoder.blocks.1.cross_attn"], heads = [1]}\n')
+    assert len(load_sweep(f, tmp_path / "out")) == 2
+    f.write_text(grid + "[run]\nanalyze = false\nanalysis = {heads = [99]}\n")
+    assert len(load_sweep(f, tmp_path / "out")) == 2
+
+
+def test_a_sweep_key_that_is_not_table_key_is_named_as_the_sweep_file_writes_it(
+        tmp_path: Path) -> None:
+    """`[grid] "d_model" = [32]` was refused as `--set 'd_model'`, a flag never typed."""
+    f = tmp_path / "s.toml"
+    at = "^" + re.escape(f"sweep file {str(f)!r}: ")
+    for text, key in (('[grid]\n"d_model" = [32]\n', "grid.d_model"),
+                      ('[grid]\n"train.seed" = [0]\n[set]\n"model.x.y" = 1\n', "set.model.x.y")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=at + re.escape(f"sweep.{key}: expected TABLE.KEY")):
+            load_sweep(f, tmp_path / "out")
 
 
 def test_sweep_values_reach_the_config_as_written(tmp_path: Path) -> None:
@@ -162,8 +204,32 @@ def test_sweep_values_reach_the_config_as_written(tmp_path: Path) -> None:
     from normlab.sweep import _toml
 
     for v in ["it's", 'say "hi"', "back\\slash", "tab\tand\nline", "é", "", [1, "a'b"], 2.5,
-              True]:
+              True, False, -0.0, 1e300, math.inf, -math.inf, 10**18, [], {},
+              {"interpolation": [[3, 1]]}, {"a.b": {"it's": [{"x": 'q"'}]}, "": 1},
+              [{"n": 1}, {"n": [2.5, True]}], datetime.datetime(1979, 5, 27, 7, 32),
+              datetime.datetime(1979, 5, 27, 7, 32, 0, 999, tzinfo=datetime.UTC),
+              datetime.date(1979, 5, 27), datetime.time(7, 32, 1)]:
         assert tomllib.loads(f"x = {_toml(v)}")["x"] == v, v
+    assert math.isnan(tomllib.loads(f"x = {_toml(math.nan)}")["x"])
+    # a table value (`task.splits`) was passed on as the text of a Python dict, and refused;
+    # every run gets the values the sweep file holds, as `normlab train --set` gives them
+    f = tmp_path / "s.toml"
+    f.write_text('[grid]\n"train.seed" = [0, 1]\n"task.train" = [[[1, 1], [2, 1]], [[1, 2]]]\n'
+                 '[set]\n"task.grid" = "smoke"\n"task.splits" = {interpolation = [[3, 1]], '
+                 '"x-y" = [[3, [1, 2]]]}\n"train.lr" = 2e-3\n"train.compile" = false\n'
+                 '"model.norm_placement" = "qkv"\n[run]\nanalyze = false\n')
+    written = tomllib.loads(f.read_text())
+    specs = load_sweep(f, tmp_path / "out")
+    assert len(specs) == 4
+    for spec in specs:
+        for key, value in written["set"].items():
+            table, name = key.split(".")
+            assert spec.config[table][name] == value, key
+    assert [s.config["task"]["train"] for s in specs] == written["grid"]["task.train"] * 2
+    given = load_config(None, ["task.grid=smoke", "task.train=[[1, 2]]", "train.lr=2e-3",
+                               "task.splits={interpolation=[[3,1]], x-y=[[3,[1,2]]]}",
+                               "train.seed=1", "model.norm_placement=qkv"])
+    assert specs[3].config == given.to_dict()
 
 
 def test_sweep_expands_the_grid(tmp_path: Path) -> None:
@@ -182,6 +248,10 @@ TINY_SET = ('[set]\n"task.grid" = "smoke"\n"task.eval_size" = 8\n"model.d_model"
             '"model.n_layers" = 1\n"model.d_mlp" = 32\n"train.steps" = 6\n'
             '"train.eval_every" = 6\n"train.checkpoint_every" = 3\n"train.eval_examples" = 4\n'
             '[run]\nanalyze = false\n')
+
+
+# what analyze_run records of the checkpoint it analysed: the tiny runs' last is step 6
+DONE_AT_6 = json.dumps({"checkpoint_step": 6})
 
 
 def _tiny_sweep(tmp_path: Path, seeds: str = "[0, 1]") -> Path:
@@ -226,7 +296,7 @@ def test_an_analysis_that_failed_part_way_is_run_again(tmp_path: Path, monkeypat
         (out / "analysis" / "collapse.json").write_text("{}")
         if fail:
             raise ValueError("the interference probe failed")
-        (out / "analysis" / "interference.json").write_text("{}")
+        (out / "analysis" / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", lambda out, **kw: analyze_run(out, True, **kw))
     with pytest.raises(ValueError, match="interference probe failed"):
@@ -274,7 +344,7 @@ def test_a_finished_analysis_with_other_settings_is_not_taken_as_done(
             "targets": ("q", "k", "v"), "noise": "normal", "n_examples": 256,
             "splits": ("train",), "sites": None, "heads": None, "alpha": 0.5}).items()})
         (folder / "collapse.json").write_text(json.dumps({"params": params, "seed": 0}))
-        (folder / "interference.json").write_text("{}")
+        (folder / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", analyze_run)
     assert run_one(spec)["did"] == ["train", "eval", "analyze"]
@@ -291,6 +361,96 @@ def test_a_finished_analysis_with_other_settings_is_not_taken_as_done(
                     {"n_draws": 8, "sigmas": [0, 0.1], "seed": 1}):
         with pytest.raises(ValueError, match=r"holds an analysis with \w+ = .* is asked"):
             run_one(dataclasses.replace(spec, analysis=changed))
+
+
+def test_results_made_before_the_sweep_resumed_training_are_made_again(
+        tmp_path: Path, monkeypatch) -> None:
+    """A run stopped at step 3 of 6, then `normlab eval` (and `analyze`) by hand: a sweep rerun
+    trained on to step 6 but kept the step-3 eval.json and analysis, which the report pooled.
+    They count as done only if made from the checkpoint training finished with."""
+    import dataclasses
+
+    from normlab.analysis import report
+    from normlab.cli import eval_run
+    from normlab.config import RunConfig
+    from normlab.sweep import run_one
+    from normlab.train import train
+
+    spec = dataclasses.replace(load_sweep(_tiny_sweep(tmp_path, "[0]"), tmp_path / "out")[0],
+                               analyze=True)
+    out = Path(spec.out)
+    train(RunConfig.from_dict(spec.config), out, progress=False, stop_after=3)
+    assert eval_run(out)["checkpoint"]["step"] == 3
+    (out / "analysis").mkdir()
+    (out / "analysis" / "interference.json").write_text(json.dumps({"checkpoint_step": 3}))
+    analysed = []
+
+    def analyze_run(run: Path, **kw) -> None:  # records its checkpoint as the real one does
+        analysed.append(run)
+        (run / "analysis" / "interference.json").write_text(DONE_AT_6)
+
+    monkeypatch.setattr(report, "analyze_run", analyze_run)
+    assert run_one(spec)["did"] == ["train", "eval", "analyze"]
+    assert json.loads((out / "eval.json").read_text())["checkpoint"]["step"] == 6
+    assert sorted(p.name for p in out.glob(".*tmp")) == []  # replaced by a rename
+    assert run_one(spec)["did"] == [] and len(analysed) == 1  # now done
+    # a result that cannot be read is not taken as done either
+    (out / "eval.json").write_text("{")
+    assert run_one(spec)["did"] == ["eval"]
+    # the final checkpoint damaged: the newest that verifies is step 3's, and the run fails
+    # (an eval.json from it is no result of the finished training)
+    (out / "checkpoints" / "step_0000006.safetensors").write_bytes(b"damaged")
+    (out / "eval.json").unlink()
+    with pytest.raises(ValueError, match=r"made from checkpoint step 3, but training finished "
+                                         r"at step 6, whose checkpoint does not verify"):
+        run_one(spec)
+
+
+def test_a_backend_refuses_the_options_it_would_not_use(tmp_path: Path, capsys) -> None:
+    """`--address` with the local backend (and `--jobs` with Ray) were dropped unseen."""
+    from normlab.cli import main
+
+    f = _tiny_sweep(tmp_path, "[0]")
+    for flags, msg in ((["--jobs", "1", "--address", "ray://nowhere:10001"],
+                        "--address: only with --backend ray"),
+                       (["--backend", "ray", "--jobs", "2"], "--jobs: only with --backend local")):
+        assert main(["sweep", "--config", str(f), "--out", str(tmp_path / "out"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"normlab: error: {msg}; ") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_ray_gives_each_run_its_own_threads(tmp_path: Path, monkeypatch) -> None:
+    """Every Ray task asked for the fewest `train.threads` of any run, not its own."""
+    import sys
+    import types
+    from concurrent.futures import Future
+
+    from normlab import sweep
+
+    asked: list[dict] = []
+
+    class Remote:
+        def __init__(self, **kw) -> None:
+            self.kw = kw
+
+        def options(self, **kw) -> Remote:
+            return Remote(**self.kw | kw)
+
+        def remote(self, spec: sweep.RunSpec, device: str) -> Future:
+            asked.append(self.kw)
+            done: Future = Future()  # a result in hand, as a Ray object ref would give
+            done.set_result({"ok": True, "name": spec.name, "did": [], "seconds": 0.0})
+            return done
+
+    fake = types.SimpleNamespace(is_initialized=lambda: True,
+                                 remote=lambda **kw: lambda fn: Remote(**kw),
+                                 wait=lambda refs, **kw: (refs[:1], refs[1:]))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
+    specs[1].config["train"]["threads"] = 3
+    sweep.execute(specs, backend="ray", device="cuda", progress=False)
+    assert asked == [{"num_gpus": 1, "num_cpus": 1}, {"num_gpus": 1, "num_cpus": 3}]
 
 
 def test_failed_run_is_reported_and_others_go_on(tmp_path: Path) -> None:
@@ -310,6 +470,7 @@ def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
     from normlab.sweep import execute
 
     specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
+    specs[1].config["train"]["threads"] = 2  # its task asks Ray for 2 CPUs, the other's for 1
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:

@@ -201,14 +201,21 @@ class RunConfig:
         }
 
 
+def config_key(key: str, where: str) -> list[str]:
+    """`model.d_model` -> ['model', 'd_model']; anything else is one line naming `where` (the
+    flag, or the sweep file's key: the same rule for both)."""
+    path = key.strip().split(".")
+    if len(path) != 2:
+        raise ValueError(f"{where}: expected TABLE.KEY, e.g. train.lr")
+    return path
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`model.d_model=128` -> (['model', 'd_model'], 128); values are TOML literals."""
     if "=" not in item:
         raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. model.d_model=128")
     key, raw = item.split("=", 1)
-    path = key.strip().split(".")
-    if len(path) != 2:
-        raise ValueError(f"--set {key!r}: expected TABLE.KEY, e.g. train.lr")
+    path = config_key(key, f"--set {key!r}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

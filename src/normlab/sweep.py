@@ -1,8 +1,9 @@
 """Sweeps: expand a grid of config values into runs and execute them, locally or on Ray.
 
 Each run is train (resuming whatever was left) -> eval -> analyse; a step whose output
-exists is skipped, so rerunning a sweep only does what is missing. A failed run is reported
-with its error and the others go on.
+exists is skipped (eval and analysis only if made from the checkpoint training finished with),
+so rerunning a sweep only does what is missing. A failed run is reported with its error and
+the others go on.
 
 A sweep file (TOML):
 
@@ -19,6 +20,7 @@ A sweep file (TOML):
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import os
@@ -33,7 +35,7 @@ from typing import Any
 
 from normlab import allocator
 from normlab.checks import check_int
-from normlab.config import load_config
+from normlab.config import config_key, load_config
 from normlab.io import write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
@@ -63,9 +65,13 @@ def expand(
     if not grid:
         raise ValueError("sweep.grid: empty; expected at least one KEY = [values]")
     for key, values in grid.items():
+        config_key(key, f"sweep.grid.{key}")  # named here, not as a --set never typed
         if not isinstance(values, list) or not values:
             raise ValueError(f"sweep.grid.{key}: expected a non-empty list of values")
+    for key in fixed:
+        config_key(key, f"sweep.set.{key}")
     specs = []
+    fitted: set[str] = set()  # the model and task configs the analysis was checked against
     keys = list(grid)
     for combo in itertools.product(*(grid[k] for k in keys)):
         chosen = dict(zip(keys, combo, strict=True))
@@ -76,13 +82,15 @@ def expand(
             run_name = (name or "-".join("{" + k + "}" for k in short)).format(**short)
         except KeyError as err:
             raise ValueError(f"sweep.name: {err} is not a grid key") from None
-        splits = (analysis or {}).get("splits")
-        if analyze and splits is not None:  # now, against this run's task, not after training
-            known = cfg.task.resolve().eval_splits
-            for s in [splits] if isinstance(splits, str) else splits:
-                if s not in known:
-                    raise ValueError(f"sweep.run.analysis.splits: unknown split {s!r} for run "
-                                     f"{run_name}; expected one of {', '.join(known)}")
+        model_task = json.dumps([cfg.to_dict()[k] for k in ("model", "task")], sort_keys=True)
+        if analyze and model_task not in fitted:  # now, not after every run has trained
+            from normlab.analysis.report import check_analysis_fits
+
+            try:
+                check_analysis_fits(analysis or {}, cfg, "sweep.run.analysis")
+            except ValueError as err:
+                raise ValueError(f"{err} (run {run_name})") from None
+            fitted.add(model_task)
         specs.append(
             RunSpec(run_name, str(out / run_name), cfg.to_dict(), analyze, analysis or {})
         )
@@ -92,28 +100,43 @@ def expand(
 
 
 def _toml(v: Any) -> str:
+    """A value read from the sweep file, written back as the TOML literal `--set` parses: every
+    type TOML has (an inline table was passed on as the text of a Python dict)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):  # a TOML basic string: JSON's escapes, and DEL, which TOML bars
         return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, list):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return str(v)
+    if isinstance(v, dict):  # keys quoted as strings are: any key, dotted or not
+        return "{" + ", ".join(f"{_toml(k)} = {_toml(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, datetime.date | datetime.time):  # str() of a datetime has no "T"
+        return v.isoformat()
+    return str(v)  # int; float, inf and nan included (TOML spells them as Python does)
 
 
 def load_sweep(path: Path, out: Path) -> list[RunSpec]:
+    """The runs of a sweep file, every error one line naming the file (its key names, and the
+    run configs it makes, are checked now, before any run trains)."""
     if not Path(path).is_file():
         raise ValueError(f"sweep file {str(path)!r} not found")
     try:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"sweep file {str(path)!r}: invalid TOML ({err})") from None
+    try:
+        return _sweep_specs(data, Path(path), out)
+    except ValueError as err:
+        raise ValueError(f"sweep file {str(path)!r}: {err}") from None
+
+
+def _sweep_specs(data: dict[str, Any], path: Path, out: Path) -> list[RunSpec]:
     for key in data:
         if key not in SWEEP_KEYS:
             raise ValueError(f"sweep.{key}: unknown key; expected one of {', '.join(SWEEP_KEYS)}")
     base = data.get("base")
     if base is not None:
-        base = Path(path).parent / base
+        base = path.parent / base
     run = data.get("run", {})
     for key in run:
         if key not in ("analyze", "analysis"):
@@ -136,7 +159,7 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
 
     from normlab.cli import eval_run
     from normlab.config import RunConfig
-    from normlab.train import check_saved_config, train
+    from normlab.train import DONE, check_saved_config, train
 
     t0 = time.time()
     out = Path(spec.out)
@@ -162,22 +185,51 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             write_json(timings_path, timings)
             done.append(name)
 
-        if not (out / "train_done.json").is_file():
+        if not (out / DONE).is_file():
             step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
         else:  # done, but as this spec's run? (a changed sweep would keep the old results)
             check_saved_config(out, cfg)
-        if not (out / "eval.json").is_file():
-            step("eval", lambda: eval_run(out))
+        # Results count as done only if made from the checkpoint training finished with: a
+        # run stopped, evaluated or analysed by hand, then resumed by the sweep kept the
+        # earlier checkpoint's results. The sweep owns the folder: they are made again (the
+        # JSON files replaced atomically, as `normlab eval --force` replaces eval.json).
+        final = json.loads((out / DONE).read_text())["step"]  # the last checkpoint's step
+        if _checkpoint_step(out / "eval.json", "checkpoint", "step") != final:
+            step("eval", lambda: eval_run(out, force=True))
+            _check_made_from(out / "eval.json", ("checkpoint", "step"), final)
         # interference.json is the last result analyze_run writes: an analysis that failed
         # part-way (its earlier files written) is run again, not taken as done
         if spec.analyze:
             from normlab.analysis.report import analyze_run, check_same_analysis
 
-            if not (out / "analysis" / "interference.json").is_file():
+            done_at = _checkpoint_step(out / "analysis" / "interference.json", "checkpoint_step")
+            if done_at != final:
                 step("analyze", lambda: analyze_run(out, **spec.analysis))
+                _check_made_from(out / "analysis" / "interference.json", ("checkpoint_step",),
+                                 final)
             else:  # done, but with these settings? (a changed sweep kept the old analysis)
                 check_same_analysis(out / "analysis", spec.analysis)
     return {"name": spec.name, "did": done, "seconds": time.time() - t0}
+
+
+def _checkpoint_step(path: Path, *keys: str) -> Any:
+    """The checkpoint step a result file records under `keys` (None: no file, or no step)."""
+    try:
+        doc = json.loads(path.read_text())
+        for key in keys:
+            doc = doc[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return doc
+
+
+def _check_made_from(path: Path, keys: tuple[str, ...], final: int) -> None:
+    """A result just made is from the final checkpoint, or the run fails: the newest checkpoint
+    that verifies is an earlier one when the final one is damaged."""
+    made = _checkpoint_step(path, *keys)
+    if made != final:
+        raise ValueError(f"{str(path)!r}: made from checkpoint step {made}, but training "
+                         f"finished at step {final}, whose checkpoint does not verify")
 
 
 def _safe_run(spec: RunSpec, device: str) -> dict[str, Any]:
@@ -216,17 +268,24 @@ def execute(
     progress: bool = True,
     on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every spec; returns one result dict per run (ok, did, seconds or error)."""
+    """Run every spec; returns one result dict per run (ok, did, seconds or error).
+
+    `jobs` is the local pool's, `address` Ray's: given to the other backend, it is refused
+    rather than dropped unseen."""
     allocator.setting()  # a bad NORMLAB_MALLOC: one line here, not an error from every worker
     check_jobs(jobs)
-    threads = max(1, min(_threads(s) for s in specs)) if specs else 1
-    jobs = jobs or max(1, (os.cpu_count() or 1) // threads)
-    if backend == "ray":
-        submit, wait = _ray_backend(specs, device, address, threads)
-    elif backend == "local":
-        submit, wait = _local_backend(jobs, device)
-    else:
+    if backend not in ("local", "ray"):
         raise ValueError(f"--backend: expected local or ray; got {backend!r}")
+    if backend == "local" and address is not None:
+        raise ValueError("--address: only with --backend ray; the local backend uses no cluster")
+    if backend == "ray" and jobs is not None:
+        raise ValueError("--jobs: only with --backend local; Ray runs as many runs at once as "
+                         "its CPUs fit, each taking its train.threads")
+    if backend == "ray":
+        submit, wait = _ray_backend(device, address)
+    else:
+        threads = max(1, min(_threads(s) for s in specs)) if specs else 1
+        submit, wait = _local_backend(jobs or max(1, (os.cpu_count() or 1) // threads), device)
     pending = {submit(s): s for s in specs}
     results: list[dict[str, Any]] = []
     with _Watch(specs, progress) as watch:
@@ -265,8 +324,8 @@ def _local_backend(jobs: int, device: str) -> tuple[Callable, Callable]:
     return submit, wait
 
 
-def _ray_backend(specs: list[RunSpec], device: str, address: str | None,
-                 threads: int) -> tuple[Callable, Callable]:
+def _ray_backend(device: str, address: str | None) -> tuple[Callable, Callable]:
+    """One Ray task a run, asking for that run's own `train.threads` CPUs."""
     try:
         import ray
     except ImportError:
@@ -275,10 +334,10 @@ def _ray_backend(specs: list[RunSpec], device: str, address: str | None,
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)
     gpus = 1 if device == "cuda" else 0
-    remote = ray.remote(num_cpus=threads, num_gpus=gpus)(_safe_run)
+    remote = ray.remote(num_gpus=gpus)(_safe_run)
 
     def submit(spec: RunSpec) -> Any:
-        return remote.remote(spec, device)
+        return remote.options(num_cpus=_threads(spec)).remote(spec, device)
 
     def wait(refs: list[Any]) -> list[Any]:
         done, _ = ray.wait(refs, num_returns=1, timeout=2.0)

@@ -21,9 +21,9 @@ import inspect
 import io
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from normlab.analysis.interference import (
 from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.checks import check_int, check_seed, is_int
 from normlab.io import atomic_write_bytes, provenance, write_json
+
+if TYPE_CHECKING:
+    from normlab.config import RunConfig
 
 
 def _checked(
@@ -161,6 +164,31 @@ def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any],
                         **{k: v.numpy() for k, v in rows.items()})
     atomic_write_bytes(out / "collapse_rows.npz", buf.getvalue())
     return [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
+
+
+def check_analysis_fits(args: dict[str, Any], cfg: RunConfig, where: str = "analysis") -> None:
+    """`args` against one run's config before it trains (a sweep's runs): splits against its
+    task, sites and heads against its model, by the very checks `analyze_run` makes on the
+    trained run. The model is built on the meta device: its modules without memory or weights."""
+    import torch
+
+    from normlab.model import build_model
+    from normlab.tasks.addition import eval_sets
+
+    a = ANALYSIS_DEFAULTS | args
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    task = cfg.task.resolve()
+    checks: dict[str, Callable[[], Any]] = {
+        "splits": lambda: select_problems(task, eval_sets(task), a["n_examples"], a["splits"]),
+        "sites": lambda: resolve_sites(model, a["sites"]),
+        "heads": lambda: resolve_sites(model, a["sites"], a["heads"]),  # sites checked above
+    }
+    for key, check in checks.items():
+        try:
+            check()
+        except ValueError as err:
+            raise ValueError(f"{where}.{key}: {str(err).removeprefix(key + ': ')}") from None
 
 
 def analyze_run(
