@@ -215,7 +215,8 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
         c = res["widths"].get(_step_width(res), {}).get("contenders", {}).get(cat)
         return None if c is None else 100 * c["mfu"]
 
-    short = [n.replace("normlab-", "") for n in mfu_names]
+    # "nanogpt-manual" beside "x-transformers" would overlap: the references on two lines
+    short = [n.replace("normlab-", "").replace("-", "-\n") for n in mfu_names]
     title = f"2. Model FLOP utilisation{_widths(sources, 'mfu')}"
     if _points(b, sources, "mfu", mfu_names, mfu, title, "% of the measured matmul peak"):
         b.set_xticks(range(len(short)), short, fontsize=8)

@@ -88,12 +88,18 @@ def shuffled(ways: dict, rounds: int, warmup: int = 2, seed: int = 0) -> dict:
     return times
 
 
-def n5d1_prompts(run: RunConfig) -> tuple[list[list[int]], int]:
-    """bench_decode's n5d1 cell: its first 256 questions as decoder prompts, and max_new."""
+def cell_prompts(run: RunConfig, label: str) -> tuple[list[list[int]], int]:
+    """A bench_decode cell (an extrapolation cell, "n5d1" or "n2d3"): its first 256 questions
+    as decoder prompts, and max_new."""
     sets = eval_sets(run.validate())
-    cell = next(c for c in sets["extrapolation"] if c.label == "n5d1")
+    cell = next(c for c in sets["extrapolation"] if c.label == label)
     prompts = make_prompts([q for q, _ in sets["extrapolation"][cell][:256]], "decoder")
     return prompts, max_lengths([cell])[1] + 1
+
+
+def n5d1_prompts(run: RunConfig) -> tuple[list[list[int]], int]:
+    """bench_decode's n5d1 cell: its first 256 questions as decoder prompts, and max_new."""
+    return cell_prompts(run, "n5d1")
 
 
 class N5d1Decoder:
