@@ -319,7 +319,15 @@ def test_a_finished_run_of_another_config_is_not_taken_as_done(tmp_path: Path) -
     assert run_one(spec)["did"] == []
     changed = dataclasses.replace(spec, config=spec.config | {
         "model": spec.config["model"] | {"d_mlp": 64}})
-    with pytest.raises(ValueError, match="--resume: the config differs"):
+    # said in the sweep's words (it read "--resume: ... normlab train: --force", flags a
+    # sweep user never gave), for a finished run and for one killed part way
+    message = (r"^sweep: the config differs from the one saved in .*pre-s0'; the sweep file "
+               r"changed since that run was made: give the sweep another --out, or remove "
+               r"that run's folder$")
+    with pytest.raises(ValueError, match=message):
+        run_one(changed)
+    (Path(spec.out) / "train_done.json").unlink()
+    with pytest.raises(ValueError, match=message):
         run_one(changed)
 
 

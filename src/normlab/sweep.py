@@ -39,6 +39,8 @@ from normlab.config import config_key, load_config
 from normlab.io import write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
+SWEEP_REMEDY = ("sweep", "the sweep file changed since that run was made: give the sweep "
+                "another --out, or remove that run's folder")
 
 
 @dataclass
@@ -185,10 +187,11 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             write_json(timings_path, timings)
             done.append(name)
 
+        # a run folder of this name, made as another run (the sweep file changed since), is
+        # neither resumed nor taken as done: said here in the sweep's words, not train's
+        check_saved_config(out, cfg, SWEEP_REMEDY)
         if not (out / DONE).is_file():
             step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
-        else:  # done, but as this spec's run? (a changed sweep would keep the old results)
-            check_saved_config(out, cfg)
         # Results count as done only if made from the checkpoint training finished with: a
         # run stopped, evaluated or analysed by hand, then resumed by the sweep kept the
         # earlier checkpoint's results. The sweep owns the folder: they are made again (the

@@ -355,11 +355,19 @@ def train(
     return last
 
 
-def check_saved_config(out: Path, cfg: RunConfig) -> None:
+RESUME_REMEDY = ("--resume", "use the same config, or start over in another folder "
+                 "(normlab train: --force)")
+"""Who finds a changed config, and what to do about it, as `normlab train --resume` says it."""
+
+
+def check_saved_config(out: Path, cfg: RunConfig,
+                       remedy: tuple[str, str] = RESUME_REMEDY) -> None:
     """A run folder's `config.toml`, where there is one, must be `cfg`'s (up to where and how
-    it runs): a finished run is taken as done, or a killed one restarted, only as itself."""
+    it runs): a finished run is taken as done, or a killed one restarted, only as itself.
+    `remedy` (who, what to do) words the error for the command the user ran."""
     if (Path(out) / "config.toml").is_file():
-        _check_same_config(load_config(Path(out) / "config.toml").to_dict(), cfg, Path(out))
+        _check_same_config(load_config(Path(out) / "config.toml").to_dict(), cfg, Path(out),
+                           remedy)
 
 
 def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
@@ -376,13 +384,12 @@ def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str,
         ) from None
 
 
-def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path) -> None:
+def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path,
+                       remedy: tuple[str, str] = RESUME_REMEDY) -> None:
     """Resuming (or finding finished) the run in `out` needs the config it was made with."""
     if _comparable(saved) != _comparable(cfg.to_dict()):
-        raise ValueError(
-            f"--resume: the config differs from the one saved in {str(out)!r}; use the same "
-            "config, or start over in another folder (normlab train: --force)"
-        )
+        who, what = remedy
+        raise ValueError(f"{who}: the config differs from the one saved in {str(out)!r}; {what}")
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
