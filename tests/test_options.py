@@ -95,11 +95,11 @@ def test_digit_position_config_errors(sets: list[str], message: str) -> None:
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
 def test_the_fewest_digit_places_a_config_takes_decode_an_answer_that_never_stops(
-    arch: str,
+    arch: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The check asked for places up to the longest answer, but decoding feeds back one
-    generated digit more: the smallest accepted table crashed the first evaluation with an
-    IndexError when a model wrote digits past the answer. Now it is scored, as wrong."""
+    """The table holds the places of the longest answer, but decoding feeds back one
+    generated digit more: a model that wrote digits past the answer crashed the evaluation
+    with an IndexError. Such a digit is fed at the last place; the answer is scored, wrong."""
     from normlab.evaluate import evaluate
     from normlab.tasks.addition import eval_sets
 
@@ -108,17 +108,24 @@ def test_the_fewest_digit_places_a_config_takes_decode_an_answer_that_never_stop
     fewest = next(n for n in range(1, 64) if _accepted([*base, f"model.n_aux_positions={n}"]))
     run = load_config(None, [*base, f"model.n_aux_positions={fewest}"])
     task = run.validate()
+    assert fewest == task.max_lengths()[1] + 1  # the longest answer's places, and place 0
     torch.manual_seed(0)
     model = build_model(run.model).eval()
     nine = encode("9")[0]
+    step = "forward" if arch == "decoder" else "decode"  # what greedy decoding calls each step
+    inner, calls = getattr(model, step), []
 
-    def only_nines(module: torch.nn.Module, args: object, logits: torch.Tensor) -> torch.Tensor:
+    def only_nines(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        logits = inner(*args, **kwargs)
         return torch.where(torch.arange(logits.shape[-1]) == nine, 1.0, 0.0).expand_as(logits)
 
-    model.register_forward_hook(only_nines)  # a model that writes 9s and never stops
+    monkeypatch.setattr(model, step, only_nines)  # a model that writes 9s and never stops
     res = evaluate(model, task, eval_sets(task), limit=2)
     assert all(split["accuracy"] == 0.0 for split in res["splits"].values())
-    assert fewest == task.max_lengths()[1] + 2  # the longest answer, its E and one more
+    # every decode ran its whole length: digits past the table were fed back
+    n_batches = len(res["splits"])  # one batch a split at this size
+    assert len(calls) >= n_batches * task.max_new() and fewest < task.max_new()
 
 
 def _accepted(sets: list[str]) -> bool:

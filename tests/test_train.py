@@ -401,10 +401,11 @@ def test_eval_and_analyze_never_overwrite_without_force(tmp_path: Path, capsys) 
 
 
 def test_analyze_writes_all_its_files_or_none(tmp_path: Path, monkeypatch, capsys) -> None:
-    """`analyze --force` wrote norms.json first: a failure later (a seed past 2**63 reached
-    torch's generator only then) left a new norms.json beside the old collapse.json. Now the
-    seed is refused before any work, a failure part way leaves every file as it was, and
-    the command lists the files it wrote (it printed the keys of its return value)."""
+    """`analyze --force` wrote norms.json first: a failure later (a seed past 2**64 - 1
+    reached torch's generator only then) left a new norms.json beside the old collapse.json.
+    Now a seed outside a run config's range is refused before any work, a failure part way
+    leaves every file as it was, and the command lists the files it wrote (it printed the keys
+    of its return value)."""
     import normlab.analysis.report
 
     run = tmp_path / "run"

@@ -27,9 +27,10 @@ def check_int(value: object, name: str, *, low: int = 0, what: str | None = None
 
 
 def check_seed(value: object, name: str = "seed") -> int:
-    """A seed for torch's and numpy's generators, checked before any work: torch's take a
-    64-bit signed one (past it, an overflow error naming no field), numpy refuses a negative
-    one only when it is used."""
+    """A seed for torch's and numpy's generators, checked before any work (torch's overflow
+    error past 2**64 - 1 names no field; numpy refuses a negative one only when it is used).
+    One range for every seed, the one a run config can hold: TOML's integers are 64-bit
+    signed, so a larger `train.seed` could not be written down and read back losslessly."""
     seed = check_int(value, name, what="an int in [0, 2**63)")
     if seed >= 2**63:
         raise ValueError(f"{name}: expected an int in [0, 2**63); got {value!r}")

@@ -337,9 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("normlab: interrupted; finished checkpoints are kept (use --resume)", file=sys.stderr)
         return 130
-    # OSError names its file (a full disk); IndexError is an id outside its table
-    # (`positions.lookup` names the input)
-    except (ValueError, OSError, RuntimeError, IndexError) as err:
+    except (ValueError, OSError, RuntimeError) as err:  # OSError names its file (a full disk)
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"normlab: error: {msg}", file=sys.stderr)
         return 2

@@ -169,9 +169,9 @@ class RunConfig:
                 f"got {self.model.vocab_size}"
             )
         if task.digit_positions:
-            # places 1..d of the questions' digits, and up to max_new - 1 of generated digits
-            # fed back while decoding (an answer that does not stop is scored, not a crash)
-            places = max(max(max(c.digits) for c in task.all_cells) + 1, task.max_new())
+            # the places of the questions' digits and of the longest answer's; a generated
+            # digit past them is fed back at the last place (`greedy_decode`)
+            places = max(task.max_lengths()[1], max(max(c.digits) for c in task.all_cells)) + 1
             if self.model.n_aux_positions < places:
                 raise ValueError(f"model.n_aux_positions: expected >= {places} for "
                                  f"task.digit_positions; got {self.model.n_aux_positions}")

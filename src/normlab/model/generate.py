@@ -36,15 +36,20 @@ def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, tor
 
 def _next_aux(
     aux_fn: AuxFn, aux_next: AuxNext | None, rows: list[list[int]], part: str,
-    prev: torch.Tensor, nxt: torch.Tensor,
+    prev: torch.Tensor, nxt: torch.Tensor, n_places: int,
 ) -> torch.Tensor:
-    """[batch, 1] positions of the tokens `nxt` just appended to `rows` (after `prev`)."""
+    """[batch, 1] positions of the tokens `nxt` just appended to `rows` (after `prev`), at
+    most the model's last place: a generated run of digits longer than its table (longer
+    than any answer the task has, so already wrong) is fed back at the last place rather
+    than ending the decode in an IndexError. A prompt's own positions are never clamped."""
     if aux_next is not None:
-        return aux_next(prev, nxt)[:, None]
-    for r, t in zip(rows, nxt.tolist(), strict=True):
-        r.append(t)
-    return torch.tensor([[aux_fn(r, part)[-1]] for r in rows], dtype=torch.long,
-                        device=nxt.device)
+        new = aux_next(prev, nxt)[:, None]
+    else:
+        for r, t in zip(rows, nxt.tolist(), strict=True):
+            r.append(t)
+        new = torch.tensor([[aux_fn(r, part)[-1]] for r in rows], dtype=torch.long,
+                           device=nxt.device)
+    return new.clamp(max=n_places - 1) if n_places > 0 else new
 
 
 def greedy_decode(
@@ -113,7 +118,8 @@ def _decode(
             nxt = logits[:, -1].argmax(-1)
             out, seq = torch.cat([out, nxt[:, None]], 1), torch.cat([seq, nxt[:, None]], 1)
             if aux is not None:
-                new_aux = _next_aux(aux_fn, aux_next, tgt_rows, "answer", aux[:, -1], nxt)
+                new_aux = _next_aux(aux_fn, aux_next, tgt_rows, "answer", aux[:, -1], nxt,
+                                    model.cfg.n_aux_positions)
                 aux = torch.cat([aux, new_aux], 1)
             done |= nxt == eos
             if done.all():
@@ -135,7 +141,8 @@ def _decode(
             seq = torch.cat([seq, nxt[:, None]], 1)
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.bool, device=device)], 1)
             if aux is not None:
-                new_aux = _next_aux(aux_fn, aux_next, rows, "sequence", aux[:, -1], nxt)
+                new_aux = _next_aux(aux_fn, aux_next, rows, "sequence", aux[:, -1], nxt,
+                                    model.cfg.n_aux_positions)
                 aux = torch.cat([aux, new_aux], 1)
             step_in = nxt[:, None] if use_cache else seq
             if aux is not None:

@@ -466,8 +466,7 @@ class ResolvedTask:
     def max_new(self) -> int:
         """Tokens greedy decoding generates at most: the longest answer, its ``E`` and one
         more, so that an answer that does not stop reads as wrong instead of being cut to a
-        right one. All but the last are fed back, so with digit positions a model needs
-        places up to ``max_new() - 1``."""
+        right one."""
         return self.max_lengths()[1] + 2
 
     def max_seq_len(self, arch: str) -> int:
