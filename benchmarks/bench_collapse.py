@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             find_sparse_rows,
             measure_collapse,
         )
-        from normlab.analysis.data import FORWARD_COST_POSITIONS, chunk_copies, length_buckets
+        from normlab.analysis.data import chunk_copies, sweep_groups
     except ImportError as err:
         return {"benchmark": "collapse", "info": info, "skipped": f"collapse API missing: {err}"}
     if args.run:
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     same = bool(torch.equal(results["flips"], results["flips_one_width"]))
     if not torch.equal(results["naive_flips"], results["naive_full_flips"]):
         raise RuntimeError("the naive loop counted other flips when stopped early")
-    groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk)
+    groups = sweep_groups(data, DEFAULT_MAX_TOKENS, n_draws)
     return {
         "benchmark": "collapse", "info": info, "model": source, "sigma": SIGMA,
         "n_examples": data.n_examples, "seq_len": data.lengths["tokens"], "n_draws": n_draws,

@@ -2,14 +2,22 @@
 
 Configurations: a base (seq len 24, d_model 64, batch 128 for training / 64 examples for the
 sweep; 4 layers, 4 heads, d_mlp = 4 d) and each of seq len, width and batch doubled (x2, and
-x4 unless --quick), the others at base. Training uses `pre`, the sweep `qkv` (as analysed),
-random weights and random tokens; the sweep is `measure_collapse` at one sigma with
-`theory_draws=1`.
+x4 unless --quick), the others at base, on random tokens of exactly that length. Then the
+sequence length as the task makes it: real addition problems (decoder rows `B question E
+answer E`) of n = 4 integers of d = 2 digits, and n or d doubled (x2, and x4 unless --quick),
+at the base width and batch; their rows differ in length, so a training batch is padded to its
+longest and the sweep runs length groups (`length_buckets`), as on real data. Training uses
+`pre`, the sweep `qkv` (as analysed), random weights; the sweep is `measure_collapse` at one
+sigma with `theory_draws=1`.
 
 Time: every configuration is built in this process and timed side by side, alternating per
 repeat (median). Growth is compared with the analytic FLOP count of bench_mfu (training:
-B T (6 N_mm + 12 L T d); sweep: forward only, B T (2 N_mm + 4 L T d) per forward, one
-unperturbed forward plus one per draw).
+B T (6 N_mm + 12 L T d) over the padded batch; sweep: forward only, B T (2 N_mm + 4 L T d) a
+forward, one unperturbed forward of the whole batch, then each length group at its padded width
+once a draw).
+The sweep's forwards stop after the last attention pattern (`analysis.data.collect`), which the
+count does not: it overstates each forward by the same share at every shape (about a fifth at
+the base), so the ratios are what it predicts up to rows where attention's share changes.
 
 Peak memory: tracemalloc does not see torch's allocations and the profiler's memory events
 are incomplete on CPU, so each configuration runs in a fresh subprocess (with --quick: one
@@ -32,6 +40,7 @@ import ctypes
 import gc
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -60,6 +69,11 @@ from normlab.train import loss_on, make_optimizer
 BASE = {"train": {"seq_len": 24, "d_model": 64, "batch": 128},
         "collapse": {"seq_len": 24, "d_model": 64, "batch": 64}}
 AXES = ("seq_len", "d_model", "batch")
+#: the task's own sequence length: problems of n integers of d digits (base n4 d2), each of
+#: n and d doubled; width and batch as BASE
+PROBLEM_BASE = {"n": 4, "d": 2}
+PROBLEM_AXES = ("n", "d")
+PROBLEM_BASE_ROW = "problems n4 d2"
 PLACEMENT = {"train": "pre", "collapse": "qkv"}
 SIGMA = 0.3
 MATMUL_LEAVES = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_gate", "W_U")
@@ -70,18 +84,40 @@ class _Train:
 
 
 def configs(quick: bool) -> list[tuple[str, dict[str, int]]]:
+    """(row name, multipliers): the random-token rows, then the problem rows (keys n, d)."""
     factors = (2,) if quick else (2, 4)
     out = [("base", {})]
     out += [(f"{axis} x{f}", {axis: f}) for axis in AXES for f in factors]
+    out += [(PROBLEM_BASE_ROW, {"n": 1, "d": 1})]
+    out += [(f"{axis} x{f}", {"n": 1, "d": 1, axis: f}) for axis in PROBLEM_AXES
+            for f in factors]
     return out
 
 
 def shape(kind: str, mult: dict[str, int]) -> dict[str, int]:
-    return {k: v * mult.get(k, 1) for k, v in BASE[kind].items()}
+    """The row's sizes; a problem row has n and d, and its seq_len is its batch's width."""
+    s = {k: v * mult.get(k, 1) for k, v in BASE[kind].items()}
+    if "n" in mult:
+        s |= {k: v * mult[k] for k, v in PROBLEM_BASE.items()}
+        del s["seq_len"]
+    return s
 
 
-def model_cfg(kind: str, s: dict[str, int]) -> ModelConfig:
-    return ModelConfig(d_model=s["d_model"], n_heads=4, n_layers=4, max_len=s["seq_len"],
+def base_row(mult: dict[str, int]) -> str:
+    """The row a row's ratios are taken against: its own family's base."""
+    return PROBLEM_BASE_ROW if "n" in mult else "base"
+
+
+def problems(s: dict[str, int]) -> list[tuple[str, str]]:
+    """The batch's problems of cell (n, d), the same for every run (seeded)."""
+    from normlab.tasks.addition import sample_problem
+
+    rng = random.Random(1)
+    return [sample_problem(s["n"], s["d"], rng) for _ in range(s["batch"])]
+
+
+def model_cfg(kind: str, s: dict[str, int], max_len: int) -> ModelConfig:
+    return ModelConfig(d_model=s["d_model"], n_heads=4, n_layers=4, max_len=max_len,
                        norm_placement=PLACEMENT[kind], vocab_size=16)
 
 
@@ -90,21 +126,47 @@ def n_matmul(model: torch.nn.Module) -> int:
                if name.rsplit(".", 1)[-1] in MATMUL_LEAVES)
 
 
-def flops(kind: str, s: dict[str, int], n_mm: int, n_draws: int) -> float:
-    b, t, d = s["batch"], s["seq_len"], s["d_model"]
+def flops(kind: str, widths: list[tuple[int, int]], d: int, n_mm: int, n_draws: int) -> float:
+    """The analytic count over forwards of (rows, padded width) `widths`: the training batch;
+    or the sweep's unperturbed forward over the whole batch (finding the sparse rows), then its
+    groups, each run once a draw."""
     if kind == "train":
-        return b * t * (6 * n_mm + 12 * 4 * t * d)
-    return (1 + n_draws) * b * t * (2 * n_mm + 4 * 4 * t * d)
+        return sum(b * t * (6 * n_mm + 12 * 4 * t * d) for b, t in widths)
+    (b0, t0), groups = widths[0], widths[1:]
+    per = [b * t * (2 * n_mm + 4 * 4 * t * d) for b, t in [(b0, t0), *groups]]
+    return per[0] + n_draws * sum(per[1:])
 
 
-def make_work(kind: str, s: dict[str, int], n_draws: int) -> tuple[Callable[[], Any], int]:
-    """A callable running one training step / one sweep of shape s, and N_mm."""
-    torch.manual_seed(0)
-    model = build_model(model_cfg(kind, s))
+def sweep_widths(data: Any, n_draws: int) -> list[tuple[int, int]]:
+    """(examples, padded width) of the forwards `measure_collapse` runs on `data`: the whole
+    batch once (`find_sparse_rows`), then each of its groups once a draw."""
+    from normlab.analysis.collapse import DEFAULT_MAX_TOKENS
+    from normlab.analysis.data import sweep_groups
+
+    groups = sweep_groups(data, DEFAULT_MAX_TOKENS, n_draws)
+    return [(data.n_examples, data.lengths["tokens"]),
+            *((len(g), data.subset(g).lengths["tokens"]) for g in groups)]
+
+
+def make_work(
+    kind: str, s: dict[str, int], n_draws: int
+) -> tuple[Callable[[], Any], int, list[tuple[int, int]]]:
+    """A callable running one training step / one sweep of shape s, N_mm, and the (rows,
+    padded width) of its forwards."""
+    from normlab.tasks.addition import make_batch
+
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(4, 16, (s["batch"], s["seq_len"]), generator=gen)
+    if "n" in s:  # real problems, right-padded as training pads them
+        batch = make_batch(problems(s), "decoder")
+        tokens = batch["tokens"]
+        targets = batch["targets"]
+    else:
+        tokens = torch.randint(4, 16, (s["batch"], s["seq_len"]), generator=gen)
+        targets = torch.randint(4, 16, tokens.shape, generator=gen)
+    torch.manual_seed(0)
+    model = build_model(model_cfg(kind, s, tokens.shape[1]))
     if kind == "train":
-        batch = {"tokens": tokens, "targets": torch.randint(4, 16, tokens.shape, generator=gen)}
+        batch = {"tokens": tokens, "targets": targets}
         opt = make_optimizer(model, _Train)
         model.train()
 
@@ -115,17 +177,18 @@ def make_work(kind: str, s: dict[str, int], n_draws: int) -> tuple[Callable[[], 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
 
-        return step, n_matmul(model)
+        return step, n_matmul(model), [tuple(tokens.shape)]
     from normlab.analysis.collapse import measure_collapse
     from normlab.analysis.data import EvalData
 
-    data = EvalData.from_tokens(tokens)
+    data = (EvalData.from_problems(problems(s), "decoder") if "n" in s
+            else EvalData.from_tokens(tokens))
     model.eval()
 
     def sweep() -> dict[str, Any]:
         return measure_collapse(model, data, sigmas=[SIGMA], n_draws=n_draws, theory_draws=1)
 
-    return sweep, n_matmul(model)
+    return sweep, n_matmul(model), sweep_widths(data, n_draws)
 
 
 # --------------------------------------------------------------------------- child (memory)
@@ -165,11 +228,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     kind, s, n_draws = spec["kind"], spec["shape"], spec["n_draws"]
     resettable = _reset_peak()
     if resettable:
-        work, _ = make_work(kind, s, n_draws)
+        work = make_work(kind, s, n_draws)[0]
         work()
     else:
         make_work(kind, {**s, "batch": 2}, 1)[0]()
-        work, _ = make_work(kind, s, n_draws)
+        work = make_work(kind, s, n_draws)[0]
     _trim()
     rss0 = _status_kb("VmRSS")
     if resettable:
@@ -222,19 +285,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 else "one fresh subprocess per row")}
     for kind in kinds:
         cfgs = configs(args.quick)
-        works, n_mm = {}, {}
-        for name, mult in cfgs:
-            works[name], n_mm[name] = make_work(kind, shape(kind, mult), n_draws)
-        times = paired_timing(works, repeats=repeats, inner=1, warmup=1)
-        base_t = summary(times["base"])["median_s"]
-        base_f = flops(kind, shape(kind, {}), n_mm["base"], n_draws)
-        rows = {}
+        works, f = {}, {}
         for name, mult in cfgs:
             s = shape(kind, mult)
-            f = flops(kind, s, n_mm[name], n_draws)
-            rows[name] = {"shape": s, **summary(times[name]), "flops": f,
-                          "time_ratio": summary(times[name])["median_s"] / base_t,
-                          "flop_ratio": f / base_f}
+            works[name], n_mm, widths = make_work(kind, s, n_draws)
+            f[name] = (flops(kind, widths, s["d_model"], n_mm, n_draws), widths)
+        times = paired_timing(works, repeats=repeats, inner=1, warmup=1)
+        rows = {}
+        for name, mult in cfgs:
+            base = base_row(mult)
+            rows[name] = {"shape": shape(kind, mult), **summary(times[name]),
+                          "flops": f[name][0], "forwards": f[name][1], "ratio_to": base,
+                          "time_ratio": summary(times[name])["median_s"]
+                          / summary(times[base])["median_s"],
+                          "flop_ratio": f[name][0] / f[base][0]}
         del works
         shapes = [shape(kind, mult) for _, mult in cfgs]
         if args.quick:  # one subprocess for all rows (saves interpreter start-ups)
@@ -243,9 +307,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mems = [measure_memory(kind, [s], n_draws, threads)[0] for s in shapes]
         for (name, _), mem in zip(cfgs, mems, strict=True):
             rows[name]["memory"] = mem
-        base_m = rows["base"]["memory"].get("peak_delta_mb")
         for r in rows.values():
-            m = r["memory"].get("peak_delta_mb")
+            m, base_m = (x["memory"].get("peak_delta_mb") for x in (r, rows[r["ratio_to"]]))
             r["memory_ratio"] = m / base_m if m and base_m else None
         out["kinds"][kind] = rows
     out["load_note"] = load_note(info)
@@ -256,7 +319,9 @@ def to_markdown(res: dict[str, Any]) -> str:
     parts = [header("Scaling: doubling seq len, width, batch", res["info"], res["load_note"]),
              f"time: median of {res['repeats']} alternating repeats in one process; peak memory: "
              f"{res['memory_processes']}, VmHWM - VmRSS around one step/sweep "
-             "(MALLOC_MMAP_THRESHOLD_=65536); ratios are relative to the base row. Sweep: "
+             "(MALLOC_MMAP_THRESHOLD_=65536); ratios are relative to the base row (random "
+             f"tokens) or to the {PROBLEM_BASE_ROW!r} row (real problems, T their padded "
+             f"width; the sweep's forwards their length groups, rows x width). Sweep: "
              f"measure_collapse, sigma {res['sigma']}, {res['n_draws']} draws."]
     titles = {"train": "training step (pre, forward + backward + AdamW)",
               "collapse": "collapse sweep (qkv, eval)"}
@@ -264,11 +329,16 @@ def to_markdown(res: dict[str, Any]) -> str:
         table = []
         for name, r in rows.items():
             s, m = r["shape"], r["memory"]
-            table.append([name, s["seq_len"], s["d_model"], s["batch"], 1e3 * r["median_s"],
+            fw = r.get("forwards") or [[s["batch"], s.get("seq_len")]]
+            groups = fw[1:] if kind == "collapse" else fw  # after the sweep's whole-batch one
+            t = (", ".join(f"{b} x {w}" for b, w in groups) if len(groups) > 1
+                 else groups[0][1])
+            table.append([name, t, s["d_model"], s["batch"], 1e3 * r["median_s"],
                           rf(r["time_ratio"]), rf(r["flop_ratio"]), m.get("peak_delta_mb"),
                           rf(r["memory_ratio"])])
         parts.append(f"**{titles[kind]}**\n\n" + md_table(
-            ["config", "T", "d", "B", "ms", "time x", "FLOPs x", "peak MB", "memory x"], table))
+            ["config", "T (or groups, rows x T)", "d", "B", "ms", "time x", "FLOPs x",
+             "peak MB", "memory x"], table))
     if res.get("skipped"):
         parts.append(res["skipped"])
     return "\n\n".join(parts)

@@ -38,9 +38,11 @@ BENCHMARKS = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "
 FIGURES = ("targets", "scaling")
 FORMATS = ("png", "pdf", "svg")
 PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
-SCALED = ("seq_len", "d_model", "batch")
+SCALED = ("seq_len", "d_model", "batch", "n", "d")  # n, d: real problems' integers, digits
+SCALED_BASE = {"n": "problems n4 d2", "d": "problems n4 d2"}  # else "base" (bench_scaling)
 MARKERS = ("o", "s", "^", "D", "v", "P")
-COLOURS = {"seq_len": "tab:blue", "d_model": "tab:orange", "batch": "tab:green"}
+COLOURS = {"seq_len": "tab:blue", "d_model": "tab:orange", "batch": "tab:green",
+           "n": "tab:red", "d": "tab:purple"}
 # The performance issue's targets (docs/performance.md, first section).
 TARGET_STEP_RATIO = 1.0  # time / fastest reference, at most
 TARGET_QKV_OVER_PRE = 1.15
@@ -255,7 +257,8 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
 
 def _scaled(kind: dict[str, Any], dim: str, key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
-    for factor, row in ((1, "base"), (2, f"{dim} x2"), (4, f"{dim} x4")):
+    base = SCALED_BASE.get(dim, "base")
+    for factor, row in ((1, base), (2, f"{dim} x2"), (4, f"{dim} x4")):
         if row in kind and kind[row].get(key) is not None:
             xs.append(factor)
             ys.append(kind[row][key])
@@ -281,11 +284,13 @@ def scaling_figure(sources: Sequence[Source]) -> Figure:
             for i, kind in kinds:
                 for dim in SCALED:
                     xs, ys = _scaled(kind, dim, key)
-                    ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], color=COLOURS[dim])
+                    if xs:  # files before the twenty-third session have no problem rows
+                        ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], color=COLOURS[dim])
             if key == "time_ratio":  # the shapes, hence the FLOPs, are the same in every file
                 for dim in SCALED:
-                    ax.plot(*_scaled(kinds[0][1], dim, "flop_ratio"), color=COLOURS[dim],
-                            linestyle="--", linewidth=1)
+                    xs, ys = _scaled(kinds[0][1], dim, "flop_ratio")
+                    if xs:
+                        ax.plot(xs, ys, color=COLOURS[dim], linestyle="--", linewidth=1)
             else:
                 ax.plot([1, 4], [1, 4], color="grey", linestyle=":", linewidth=1)
             ax.set_xscale("log", base=2)
@@ -294,10 +299,12 @@ def scaling_figure(sources: Sequence[Source]) -> Figure:
             ticks = [t for t in (0.5, 1, 2, 4, 8, 16) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
             ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
             ax.set_title(title, fontsize=10)
-            ax.set_xlabel("seq len, d_model or batch, relative to base", fontsize=9)
+            ax.set_xlabel("seq len, d_model, batch, or a problem's n or d, relative to base",
+                          fontsize=9)
             ax.grid(alpha=0.3, which="both")
     if have:
-        handles = [Line2D([], [], color=COLOURS[d], label=d) for d in SCALED]
+        names = {"n": "n (problems)", "d": "d (problems)"}
+        handles = [Line2D([], [], color=COLOURS[d], label=names.get(d, d)) for d in SCALED]
         handles += [Line2D([], [], color="black", marker=MARKERS[i % len(MARKERS)],
                            linestyle="none", label=s.label) for i, s in have]
         handles += [Line2D([], [], color="black", linestyle="--", linewidth=1,
@@ -334,19 +341,22 @@ def save(fig: Figure, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def outputs(folder: Path, stem: str, formats: Sequence[str]) -> dict[Path, str]:
+def outputs(folder: Path, stem: str, formats: Sequence[str],
+            figures: Sequence[str] = FIGURES) -> dict[Path, str]:
     """Each file to write -> the figure it holds."""
     prefix = f"{stem}_" if stem else ""
-    return {folder / f"{prefix}{name}.{fmt}": name for name in FIGURES for fmt in formats}
+    return {folder / f"{prefix}{name}.{fmt}": name for name in figures for fmt in formats}
 
 
 def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
-                  formats: Sequence[str] = ("png",), force: bool = False) -> list[Path]:
-    """Load the results, refuse to replace existing figures unless `force`, draw and save."""
+                  formats: Sequence[str] = ("png",), force: bool = False,
+                  figures: Sequence[str] = FIGURES) -> list[Path]:
+    """Load the results, refuse to replace existing figures unless `force`, draw and save
+    `figures` (both by default; one, to draw it from other files than the other)."""
     if folder.exists() and not folder.is_dir():
         raise ResultsError(f"--out: {str(folder)!r} is a file; expected a folder for the figures")
     sources = load_all(paths)
-    targets = outputs(folder, stem, formats)
+    targets = outputs(folder, stem, formats, figures)
     for t in targets:
         refuse_overwrite(t.parent, t.name, force)
     figs = draw(sources)
@@ -356,13 +366,18 @@ def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
     return list(targets)
 
 
-def _formats(text: str) -> list[str]:
-    items = [f.strip() for f in text.split(",") if f.strip()]
-    bad = [f for f in items if f not in FORMATS]
-    if bad or not items:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated subset of {', '.join(FORMATS)}; got {text!r}")
-    return items
+def _subset(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [f.strip() for f in text.split(",") if f.strip()]
+        bad = [f for f in items if f not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated subset of {', '.join(allowed)}; got {text!r}")
+        return items
+    return parse
+
+
+_formats = _subset(FORMATS)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -371,10 +386,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the figures")
     parser.add_argument("--format", type=_formats, default=["png"],
                         help=f"comma-separated, from {', '.join(FORMATS)} (default png)")
+    parser.add_argument("--figures", type=_subset(FIGURES), default=list(FIGURES),
+                        help=f"comma-separated, from {', '.join(FIGURES)} (default both)")
     parser.add_argument("--force", action="store_true", help="replace existing figures")
     args = parser.parse_args(argv)
     try:
-        written = write_figures(args.results, args.out, formats=args.format, force=args.force)
+        written = write_figures(args.results, args.out, formats=args.format, force=args.force,
+                                figures=args.figures)
     except ValueError as err:
         parser.error(str(err).splitlines()[0])
     for p in written:

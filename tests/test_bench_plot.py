@@ -31,8 +31,9 @@ def _run_all(threads: int, scale: float = 1.0) -> dict:
             for p, m in zip(plot.PLACEMENTS, (0.9, 0.95, 0.97, 1.05, 1.1), strict=True)}
     kinds = {}
     for kind in ("train", "collapse"):
-        rows = {"base": {"time_ratio": 1.0, "flop_ratio": 1.0, "memory_ratio": 1.0}}
-        for dim, t in zip(plot.SCALED, (1.9, 2.3, 1.8), strict=True):
+        rows = {"base": {"time_ratio": 1.0, "flop_ratio": 1.0, "memory_ratio": 1.0},
+                "problems n4 d2": {"time_ratio": 1.0, "flop_ratio": 1.0, "memory_ratio": 1.0}}
+        for dim, t in zip(plot.SCALED, (1.9, 2.3, 1.8, 1.6, 1.4), strict=True):
             rows[f"{dim} x2"] = {"time_ratio": scale * t, "flop_ratio": 2.1, "memory_ratio": 2.0}
             rows[f"{dim} x4"] = {"time_ratio": scale * 2 * t, "flop_ratio": 4.7,
                                  "memory_ratio": 3.9}
@@ -135,8 +136,23 @@ def test_scaling_figure_puts_time_against_the_flop_count(tmp_path: Path) -> None
         np.testing.assert_allclose(ln.get_xdata(), [1, 2, 4])
         np.testing.assert_allclose(ln.get_ydata(), [1.0, train[f"{dim} x2"]["time_ratio"],
                                                     train[f"{dim} x4"]["time_ratio"]])
-    assert [list(ln.get_ydata()) for ln in dashed] == [[1.0, 2.1, 4.7]] * 3
+    assert [list(ln.get_ydata()) for ln in dashed] == [[1.0, 2.1, 4.7]] * 5
     np.testing.assert_allclose(memory_ax.get_lines()[0].get_ydata(), [1.0, 2.0, 3.9])
+    # a problem's n and d start from their own base row, not the random-token one; a file
+    # without problem rows (before the twenty-third session) draws no line for them
+    raw = _run_all(1)
+    for kind in raw["results"]["scaling"]["kinds"].values():
+        del kind["base"]
+    lines = plot.scaling_figure([plot.load(_write(tmp_path, "p.json", raw))]).axes[0].get_lines()
+    assert [ln.get_color() for ln in lines
+            if len(ln.get_xdata()) == 3 and ln.get_linestyle() == "-"] == [
+        plot.COLOURS["n"], plot.COLOURS["d"]]
+    raw = _run_all(1)
+    for kind in raw["results"]["scaling"]["kinds"].values():
+        for row in [r for r in kind if r.startswith(("n ", "d ", "problems"))]:
+            del kind[row]
+    lines = plot.scaling_figure([plot.load(_write(tmp_path, "o.json", raw))]).axes[0].get_lines()
+    assert len(lines) == 6  # three dims, each measured and counted
 
 
 def test_a_benchmark_in_no_file_gets_a_panel_that_says_so(tmp_path: Path) -> None:
@@ -217,6 +233,24 @@ def test_existing_figures_are_replaced_only_with_force(
     plot.main([str(path), "--out", str(out), "--force"])
     assert (out / "scaling.png").read_bytes().startswith(PNG)
     assert sorted(p.name for p in out.iterdir()) == ["scaling.png", "targets.png"]
+
+
+def test_one_figure_alone_from_its_own_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--figures scaling` draws (and refuses to replace) only that figure, so it can come
+    from other runs than the targets figure; an unknown name is a one-line usage error."""
+    path = _write(tmp_path, "r.json", _run_all(1))
+    out = tmp_path / "figs"
+    out.mkdir()
+    (out / "targets.png").write_bytes(b"kept")
+    plot.main([str(path), "--out", str(out), "--figures", "scaling"])
+    assert (out / "targets.png").read_bytes() == b"kept"
+    assert (out / "scaling.png").read_bytes().startswith(PNG)
+    with pytest.raises(SystemExit):
+        plot.main([str(path), "--out", str(out), "--figures", "scaling,heat"])
+    assert ("--figures: expected a comma-separated subset of targets, scaling; got "
+            "'scaling,heat'") in capsys.readouterr().err
 
 
 def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(

@@ -43,14 +43,13 @@ import numpy as np
 import torch
 
 from normlab.analysis.data import (
-    FORWARD_COST_POSITIONS,
     EvalData,
     Site,
     chunk_copies,
     collect,
     evaluating,
-    length_buckets,
     resolve_sites,
+    sweep_groups,
 )
 from normlab.analysis.theory import predict_collapse
 from normlab.checks import check_int, check_on_cpu, check_seed
@@ -438,9 +437,8 @@ def measure_collapse(
     draws_used = []
     sweep_s, row_draws = 0.0, 0
     chunk = chunk_copies(data, max_tokens, n_draws)
-    groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk) if bucket else []
-    if len(groups) <= 1:
-        groups = [torch.arange(B)]  # the batch as it is, no copy
+    # one group: the batch as it is, no copy
+    groups = sweep_groups(data, max_tokens, n_draws) if bucket else [torch.arange(B)]
     sites = {s.name: s for s in pert.all_sites}
     attendable = {name: torch.isfinite(t) for name, t in rows.logits.items()}  # [R_site, K]
     parts = []  # (examples, their batch, {site: (row indices, their readers)}, copies)

@@ -364,3 +364,12 @@ def length_buckets(data: EvalData, overhead: float = FORWARD_COST_POSITIONS) -> 
 def chunk_copies(data: EvalData, max_tokens: int, wanted: int) -> int:
     """How many batch copies fit in `max_tokens` positions per forward (at least 1)."""
     return max(1, min(wanted, max_tokens // max(1, data.tokens_per_copy)))
+
+
+def sweep_groups(data: EvalData, max_tokens: int, n_draws: int) -> list[torch.Tensor]:
+    """The groups of examples a sweep of `n_draws` copies runs, each at its own width: the
+    length groups (`length_buckets`) for the fixed cost of a forward of as many copies as fit
+    in `max_tokens`, or the whole batch as one group."""
+    chunk = chunk_copies(data, max_tokens, n_draws)
+    groups = length_buckets(data, FORWARD_COST_POSITIONS / chunk)
+    return groups if len(groups) > 1 else [torch.arange(data.n_examples)]
