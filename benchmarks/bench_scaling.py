@@ -156,8 +156,9 @@ def make_work(
     from normlab.tasks.addition import make_batch
 
     gen = torch.Generator().manual_seed(1)
-    if "n" in s:  # real problems, right-padded as training pads them
-        batch = make_batch(problems(s), "decoder")
+    probs = problems(s) if "n" in s else None
+    if probs is not None:  # real problems, right-padded as training pads them
+        batch = make_batch(probs, "decoder")
         tokens = batch["tokens"]
         targets = batch["targets"]
     else:
@@ -181,7 +182,7 @@ def make_work(
     from normlab.analysis.collapse import measure_collapse
     from normlab.analysis.data import EvalData
 
-    data = (EvalData.from_problems(problems(s), "decoder") if "n" in s
+    data = (EvalData.from_problems(probs, "decoder") if probs is not None
             else EvalData.from_tokens(tokens))
     model.eval()
 

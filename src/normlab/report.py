@@ -158,9 +158,9 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
         "qkv − pre, train-cell accuracy", v3)
     # seeds where both runs were evaluated on held-out splits (a task without any has none:
     # no number, rather than NaN in the summary)
-    both = [s for s in seeds
-            if not (math.isnan(held_out(qkv[s]["eval"])) or math.isnan(held_out(pre[s]["eval"])))]
-    h4 = [held_out(qkv[s]["eval"]) - held_out(pre[s]["eval"]) for s in both]
+    ho = {s: (held_out(qkv[s]["eval"]), held_out(pre[s]["eval"])) for s in seeds}
+    both = [s for s in seeds if not any(math.isnan(a) for a in ho[s])]
+    h4 = [ho[s][0] - ho[s][1] for s in both]
     v4 = [held_out_var(qkv[s]["eval"]) + held_out_var(pre[s]["eval"]) for s in both]
     row("H4", "QKV-Norm worse", h4, lambda ci: verdict_sign(ci, expect_negative=True),
         "qkv − pre, held-out accuracy", v4)

@@ -155,12 +155,12 @@ def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
         raise ValueError(f"{where}: {err}") from None
 
 
-def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any],
-                   sigmas: Sequence[float]) -> list[str]:
+def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any]) -> list[str]:
     """`collapse.json` and its per-row columns, `collapse_rows.npz`; returns their paths."""
     write_json(out / "collapse.json", collapse)
     buf = io.BytesIO()  # written as atomically as the JSON beside it
-    np.savez_compressed(buf, sites=np.array(collapse["sites"]), sigmas=np.array(sigmas),
+    np.savez_compressed(buf, sites=np.array(collapse["sites"]),
+                        sigmas=np.array(collapse["sigmas"]),
                         **{k: v.numpy() for k, v in rows.items()})
     atomic_write_bytes(out / "collapse_rows.npz", buf.getvalue())
     return [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
@@ -266,7 +266,7 @@ def analyze_run(
     # one new file beside two old ones of other settings
     files = [str(out / "norms.json")]
     write_json(out / "norms.json", norms)
-    files += write_collapse(out, collapse, rows, sigmas)
+    files += write_collapse(out, collapse, rows)
     write_json(out / "interference.json", interference)
     files.append(str(out / "interference.json"))
 

@@ -156,7 +156,7 @@ def analyze_hf(
     # written once both are made: a failure leaves the folder as it was, not half new
     files = [str(out / "norms.json")]
     write_json(out / "norms.json", norms)
-    files += write_collapse(out, collapse, rows, sigmas)
+    files += write_collapse(out, collapse, rows)
 
     if figures:
         name = f"{folder.name} ({hf_class})"
