@@ -16,8 +16,8 @@ B T (6 N_mm + 12 L T d) over the padded batch; sweep: forward only, B T (2 N_mm 
 forward, one unperturbed forward of the whole batch, then each length group at its padded width
 once a draw).
 The sweep's forwards stop after the last attention pattern (`analysis.data.collect`), which the
-count does not: it overstates each forward by the same share at every shape (about a fifth at
-the base), so the ratios are what it predicts up to rows where attention's share changes.
+count does not: 81.2-81.6% of the count runs at every shape up to 64 keys
+(`benchmarks/probes/sweep_flop_share.py`), so the ratios are what it predicts.
 
 Peak memory: tracemalloc does not see torch's allocations and the profiler's memory events
 are incomplete on CPU, so each configuration runs in a fresh subprocess (with --quick: one
