@@ -37,6 +37,7 @@ import torch
 from bench_train_step import base_config
 from common import (
     bench_main,
+    cpu_only,
     header,
     load_note,
     machine_info,
@@ -134,6 +135,9 @@ def eval_data(run_cfg: RunConfig, n_examples: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    skip = cpu_only(args, "collapse", "normlab's analyses run on the CPU, `check_on_cpu`")
+    if skip is not None:
+        return skip
     threads = setup_threads(args.threads)
     info = machine_info(threads)
     try:

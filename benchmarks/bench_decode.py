@@ -25,14 +25,13 @@ from common import (
     bench_main,
     header,
     load_note,
-    machine_info,
     md_table,
     paired_timing,
     ratio_stats,
     rci,
     repeats_for,
     rf,
-    setup_threads,
+    start,
     summary,
 )
 from normlab import build_model
@@ -50,8 +49,7 @@ NEVER = -1  # an end-of-sequence id no token has: generation runs to max_new
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    threads = setup_threads(args.threads)
-    info = machine_info(threads)
+    device, info = start(args)
     run_cfg = base_config()
     task = run_cfg.validate()
     sets = eval_sets(task)
@@ -68,7 +66,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for placement in placements:
         torch.manual_seed(0)
-        model = build_model(model_config(run_cfg, run_cfg.model.d_model, placement)).eval()
+        model = build_model(model_config(run_cfg, run_cfg.model.d_model, placement))
+        model = model.to(device).eval()
         for cell in cells:
             questions = [q for q, _ in by_cell[cell][:n_questions]]
             prompts = make_prompts(questions, "decoder")
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             times = paired_timing({"cached": decoder(True, "cached"),
                                    "uncached": decoder(False, "uncached")},
-                                  repeats=repeats, inner=1, warmup=1)
+                                  repeats=repeats, inner=1, warmup=1, device=device)
             n_tok = len(prompts) * max_new
             results.append({
                 "placement": placement, "cell": cell.label, "batch": len(prompts),

@@ -29,15 +29,15 @@ from common import (
     bench_main,
     header,
     load_note,
-    machine_info,
     md_table,
     paired_timing,
     ratio_stats,
     rci,
     repeats_for,
     rf,
-    setup_threads,
+    start,
     summary,
+    sync,
 )
 from normlab import build_model
 from normlab.model.hooks import HookedModule, HookPoint
@@ -49,10 +49,14 @@ def _bare(self: HookPoint, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _inner_for(fn: Callable[[], Any], target_s: float) -> int:
+def _inner_for(fn: Callable[[], Any], target_s: float, device: torch.device | None = None) -> int:
+    """Calls of `fn` per timed repeat, for about `target_s` seconds (one call timed, after
+    one untimed; on a GPU until its kernels finished)."""
     fn()
+    sync(device)
     t0 = time.perf_counter()
     fn()
+    sync(device)
     return max(1, int(target_s / max(time.perf_counter() - t0, 1e-6)))
 
 
@@ -100,10 +104,9 @@ def call_cost(repeats: int, calls: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    threads = setup_threads(args.threads)
-    info = machine_info(threads)
+    device, info = start(args)
     run_cfg = base_config()
-    full = real_batch(run_cfg)
+    full = {k: v.to(device) for k, v in real_batch(run_cfg).items()}
     batch, aux_all = full["tokens"], full.get("aux")  # aux: digit positions, if used
     repeats = repeats_for(args, quick=3, full=9)
     target = 0.05 if args.quick else 0.3
@@ -111,7 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for placement in ("pre", "qkv"):
             torch.manual_seed(0)
-            model = build_model(model_config(run_cfg, run_cfg.model.d_model, placement)).eval()
+            model = build_model(model_config(run_cfg, run_cfg.model.d_model, placement))
+            model = model.to(device).eval()
             n_points = len(model.hook_points())
             for b in (128, 1):
                 tokens = batch[:b]
@@ -126,8 +130,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     return fn
 
                 contenders = {"hooks": forward(ORIGINAL_CALL), "bypassed": forward(_bare)}
-                inner = _inner_for(contenders["hooks"], target)
-                times = paired_timing(contenders, repeats=repeats, inner=inner, warmup=1)
+                inner = _inner_for(contenders["hooks"], target, device)
+                times = paired_timing(contenders, repeats=repeats, inner=inner, warmup=1,
+                                      device=device)
                 th, tb = summary(times["hooks"]), summary(times["bypassed"])
                 results.append({
                     "placement": placement, "batch": b, "seq_len": tokens.shape[1],

@@ -13,7 +13,9 @@ i.e. it ignores the causal mask, as PaLM's formula does. d_attn = n_heads * d_he
 Norms, softmax, GELU and the optimiser are not counted: they are the overhead MFU exposes.
 
 Peak: the best of several float32 `torch.mm` of two n x n matrices (2 n^3 FLOPs), measured in
-the same process with the same thread count, before and after the training timings.
+the same process with the same thread count, before and after the training timings; on a GPU
+(`--device cuda`) there, n = 8192, at PyTorch's default float32 matmul precision ('highest':
+no TF32), which the result records, so MFU stays float32 work over a float32 peak.
 
     python benchmarks/bench_mfu.py [--quick] [--threads N]
 """
@@ -36,25 +38,27 @@ from common import (
     bench_main,
     header,
     load_note,
-    machine_info,
     md_table,
     paired_timing,
     repeats_for,
-    setup_threads,
+    start,
     summary,
+    sync,
 )
 from normlab import build_model
 
 MATMUL_LEAVES = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_gate", "W_U")
 
 
-def matmul_peak(n: int, repeats: int) -> dict[str, float]:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak(n: int, repeats: int, device: torch.device | None = None) -> dict[str, float]:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     torch.mm(a, b)  # warm-up
     times = []
     for _ in range(repeats):
+        sync(device)
         t0 = time.perf_counter()
         torch.mm(a, b)
+        sync(device)
         times.append(time.perf_counter() - t0)
     flops = 2 * n**3
     return {"n": n, "best_flops_per_s": flops / min(times),
@@ -76,29 +80,30 @@ def flops_per_step(d_model: int, batch: int, seq_len: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> dict[str, Any]:
-    threads = setup_threads(args.threads)
-    info = machine_info(threads)
-    n = 1024 if args.quick else 2048
+    device, info = start(args)
+    n = 8192 if device.type == "cuda" else 1024 if args.quick else 2048
     peak_reps = 3 if args.quick else 5
-    peaks = [matmul_peak(n, peak_reps)]
-    if train_step is not None and train_step["info"]["threads"] == threads:
+    peaks = [matmul_peak(n, peak_reps, device)]
+    if train_step is not None and (train_step["info"]["threads"], train_step["info"].get(
+            "device", "cpu")) == (info["threads"], info["device"]):  # the same steps, timed
         b, t = train_step["batch"], train_step["seq_len"]
         timed = {d: {k: c["median_s"] for k, c in w["contenders"].items()}
                  for d, w in train_step["widths"].items()}
         source = "bench_train_step result of this run"
     else:
         run_cfg = base_config()
-        batch = real_batch(run_cfg)
+        batch = {k: v.to(device) for k, v in real_batch(run_cfg).items()}
         b, t = batch["tokens"].shape
         widths = ["64"] if args.quick else ["64", "128"]
         repeats = repeats_for(args, quick=3, full=5)
         timed = {}
         for d in widths:
-            steps, _ = contenders_for(run_cfg, int(d), batch, ("pre", "qkv"), ("nanogpt",))
-            times = paired_timing(steps, repeats=repeats, inner=1, warmup=1)
+            steps, _ = contenders_for(run_cfg, int(d), batch, ("pre", "qkv"), ("nanogpt",),
+                                      device=device)
+            times = paired_timing(steps, repeats=repeats, inner=1, warmup=1, device=device)
             timed[d] = {k: summary(v)["median_s"] for k, v in times.items()}
         source = "timed here"
-    peaks.append(matmul_peak(n, peak_reps))
+    peaks.append(matmul_peak(n, peak_reps, device))
     peak = max(p["best_flops_per_s"] for p in peaks)
     widths_out = {}
     for d, per in timed.items():

@@ -23,14 +23,13 @@ from common import (
     bench_main,
     header,
     load_note,
-    machine_info,
     md_table,
     paired_timing,
     ratio_stats,
     rci,
     repeats_for,
     rf,
-    setup_threads,
+    start,
     summary,
 )
 from normlab.config import load_config
@@ -41,8 +40,7 @@ CONFIGS = {"quick": "configs/addition/pre.toml", "paper": "configs/addition/pape
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    threads = setup_threads(args.threads)
-    info = machine_info(threads)
+    device, info = start(args)
     repeats = repeats_for(args, quick=2, full=7)
     results = []
     for grid, path in CONFIGS.items():
@@ -52,15 +50,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              arch="decoder", answer_format=task.answer_format,
                              weights=task.train_weights)
         problems = stream.problems(cfg.train.batch_size)
-        batches = {p: make_batch(problems, "decoder", task.answer_format,
-                                 task.digit_positions, pack=p) for p in (False, True)}
+        batches = {p: {k: v.to(device) for k, v in make_batch(
+                       problems, "decoder", task.answer_format, task.digit_positions,
+                       pack=p).items()} for p in (False, True)}
         models, steps = {}, {}
         for p, b in batches.items():  # the training-step benchmark's own step, same init
-            models[p], steps[p] = build_contender("normlab", cfg.model, cfg, b)
+            models[p], steps[p] = build_contender("normlab", cfg.model, cfg, b, device=device)
         with torch.no_grad():
             losses = {p: float(loss_on(models[p], b)[0]) for p, b in batches.items()}
         times = paired_timing({"padded": steps[False], "packed": steps[True]},
-                              repeats=repeats, inner=1 if args.quick else 3, warmup=1)
+                              repeats=repeats, inner=1 if args.quick else 3, warmup=1,
+                              device=device)
         real = int((batches[False]["tokens"] != PAD).sum())
         rows = {}
         for name, p in (("padded", False), ("packed", True)):

@@ -53,6 +53,7 @@ import torch
 
 from common import (
     bench_main,
+    cpu_only,
     header,
     load_note,
     machine_info,
@@ -267,6 +268,10 @@ def measure_memory(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    skip = cpu_only(args, "scaling", "peak memory is read as the host processes' resident size, "
+                                     "and the collapse sweep runs on the CPU")
+    if skip is not None:
+        return skip
     threads = setup_threads(args.threads)
     info = machine_info(threads)
     repeats = repeats_for(args, quick=2, full=3)
@@ -317,6 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def to_markdown(res: dict[str, Any]) -> str:
+    if "kinds" not in res:  # skipped as a whole (`cpu_only`)
+        return f"### Scaling\n\nskipped: {res['skipped']}"
     parts = [header("Scaling: doubling seq len, width, batch", res["info"], res["load_note"]),
              f"time: median of {res['repeats']} alternating repeats in one process; peak memory: "
              f"{res['memory_processes']}, VmHWM - VmRSS around one step/sweep "

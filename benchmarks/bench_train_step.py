@@ -34,7 +34,6 @@ from common import (
     bench_main,
     header,
     load_note,
-    machine_info,
     md_table,
     paired_timing,
     positive_ints,
@@ -42,7 +41,7 @@ from common import (
     rci,
     repeats_for,
     rf,
-    setup_threads,
+    start,
     summary,
 )
 from nanogpt_ref import NanoGPT
@@ -94,14 +93,15 @@ def x_transformers_status() -> tuple[bool, str]:
 
 def build_contender(
     kind: str, cfg: ModelConfig, run: RunConfig, batch: dict[str, torch.Tensor],
-    compiled: bool = False,
+    compiled: bool = False, device: torch.device | None = None,
 ) -> tuple[torch.nn.Module, Callable[[], None]]:
     """kind: 'normlab' (cfg.norm_placement), 'nanogpt' (SDPA), 'nanogpt-manual' (nanoGPT's
     explicit attention) or 'x-transformers' (its default attention).
 
     `compiled` runs the model's forward (and so its backward) through `torch.compile`, as
     `train.compile` does for normlab and nanoGPT's `compile=True` for its model; the loss,
-    clipping and AdamW stay eager for every contender alike.
+    clipping and AdamW stay eager for every contender alike. `device` (default CPU) holds the
+    model; `batch` must already be there.
     """
     torch.manual_seed(0)
     tokens, targets = batch["tokens"], batch["targets"]
@@ -135,7 +135,7 @@ def build_contender(
             return _ce(model(tokens), targets)
     else:
         raise ValueError(f"unknown contender {kind!r}")
-    model.train()
+    model.to(device or "cpu").train()
     if compiled:
         model.compile()  # in place: the loss closures above call the compiled module
     opt = make_optimizer(model, run.train)
@@ -161,8 +161,10 @@ REFERENCES = ("nanogpt", "nanogpt-manual", "x-transformers")
 def contenders_for(
     run: RunConfig, d_model: int, batch: dict[str, torch.Tensor], placements: tuple[str, ...],
     refs: tuple[str, ...] = REFERENCES, compile_too: bool = False,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, Callable[[], None]], dict[str, int]]:
-    """Every contender's step, eager, and with `compile_too` also compiled (`name+compile`)."""
+    """Every contender's step, eager, and with `compile_too` also compiled (`name+compile`);
+    on `device` (default CPU), where `batch` already is."""
     steps: dict[str, Callable[[], None]] = {}
     params: dict[str, int] = {}
     kinds = [(f"normlab-{p}", "normlab", p) for p in placements]
@@ -178,7 +180,7 @@ def contenders_for(
     for compiled in (False, True) if compile_too else (False,):
         for name, kind, placement in kinds:
             m, s = build_contender(kind, model_config(run, d_model, placement), run, batch,
-                                   compiled)
+                                   compiled, device)
             if compiled:
                 graphs = counters["stats"]["unique_graphs"]
                 s()  # compile outside the timing (warm-up covers only recompiles)
@@ -190,10 +192,9 @@ def contenders_for(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    threads = setup_threads(args.threads)
-    info = machine_info(threads)
+    device, info = start(args)
     run_cfg = base_config()
-    batch = real_batch(run_cfg)
+    batch = {k: v.to(device) for k, v in real_batch(run_cfg).items()}
     b, t = batch["tokens"].shape
     widths = args.widths or ([64] if args.quick else [64, 128])
     repeats = repeats_for(args, quick=3, full=7)
@@ -207,8 +208,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     compile_too = bool(getattr(args, "compile", False))
     out["compiled"] = compile_too
     for d in widths:
-        steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS, compile_too=compile_too)
-        times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1)
+        steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS, compile_too=compile_too,
+                                       device=device)
+        times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1, device=device)
         refs = [r + c for c in ("", COMPILED) for r in REFERENCES if r + c in times]
         fastest = min(refs, key=lambda r: summary(times[r])["median_s"])
         rows = {}

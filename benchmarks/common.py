@@ -73,7 +73,48 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="torch.set_num_threads (default 1)")
     parser.add_argument("--repeats", type=positive_int, default=None,
                         help="override the repeat count(s)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where models run (default cpu); the collapse sweep and the "
+                             "scaling runs are CPU-only and report themselves skipped on cuda")
     return parser
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def setup_device(name: str) -> torch.device:
+    """The device a benchmark's models run on; a one-line error for cuda without CUDA."""
+    if name not in DEVICES:
+        raise ValueError(f"--device: expected one of {', '.join(DEVICES)}; got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device")
+    return torch.device(name)
+
+
+def start(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
+    """A benchmark's set-up: threads and malloc as the command has them (`setup_threads`),
+    its device (`--device`; callers that build their own args may leave it out: cpu), and the
+    machine facts taken at its start (`load_note` measures from them)."""
+    threads = setup_threads(args.threads)
+    device = setup_device(getattr(args, "device", "cpu"))
+    return device, machine_info(threads, device)
+
+
+def cpu_only(args: argparse.Namespace, benchmark: str, why: str) -> dict[str, Any] | None:
+    """The result of a CPU-only benchmark asked to run on a GPU: skipped, saying why; None on
+    CPU (run it)."""
+    device = getattr(args, "device", "cpu")
+    if device == "cpu":
+        return None
+    return {"benchmark": benchmark, "info": machine_info(setup_threads(args.threads)),
+            "skipped": f"CPU only ({why}); asked for --device {device}"}
+
+
+def sync(device: torch.device | None) -> None:
+    """Wait for the device's queued work: a GPU returns from a launch before the kernel ran,
+    so a timer read without this would time the launches, not the work."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def setup_threads(n: int) -> int:
@@ -96,8 +137,12 @@ def paired_timing(
     repeats: int,
     inner: int = 1,
     warmup: int = 1,
+    device: torch.device | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each contender, one entry per repeat, contenders interleaved.
+
+    On a GPU (`device`), the queue is drained (`sync`) before each timed repeat starts and
+    before it stops, so a repeat holds its kernels' run time and no earlier contender's.
 
     As `timeit` does, Python's garbage collector is off while they run (one collection
     first), so that no collection lands inside a timed call. Until the twentieth session a
@@ -110,6 +155,7 @@ def paired_timing(
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
+    sync(device)
     times: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)
     was_enabled = gc.isenabled()
@@ -119,9 +165,11 @@ def paired_timing(
         for r in range(repeats):
             for name in names if r % 2 == 0 else names[::-1]:
                 fn = contenders[name]
+                sync(device)
                 t0 = time.perf_counter()
                 for _ in range(inner):
                     fn()
+                sync(device)
                 times[name].append((time.perf_counter() - t0) / inner)
     finally:
         if was_enabled:
@@ -174,9 +222,23 @@ def cpu_counters() -> dict[str, float] | None:
             "own": t.user + t.system + t.children_user + t.children_system}
 
 
-def machine_info(threads: int) -> dict[str, Any]:
+def gpu_info(device: torch.device | None) -> dict[str, Any] | None:
+    """The GPU a cuda run used, and the float32 matmul precision it ran at (PyTorch's default,
+    'highest', keeps TF32 off, so float32 peaks and MFU are true float32); None on CPU."""
+    if device is None or device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def machine_info(threads: int, device: torch.device | None = None) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return {
+        "device": "cpu" if device is None else device.type,
+        "gpu": gpu_info(device),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
         # ATen's vectorised kernel family on this CPU (AVX512 on both the Intel and the AMD
@@ -270,6 +332,10 @@ def header(title: str, info: Mapping[str, Any], extra: str = "") -> str:
     kernels = f", {info['cpu_capability']} kernels" if info.get("cpu_capability") else ""
     line = (f"torch {info['torch']}, {info['threads']} thread(s), {info['cpu']} "
             f"({info['cpu_count']} CPUs{kernels}), {info['date']}")
+    if info.get("gpu"):  # a cuda run: the models ran there
+        gpu = info["gpu"]
+        line = (f"on {gpu['name']} (CUDA {gpu['cuda']}, float32 matmul precision "
+                f"{gpu['float32_matmul_precision']}); host: " + line)
     if info.get("native"):  # recorded from the seventeenth session on
         line += f"; normlab's CPU kernels: {info['native']}"
     elif info.get("native_norm"):  # the sixteenth session's files: the norm kernel only

@@ -70,10 +70,12 @@ def _short_cpu(cpu: str) -> str:
 
 
 def label_for(info: dict[str, Any]) -> str:
-    """'Intel Xeon, 1 thread, 612c6d0': enough to tell the files in one legend apart."""
+    """'Intel Xeon, 1 thread, 612c6d0' ('NVIDIA H100 80GB HBM3, 612c6d0' for a GPU run):
+    enough to tell the files in one legend apart."""
     threads = info.get("threads")
-    parts = [_short_cpu(str(info.get("cpu", "")))]
-    if threads is not None:
+    gpu = info.get("gpu")
+    parts = [gpu["name"] if gpu else _short_cpu(str(info.get("cpu", "")))]
+    if threads is not None and not gpu:  # a GPU run's host threads only feed it
         parts.append(f"{threads} thread{'s' if threads != 1 else ''}")
     if info.get("git"):
         parts.append(str(info["git"])[:7] + ("-dirty" if "dirty" in str(info["git"]) else ""))

@@ -33,12 +33,11 @@ from common import (
     ROOT,
     add_common_args,
     load_note,
-    machine_info,
     md_table,
     rci,
     refuse_overwrite,
     rf,
-    setup_threads,
+    start,
     write_result,
 )
 
@@ -109,12 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only: unknown benchmark {name!r}; expected {', '.join(ORDER)}")
     bench_args = argparse.Namespace(quick=args.quick, threads=args.threads, repeats=args.repeats,
                                     widths=None, run=args.run, out=None,
-                                    compile=args.compile)
-    try:
-        threads = setup_threads(args.threads)
-    except ValueError as err:  # NORMLAB_MALLOC: one line, as each bench_*.py says it
+                                    compile=args.compile, device=args.device)
+    try:  # NORMLAB_MALLOC or --device cuda without CUDA: one line, as each bench_*.py says it
+        _, info = start(bench_args)
+    except ValueError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    info = machine_info(threads)
     t_start = time.perf_counter()
     results: dict[str, Any] = {}
     seconds: dict[str, float] = {}

@@ -284,6 +284,10 @@ def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(
          "AMD EPYC 9B14, 2 threads, 0123456-dirty"),
         ({"cpu": "Intel(R) Xeon(R) CPU @ 2.20GHz", "threads": 1}, "Intel Xeon, 1 thread"),
         ({}, "unknown CPU"),
+        ({"cpu": "AMD EPYC 9B14", "threads": 1, "git": "0123456789ab", "gpu": None},
+         "AMD EPYC 9B14, 1 thread, 0123456"),  # a CPU run recorded with the device field
+        ({"cpu": "AMD EPYC 9B14", "threads": 1, "git": "0123456789ab",
+          "gpu": {"name": "NVIDIA H100 80GB HBM3"}}, "NVIDIA H100 80GB HBM3, 0123456"),
     ],
 )
 def test_labels_name_cpu_threads_and_commit(info: dict, label: str) -> None:

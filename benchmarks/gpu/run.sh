@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU table's one prepared command (issue 6: "if a GPU is available, add one table of the
+# same benchmarks on it, from a single prepared script"). Run from the repository root on the
+# GPU machine, after benchmarks/gpu/fetch_wheels.sh here (its .whl/ travels with the tree):
+#   bash benchmarks/gpu/run.sh                 # writes to $OUT (the device tool's) or runs/gpu
+#   DEVICE=cpu QUICK=1 bash benchmarks/gpu/run.sh   # the same steps on a CPU, to check them
+# It writes five files (the device tool brings back at most eight, two folders down):
+#   nvidia-smi.txt; gpu_full.json and gpu_full.md (run_all.py: train step, MFU, packing,
+#   decoding and hooks; the collapse sweep and the scaling runs are CPU-only and say so);
+#   tta.json (time to 99% on the train cells, default recipes, SEEDS, default one seed each:
+#   three would not fit a 15-minute lease); run.log (everything printed).
+# About 5 minutes on an H100 is the plan; nothing here has run on a GPU yet (no GPU has been
+# lent to this project so far), so read run.log first.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-runs/gpu}
+device=${DEVICE:-cuda}
+seeds=${SEEDS:-0}
+quick=()
+[ -n "${QUICK:-}" ] && quick=(--quick)
+mkdir -p "$out"
+exec > >(tee "$out/run.log") 2>&1
+py=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/normlab-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/normlab-site
+fi
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+(nvidia-smi || echo "no nvidia-smi") > "$out/nvidia-smi.txt" 2>&1
+"$py" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
+  'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+date -u
+status=0
+"$py" benchmarks/run_all.py --device "$device" --only train_step,mfu,packing,decode,hooks \
+  "${quick[@]}" --no-plot --force --out "$out/gpu_full.json" > "$out/gpu_full.md" || status=1
+cat "$out/gpu_full.md"
+date -u
+# time to accuracy: the runs go to a scratch folder (too many files to bring back), then
+# one summary; one run at a time, as benchmarks/tta_runs.sh does on the CPU
+runs=$(mktemp -d)
+steps=()
+[ -n "${QUICK:-}" ] && steps=(--set train.steps=20 --set train.eval_every=10 \
+  --set train.checkpoint_every=10 --set train.eval_examples=8)
+for seed in $seeds; do
+  for placement in pre qkv; do
+    "$py" -m normlab.cli train --config "configs/addition/$placement.toml" \
+      --out "$runs/$placement-s$seed" --seed "$seed" --device "$device" \
+      --set train.early_stop_accuracy=0.99 "${steps[@]}" || status=1
+  done
+done
+"$py" benchmarks/time_to_accuracy.py "$runs"/*/ --json "$out/tta.json" --force || status=1
+date -u
+exit $status

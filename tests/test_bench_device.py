@@ -1,0 +1,132 @@
+"""The benchmarks' `--device`: GPU runs time their kernels (not their launches), CPU-only
+benchmarks say they are skipped, and asking for a GPU that is not there is one line.
+
+No GPU is needed: `torch.cuda.synchronize` is replaced by a recorder where a cuda device is
+named, and the CPU-only benchmarks return before touching any device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import common
+
+CUDA = torch.device("cuda")  # a device object only: nothing below allocates on it
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+
+
+def test_paired_timing_drains_the_gpu_queue_around_every_timed_repeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA call returns when its kernels are queued: each repeat's clock must start on an
+    empty queue and stop once its own kernels ran, or it times launches and inherits the
+    previous contender's work."""
+    log: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    stamps: list[int] = []
+    monkeypatch.setattr(common.time, "perf_counter", lambda: stamps.append(len(log)) or 0.0)
+
+    def contender(name: str):
+        return lambda: log.append(name)
+
+    common.paired_timing({"a": contender("a"), "b": contender("b")}, repeats=2, inner=2,
+                         warmup=1, device=CUDA)
+    assert log == ["a", "b", "sync",  # warm-ups, then their work drained
+                   "sync", "a", "a", "sync", "sync", "b", "b", "sync",  # repeat 0: a, b
+                   "sync", "b", "b", "sync", "sync", "a", "a", "sync"]  # repeat 1: b, a
+    # each clock read sits on the sync before (start) or after (stop) a repeat's calls
+    starts, stops = stamps[0::2], stamps[1::2]
+    assert all(log[i - 1] == "sync" and log[i] in "ab" for i in starts)
+    assert all(log[i - 1] == "sync" and log[i - 2] in "ab" for i in stops)
+
+
+def test_on_the_cpu_nothing_waits_for_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(device=None) -> None:
+        raise AssertionError("synchronize called on a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    times = common.paired_timing({"a": lambda: None}, repeats=2, device=torch.device("cpu"))
+    assert len(times["a"]) == 2
+    common.paired_timing({"a": lambda: None}, repeats=1)  # no device: the CPU, as before
+    common.sync(None)
+    common.sync(torch.device("cpu"))
+
+
+@needs_no_cuda
+def test_cuda_without_a_gpu_is_one_line_from_each_benchmark_and_run_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import bench_mfu
+    import run_all
+
+    with pytest.raises(ValueError, match=r"^--device cuda: this torch \(.*\) sees no CUDA"):
+        common.setup_device("cuda")
+    with pytest.raises(ValueError, match="--device: expected one of cpu, cuda; got 'tpu'"):
+        common.setup_device("tpu")
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.main(["--quick", "--device", "cuda", "--out", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: --device cuda: this torch" in err[0]
+    assert not (tmp_path / "r.json").exists()
+    monkeypatch.setattr(sys, "argv", ["bench_mfu.py", "--quick", "--device", "cuda"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_mfu.main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("sees no CUDA device")
+
+
+@pytest.mark.parametrize("name", ["bench_collapse", "bench_scaling"])
+def test_cpu_only_benchmarks_report_themselves_skipped_on_a_gpu(name: str) -> None:
+    """The collapse sweep runs normlab's analyses, which refuse a model off the CPU; the
+    scaling runs read host memory. Asked for cuda, each returns a skipped result at once (no
+    CUDA needed), which its Markdown and run_all's headlines render."""
+    import importlib
+
+    import run_all
+
+    mod = importlib.import_module(name)
+    args = argparse.Namespace(quick=True, threads=1, repeats=1, run=None, device="cuda")
+    res = mod.run(args)
+    assert res["skipped"].startswith("CPU only (") and res["skipped"].endswith(
+        "asked for --device cuda")
+    assert "skipped: CPU only" in mod.to_markdown(res)
+    run_all.headlines({res["benchmark"]: res})  # no KeyError on a skipped result
+    assert common.cpu_only(argparse.Namespace(threads=1, device="cpu"), name, "why") is None
+
+
+def test_machine_info_records_the_device_and_the_header_names_the_gpu() -> None:
+    info = common.machine_info(1, torch.device("cpu"))
+    assert info["device"] == "cpu" and info["gpu"] is None
+    assert common.machine_info(1)["device"] == "cpu"
+    assert " on " not in common.header("t", info).splitlines()[2]
+    info["gpu"] = {"name": "NVIDIA H100 80GB HBM3", "cuda": "13.0",
+                   "float32_matmul_precision": "highest"}
+    line = common.header("t", info).splitlines()[2]
+    assert line.startswith("on NVIDIA H100 80GB HBM3 (CUDA 13.0, float32 matmul precision "
+                           "highest); host: torch ")
+
+
+def test_mfu_reuses_a_train_step_result_only_from_the_same_device() -> None:
+    """MFU reads the train-step benchmark's step times when run_all ran it first; a result
+    from another device (or thread count) times other steps, so MFU times its own."""
+    import bench_mfu
+
+    args = argparse.Namespace(quick=True, threads=1, repeats=1, device="cpu")
+    timed = {"64": {"contenders": {"normlab-pre": {"median_s": 0.5}}}}
+    fake = {"info": {"threads": 1, "device": "cpu"}, "batch": 128, "seq_len": 17,
+            "widths": timed}
+    assert bench_mfu.run(args, train_step=fake)["timings"] == "bench_train_step result of this run"
+    fake["info"]["device"] = "cuda"
+    res = bench_mfu.run(args, train_step=fake)
+    assert res["timings"] == "timed here" and res["info"]["device"] == "cpu"
+    assert set(res["widths"]["64"]["contenders"]) == {"normlab-pre", "normlab-qkv", "nanogpt"}
+    old = {"info": {"threads": 1}, "batch": 128, "seq_len": 17, "widths": timed}  # pre-device
+    assert bench_mfu.run(args, train_step=old)["timings"] == "bench_train_step result of this run"
