@@ -21,10 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rope_tables(t: int, d_head: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [t, d_head] for positions 0..t-1, rotate-half layout."""
-    inv = 1.0 / theta ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
-    angles = torch.arange(t, dtype=torch.float32)[:, None] * inv
+def rope_tables(
+    t: int, d_head: int, theta: float = 10000.0, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [t, d_head] for positions 0..t-1, rotate-half layout, on `device` (the
+    tokens'; tables on the CPU would not mix with a GPU's q and k)."""
+    inv = 1.0 / theta ** (torch.arange(0, d_head, 2, dtype=torch.float32, device=device) / d_head)
+    angles = torch.arange(t, dtype=torch.float32, device=device)[:, None] * inv
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -97,7 +100,7 @@ class NanoGPT(nn.Module):
         x = self.wte(tokens)
         rope = None
         if self.wpe is None:
-            rope = rope_tables(t, self.d_head)
+            rope = rope_tables(t, self.d_head, device=tokens.device)
         else:
             x = x + self.wpe(torch.arange(t, device=tokens.device))
         for block in self.blocks:

@@ -36,3 +36,16 @@ def test_the_reference_has_normlab_pre_decoders_parameter_count() -> None:
     for flash in (True, False):
         ref = NanoGPT(16, 64, 2, 4, 256, 32, flash=flash)
         assert sum(p.numel() for p in ref.parameters()) == ours
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("flash", [False, True])
+def test_the_reference_builds_nothing_on_the_cpu(rope: bool, flash: bool) -> None:
+    """On a GPU its RoPE tables must be where q and k are (they were built on the CPU and
+    broke both nanoGPT contenders on CUDA): the `meta` device stands in for a GPU
+    (tests/test_device.py says why)."""
+    meta = torch.device("meta")
+    model = NanoGPT(16, 64, 2, 4, 256, 32, rope=rope, flash=flash).to(meta)
+    out = model(torch.randint(0, 16, (3, 17)).to(meta))
+    assert out.device == meta and out.shape == (3, 17, 16)
+    out.sum().backward()

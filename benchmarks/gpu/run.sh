@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU table's one prepared command (issue 6: "if a GPU is available, add one table of the
 # same benchmarks on it, from a single prepared script"). Run from the repository root on the
-# GPU machine, after benchmarks/gpu/fetch_wheels.sh here (its .whl/ travels with the tree):
+# GPU machine, after benchmarks/gpu/fetch_wheels.sh here; .whl/ is git-ignored, so the device
+# tool's call must carry it (`carry: [".whl"]`), or normlab cannot write its TOML there:
 #   bash benchmarks/gpu/run.sh                 # writes to $OUT (the device tool's) or runs/gpu
 #   DEVICE=cpu QUICK=1 bash benchmarks/gpu/run.sh   # the same steps on a CPU, to check them
 # It writes five files (the device tool brings back at most eight, two folders down):
@@ -27,6 +28,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/normlab-site
 fi
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$py" -c "import tomli_w" 2> /dev/null || {
+  echo "run.sh: tomli-w is missing (normlab writes TOML): run benchmarks/gpu/fetch_wheels.sh" \
+       "where pip works, and carry .whl"; exit 1; }
 (nvidia-smi || echo "no nvidia-smi") > "$out/nvidia-smi.txt" 2>&1
 "$py" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
   'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
@@ -39,6 +43,7 @@ date -u
 # time to accuracy: the runs go to a scratch folder (too many files to bring back), then
 # one summary; one run at a time, as benchmarks/tta_runs.sh does on the CPU
 runs=$(mktemp -d)
+trap 'rm -rf "$runs"' EXIT
 steps=()
 [ -n "${QUICK:-}" ] && steps=(--set train.steps=20 --set train.eval_every=10 \
   --set train.checkpoint_every=10 --set train.eval_examples=8)
