@@ -60,10 +60,9 @@ def test_on_the_cpu_nothing_waits_for_a_gpu(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @needs_no_cuda
-def test_cuda_without_a_gpu_is_one_line_from_each_benchmark_and_run_all(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+def test_cuda_without_a_gpu_is_one_line_from_run_all_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import bench_mfu
     import run_all
 
     with pytest.raises(ValueError, match=r"^--device cuda: this torch \(.*\) sees no CUDA"):
@@ -76,11 +75,29 @@ def test_cuda_without_a_gpu_is_one_line_from_each_benchmark_and_run_all(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error: --device cuda: this torch" in err[0]
     assert not (tmp_path / "r.json").exists()
-    monkeypatch.setattr(sys, "argv", ["bench_mfu.py", "--quick", "--device", "cuda"])
+
+
+@needs_no_cuda
+@pytest.mark.parametrize(
+    "name", ["bench_train_step", "bench_mfu", "bench_packing", "bench_decode", "bench_hooks"])
+def test_cuda_without_a_gpu_is_one_line_from_each_benchmark_that_uses_it(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+
+    mod = importlib.import_module(name)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--quick", "--device", "cuda",
+                                      "--out", str(out)])
     with pytest.raises(SystemExit) as exit_info:
-        bench_mfu.main()
+        mod.main()
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().endswith("sees no CUDA device")
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()  # stopped before any work
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("error: --device cuda: this torch "
+                                             f"({torch.__version__}) sees no CUDA device")
 
 
 @pytest.mark.parametrize("name", ["bench_collapse", "bench_scaling"])

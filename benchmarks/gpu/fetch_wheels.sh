@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch, here, the wheels the GPU machine lacks, into .whl/ (git-ignored), for
 # benchmarks/gpu/run.sh to install there. That machine reaches no package index; its image has
-# Python 3.12 and torch (docs/performance.md, "The GPU table"). Pure-Python wheels, ~0.4 MB:
+# Python 3.12 and torch (docs/performance.md, twenty-fourth section, "the GPU table,
+# prepared"). Pure-Python wheels, ~0.5 MB:
 #   tomli-w (normlab writes TOML); x-transformers and its needs (the train-step reference),
 #   einops among them, pinned too (torch-einops-utils needs >= 0.8.1; the image's is unknown).
 # The versions are the ones this project's CPU venv runs, so both tables time the same code.

@@ -4,7 +4,9 @@
 # GPU machine, after benchmarks/gpu/fetch_wheels.sh here; .whl/ is git-ignored, so the device
 # tool's call must carry it (`carry: [".whl"]`), or normlab cannot write its TOML there:
 #   bash benchmarks/gpu/run.sh                 # writes to $OUT (the device tool's) or runs/gpu
-#   DEVICE=cpu QUICK=1 bash benchmarks/gpu/run.sh   # the same steps on a CPU, to check them
+#   PYTHON=.venv/bin/python DEVICE=cpu QUICK=1 bash benchmarks/gpu/run.sh   # the same steps on
+#                                             # a CPU, to check them, with this project's venv
+# PYTHON is the interpreter with torch (default python3, the GPU image's).
 # It writes five files (the device tool brings back at most eight, two folders down):
 #   nvidia-smi.txt; gpu_full.json and gpu_full.md (run_all.py: train step, MFU, packing,
 #   decoding and hooks; the collapse sweep and the scaling runs are CPU-only and say so);
@@ -21,16 +23,24 @@ quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
 mkdir -p "$out"
 exec > >(tee "$out/run.log") 2>&1
+tee_pid=$!
+finish() {  # bash does not wait for tee: close its input and wait, so run.log is whole
+  exec >&- 2>&-
+  wait "$tee_pid"
+  exit "$1"
+}
 py=${PYTHON:-python3}
+"$py" -c "import torch" 2> /dev/null || {
+  echo "run.sh: $py has no torch; set PYTHON to the interpreter that has it"; finish 1; }
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/normlab-site .whl/*.whl || exit 1
+    --target /tmp/normlab-site .whl/*.whl || finish 1
   export PYTHONPATH=/tmp/normlab-site
 fi
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -c "import tomli_w" 2> /dev/null || {
   echo "run.sh: tomli-w is missing (normlab writes TOML): run benchmarks/gpu/fetch_wheels.sh" \
-       "where pip works, and carry .whl"; exit 1; }
+       "where pip works, and carry .whl"; finish 1; }
 (nvidia-smi || echo "no nvidia-smi") > "$out/nvidia-smi.txt" 2>&1
 "$py" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
   'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
@@ -56,4 +66,4 @@ for seed in $seeds; do
 done
 "$py" benchmarks/time_to_accuracy.py "$runs"/*/ --json "$out/tta.json" --force || status=1
 date -u
-exit $status
+finish $status
