@@ -7,6 +7,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.normlab-installed
 PROFILE ?= quick
+# extra flags for run_all.py, e.g. `make bench BENCH_ARGS="--device cuda --threads 2"`
+BENCH_ARGS ?=
 
 .PHONY: setup test test-slow reproduce lint bench clean
 
@@ -33,7 +35,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
