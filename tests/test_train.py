@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from normlab import allocator
+import normlab.train as tr
+from normlab import allocator, build_model
 from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from normlab.cli import eval_run, main
 from normlab.config import dump_toml, load_config
-from normlab.train import TrainingError, lr_at, train
+from normlab.train import TrainingError, loss_on, lr_at, train
 
 TINY = [
     "task.grid='smoke'",
@@ -235,8 +236,6 @@ def test_checkpoints_record_the_commit_the_run_started_from(tmp_path: Path, monk
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    import normlab.train as tr
-
     real = tr.loss_on
     calls = {"n": 0}
 
@@ -579,6 +578,7 @@ def test_evaluations_between_log_steps_are_run(tmp_path: Path) -> None:
     (["train.grad_clip=nan"], "train.grad_clip"),
     (["train.seed=9223372036854775808"], "train.seed"),  # torch: "Overflow when unpacking"
     (["train.threads=100000"], "train.threads"),  # libgomp ended the process, exit 139
+    (["train.precision='float16'"], "train.precision"),  # would need loss scaling
 ])
 def test_training_settings_are_named_when_refused(sets: list[str], field: str) -> None:
     """A typo in early_stop_split scored -1 at every evaluation; NaN or out-of-range optimizer
@@ -715,3 +715,60 @@ def test_a_checkpoint_records_the_time_up_to_its_own_step(tmp_path: Path) -> Non
     train(c, tmp_path / "run", progress=False, stop_after=15)
     _, meta = latest_checkpoint(tmp_path / "run/checkpoints")
     assert meta["step"] == 10 and meta["elapsed_s"] > 0
+
+
+def test_bfloat16_precision_runs_the_matmuls_in_bfloat16_and_the_norms_in_float32() -> None:
+    """`train.precision = "bfloat16"`: under the training step's autocast, projections and
+    the MLP come out of their matmuls in bfloat16, while the residual stream, every norm's
+    scale (QKV-Norm's too, whose input is a bfloat16 matmul output) and the loss stay float32,
+    and the loss is the float32 one to bfloat16 rounding. With "float32" nothing changes."""
+    from normlab.tasks.addition import make_batch
+
+    c = cfg("model.norm_placement='qkv'", "train.precision='bfloat16'")
+    c.validate()
+    torch.manual_seed(0)
+    model = build_model(c.model)
+    batch = make_batch([("12+34", "46"), ("5+6", "11"), ("7+80", "87")], "decoder", "lsd")
+    seen: dict[str, torch.dtype] = {}
+
+    def record(x: torch.Tensor, hook) -> None:
+        seen[hook.name.split(".", 2)[-1]] = x.dtype
+
+    wanted = ["attn.hook_q_pre_norm", "attn.q_norm.hook_scale", "attn.v_norm.hook_scale",
+              "mlp.hook_pre", "hook_resid_post", "ln2.hook_scale"]
+    with model.hooks([(f"blocks.0.{n}", record) for n in wanted]):
+        reference = loss_on(model, batch)[0]
+        assert set(seen.values()) == {torch.float32}
+        with tr.autocast(c.train, torch.device("cpu")):
+            loss = loss_on(model, batch)[0]
+    assert seen == {"attn.hook_q_pre_norm": torch.bfloat16, "attn.q_norm.hook_scale":
+                    torch.float32, "attn.v_norm.hook_scale": torch.float32,
+                    "mlp.hook_pre": torch.bfloat16, "hook_resid_post": torch.float32,
+                    "ln2.hook_scale": torch.float32}
+    assert loss.dtype == torch.float32 and loss.item() != reference.item()
+    torch.testing.assert_close(loss, reference, rtol=1e-2, atol=0)
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    with tr.autocast(cfg().train, torch.device("cpu")):  # float32: autocast off
+        assert torch.equal(loss_on(model, batch)[0], reference)
+
+
+def test_bfloat16_training_learns_resumes_exactly_and_is_its_own_config(tmp_path: Path) -> None:
+    """Mixed precision trains (the loss falls as in float32), a killed run resumes to the same
+    weights bit for bit, and a run made in one precision does not resume in the other."""
+    c = cfg("train.precision='bfloat16'", "train.steps=30", "train.checkpoint_every=10",
+            "train.eval_every=30", "train.lr=3e-3")
+    a, b = _straight_and_resumed(c, tmp_path, stop_after=15)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "straight/metrics.jsonl").open()]
+    train(cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=30",
+              "train.lr=3e-3"), tmp_path / "f32", progress=False)
+    f32 = [json.loads(x)["loss"] for x in (tmp_path / "f32/metrics.jsonl").open()]
+    assert losses[-1] < 0.8 * losses[0] and abs(losses[-1] - f32[-1]) < 0.05 * f32[-1]
+    assert a.keys() == _weights(tmp_path / "f32").keys()
+    assert not torch.equal(a["model/blocks.0.mlp.W_in"], _weights(tmp_path / "f32")[
+        "model/blocks.0.mlp.W_in"])  # the precision did change the arithmetic
+    with pytest.raises(ValueError, match="the config differs from the one saved"):
+        train(cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=30",
+                  "train.lr=3e-3"), tmp_path / "straight", progress=False, resume=True)

@@ -4,9 +4,11 @@ bench.
 Would bfloat16 mixed precision (`torch.autocast("cpu", torch.bfloat16)` around the step, as
 nanoGPT's `dtype = "bfloat16"`) speed up normlab's training step on a CPU with AMX? The
 train-step benchmark's own step (bench_train_step.build_contender: forward, loss, backward,
-clipping, AdamW; float32 weights), `pre`, at the default width d64 and at d128 and d256,
-float32 and under autocast alternating, 7 rounds after 3 warm-ups each; and the float32 and
-bfloat16 matmul peaks (best of 5 2048^2 products).
+clipping, AdamW; float32 weights), `pre` and `qkv`, at the default width d64 and at d128 and
+d256, float32 and under autocast alternating, 7 rounds after 3 warm-ups each; and the
+float32 and bfloat16 matmul peaks (best of 5 2048^2 products). Autocast here wraps the whole
+step; `train.precision` wraps the forward and loss (`normlab.train.autocast`): the backward
+follows the forward's dtypes either way, and clipping and AdamW run no matmul.
 
     .venv/bin/python benchmarks/probes/bf16_autocast.py [THREADS]
 """
@@ -28,8 +30,8 @@ threads_from_argv("bf16_autocast.py")
 probe_header("bf16 autocast, training step", f"AMX: {'amx_bf16' in open('/proc/cpuinfo').read()}")
 run = base_config()
 batch = real_batch(run)
-for d in (64, 128, 256):
-    _, step = build_contender("normlab", model_config(run, d, "pre"), run, batch)
+for placement, d in [(p, d) for p in ("pre", "qkv") for d in (64, 128, 256)]:
+    _, step = build_contender("normlab", model_config(run, d, placement), run, batch)
 
     def bf16(step=step) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -46,8 +48,9 @@ for d in (64, 128, 256):
             ways[name]()
             times[name].append(time.perf_counter() - t0)
     ms = {k: 1e3 * st.median(v) for k, v in times.items()}
-    print(f"  d{d}: float32 {ms['float32']:.1f} ms, bf16 autocast {ms['bf16 autocast']:.1f} ms, "
-          f"float32 / bf16 {ms['float32'] / ms['bf16 autocast']:.2f}")
+    f32, b16 = ms["float32"], ms["bf16 autocast"]
+    print(f"  {placement} d{d}: float32 {f32:.1f} ms, bf16 autocast {b16:.1f} ms, "
+          f"float32 / bf16 {f32 / b16:.2f}")
 a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
 for dtype in (torch.float32, torch.bfloat16):
     x, y = a.to(dtype), b.to(dtype)

@@ -21,6 +21,7 @@ from normlab.tasks.addition import VOCAB_SIZE, ResolvedTask, TaskConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("float32", "bfloat16")  # float16 would need loss scaling; not offered
 MAX_THREADS = 1024  # torch threads a run may ask for (a sweep's runs may be for bigger hosts)
 
 
@@ -49,6 +50,8 @@ class TrainConfig:
     threads: int = 1
     device: str = "auto"
     compile: bool = False  # torch.compile the training forward/backward (evaluation stays eager)
+    # the training forward's matmuls in bfloat16 (autocast; weights, optimiser, norms float32)
+    precision: str = "float32"
 
     def validate(self) -> None:
         positive = (
@@ -90,6 +93,9 @@ class TrainConfig:
             raise ValueError(
                 f"train.device: expected one of {', '.join(DEVICES)}; got {self.device!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision: expected one of {', '.join(PRECISIONS)}; got "
+                             f"{self.precision!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"train.compile: expected true or false; got {self.compile!r}")
         for name in ("weight_decay", "grad_clip"):

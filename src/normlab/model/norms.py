@@ -15,6 +15,8 @@ from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint, torch_hooked
 from normlab.model.positions import Rope
 
+_HALF = (torch.bfloat16, torch.float16)
+
 
 class Norm(nn.Module):
     """N(x) over the last dim: `layer` centres first, `rms` does not."""
@@ -50,6 +52,11 @@ class Norm(nn.Module):
         return self._norm(x, False, rope)
 
     def _norm(self, x: torch.Tensor, head_major: bool, rope: Rope | None) -> torch.Tensor:
+        if x.dtype in _HALF and torch.is_autocast_enabled(x.device.type):
+            # Mixed precision (`train.precision = "bfloat16"`) hands QK/QKV-Norm the bfloat16
+            # output of a matmul: its statistics, the scale this project studies, are computed
+            # in float32 all the same, as every other norm's (they read the float32 residual)
+            x = x.float()
         if not (self.hook_scale.fns or self.hook_normalized.fns):
             # fused kernels when nobody reads the scale: same numbers to ~1e-7, 3-7x faster;
             # on CPU, normlab's own kernel where it is built (native.py: why and how)
