@@ -52,7 +52,8 @@ class Norm(nn.Module):
         return self._norm(x, False, rope)
 
     def _norm(self, x: torch.Tensor, head_major: bool, rope: Rope | None) -> torch.Tensor:
-        if x.dtype in _HALF and torch.is_autocast_enabled(x.device.type):
+        if (isinstance(x, torch.Tensor) and x.dtype in _HALF  # (an fx Proxy is no Tensor)
+                and torch.is_autocast_enabled(x.device.type)):
             # Mixed precision (`train.precision = "bfloat16"`) hands QK/QKV-Norm the bfloat16
             # output of a matmul: its statistics, the scale this project studies, are computed
             # in float32 all the same, as every other norm's (they read the float32 residual)
