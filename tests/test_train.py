@@ -772,3 +772,56 @@ def test_bfloat16_training_learns_resumes_exactly_and_is_its_own_config(tmp_path
     with pytest.raises(ValueError, match="the config differs from the one saved"):
         train(cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=30",
                   "train.lr=3e-3"), tmp_path / "straight", progress=False, resume=True)
+
+
+@pytest.mark.parametrize("placement", ["none", "post", "pre", "qk", "qkv", "pre_qk"])
+def test_bfloat16_attention_scores_and_softmax_are_float32_in_every_placement(
+    placement: str,
+) -> None:
+    """Under the step's autocast, QK-Norm's float32 output made its scores and softmax float32
+    while `pre`'s (learned positions: no RoPE to promote q) were bfloat16, a precision that
+    differed by placement in a study that compares placements."""
+    from normlab.tasks.addition import make_batch
+
+    c = cfg(f"model.norm_placement='{placement}'", "train.precision='bfloat16'")
+    torch.manual_seed(0)
+    model = build_model(c.model)
+    batch = make_batch([("12+34", "46"), ("5+6", "11")], "decoder", "lsd")
+    seen: dict[str, torch.dtype] = {}
+
+    def record(x: torch.Tensor, hook) -> None:
+        seen[hook.name] = x.dtype
+
+    names = ["blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern",
+             "blocks.0.attn.hook_z"]
+    with model.hooks([(n, record) for n in names]), tr.autocast(c.train, torch.device("cpu")):
+        loss_on(model, batch)
+    assert seen == dict(zip(names, [torch.float32, torch.float32, torch.bfloat16], strict=True))
+
+
+def test_a_model_with_bfloat16_weights_keeps_its_precision_under_autocast() -> None:
+    """The norms' float32 statistics are for mixed precision (float32 weights); a model cast
+    to bfloat16 as a whole runs in bfloat16 under autocast as before, not into a dtype error."""
+    torch.manual_seed(0)
+    for placement in ("pre", "qkv"):
+        model = build_model(cfg(f"model.norm_placement='{placement}'").model).to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randint(0, 16, (2, 7)))
+        assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+
+
+def test_bfloat16_training_evaluates_in_float32(tmp_path: Path, monkeypatch) -> None:
+    """Only the training forward runs under autocast: its periodic evaluations decode with
+    float32 matmuls, as `normlab eval` and the analyses do."""
+    states: list[bool] = []
+    real = tr.evaluate
+
+    def spy(*args, **kwargs):
+        states.append(torch.is_autocast_enabled("cpu"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tr, "evaluate", spy)
+    c = cfg("train.precision='bfloat16'", "train.steps=10", "train.eval_every=5",
+            "train.checkpoint_every=10")
+    train(c, tmp_path / "run", progress=False)
+    assert states == [False, False]

@@ -26,7 +26,7 @@ from torch import nn
 from normlab.model import native
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
-from normlab.model.norms import Norm
+from normlab.model.norms import Norm, autocast_half
 from normlab.model.positions import Rope
 
 EXPLICIT_MAX_KEYS_CPU = 64
@@ -217,6 +217,8 @@ class Attention(nn.Module):
             )
         else:
             scores = q @ k.transpose(-1, -2)
+            if autocast_half(scores):  # mixed precision: scale, mask, softmax in float32
+                scores, scale = scores.float(), self.scale.float()  # (`autocast_half`: why)
             if mask is None:
                 scores = scores * scale[:, None, None]
             else:  # scale and mask in one pass; + 0 / + -inf equals a masked_fill bit for bit

@@ -18,6 +18,15 @@ from normlab.model.positions import Rope
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def autocast_half(x: object) -> bool:
+    """Whether `x` is a half-precision tensor made under autocast (`train.precision =
+    "bfloat16"`): a matmul's output, which the norms' statistics and attention's scores and
+    softmax read in float32, so that the quantities this project compares across placements
+    have one precision whatever the placement (an fx Proxy is no Tensor)."""
+    return (isinstance(x, torch.Tensor) and x.dtype in _HALF
+            and torch.is_autocast_enabled(x.device.type))
+
+
 class Norm(nn.Module):
     """N(x) over the last dim: `layer` centres first, `rms` does not."""
 
@@ -52,11 +61,11 @@ class Norm(nn.Module):
         return self._norm(x, False, rope)
 
     def _norm(self, x: torch.Tensor, head_major: bool, rope: Rope | None) -> torch.Tensor:
-        if (isinstance(x, torch.Tensor) and x.dtype in _HALF  # (an fx Proxy is no Tensor)
-                and torch.is_autocast_enabled(x.device.type)):
-            # Mixed precision (`train.precision = "bfloat16"`) hands QK/QKV-Norm the bfloat16
-            # output of a matmul: its statistics, the scale this project studies, are computed
-            # in float32 all the same, as every other norm's (they read the float32 residual)
+        if autocast_half(x) and self.w.dtype is torch.float32:
+            # Mixed precision hands QK/QKV-Norm the bfloat16 output of a matmul: its
+            # statistics, the scale this project studies, are float32 all the same, as every
+            # other norm's (they read the float32 residual). A model whose own weights are
+            # half precision keeps its precision.
             x = x.float()
         if not (self.hook_scale.fns or self.hook_normalized.fns):
             # fused kernels when nobody reads the scale: same numbers to ~1e-7, 3-7x faster;
