@@ -15,7 +15,9 @@ Norms, softmax, GELU and the optimiser are not counted: they are the overhead MF
 Peak: the best of several float32 `torch.mm` of two n x n matrices (2 n^3 FLOPs), measured in
 the same process with the same thread count, before and after the training timings; on a GPU
 (`--device cuda`) there, n = 8192, at PyTorch's default float32 matmul precision ('highest':
-no TF32), which the result records, so MFU stays float32 work over a float32 peak.
+no TF32), which the result records, so MFU stays float32 work over a float32 peak. With
+`--precision bfloat16` the steps run under autocast (`train.precision`) and the peak is a
+bfloat16 matmul's: bfloat16 work over a bfloat16 peak.
 
     python benchmarks/bench_mfu.py [--quick] [--threads N]
 """
@@ -35,6 +37,7 @@ from bench_train_step import (
     real_batch,
 )
 from common import (
+    add_precision_arg,
     bench_main,
     header,
     load_note,
@@ -50,8 +53,11 @@ from normlab import build_model
 MATMUL_LEAVES = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_gate", "W_U")
 
 
-def matmul_peak(n: int, repeats: int, device: torch.device | None = None) -> dict[str, float]:
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def matmul_peak(
+    n: int, repeats: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)  # warm-up
     times = []
     for _ in range(repeats):
@@ -83,9 +89,13 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
     device, info = start(args)
     n = 8192 if device.type == "cuda" else 1024 if args.quick else 2048
     peak_reps = 3 if args.quick else 5
-    peaks = [matmul_peak(n, peak_reps, device)]
-    if train_step is not None and (train_step["info"]["threads"], train_step["info"].get(
-            "device", "cpu")) == (info["threads"], info["device"]):  # the same steps, timed
+    precision = getattr(args, "precision", "float32")
+    dtype = getattr(torch, precision)  # the peak in the precision the steps run their matmuls
+    peaks = [matmul_peak(n, peak_reps, device, dtype)]
+    if train_step is not None and (
+        train_step["info"]["threads"], train_step["info"].get("device", "cpu"),
+        train_step.get("precision", "float32"),
+    ) == (info["threads"], info["device"], precision):  # the same steps, timed
         b, t = train_step["batch"], train_step["seq_len"]
         timed = {d: {k: c["median_s"] for k, c in w["contenders"].items()}
                  for d, w in train_step["widths"].items()}
@@ -99,11 +109,11 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
         timed = {}
         for d in widths:
             steps, _ = contenders_for(run_cfg, int(d), batch, ("pre", "qkv"), ("nanogpt",),
-                                      device=device)
+                                      device=device, precision=precision)
             times = paired_timing(steps, repeats=repeats, inner=1, warmup=1, device=device)
             timed[d] = {k: summary(v)["median_s"] for k, v in times.items()}
         source = "timed here"
-    peaks.append(matmul_peak(n, peak_reps, device))
+    peaks.append(matmul_peak(n, peak_reps, device, dtype))
     peak = max(p["best_flops_per_s"] for p in peaks)
     widths_out = {}
     for d, per in timed.items():
@@ -115,7 +125,8 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
         }
     return {
         "benchmark": "mfu", "info": info, "batch": b, "seq_len": t, "timings": source,
-        "peak": {"matmul_n": n, "flops_per_s": peak, "measurements": peaks},
+        "precision": precision,
+        "peak": {"matmul_n": n, "dtype": precision, "flops_per_s": peak, "measurements": peaks},
         "formula": "flops/step = B*T*(6*N_mm + 12*L*T*d_attn); N_mm = matmul weights incl. W_U",
         "widths": widths_out,
         "load_note": load_note(info),
@@ -125,7 +136,7 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
 def to_markdown(res: dict[str, Any]) -> str:
     p = res["peak"]
     parts = [header("Model FLOPs utilisation (training step)", res["info"], res["load_note"]),
-             f"peak = best float32 torch.mm {p['matmul_n']}x{p['matmul_n']}: "
+             f"peak = best {p.get('dtype', 'float32')} torch.mm {p['matmul_n']}x{p['matmul_n']}: "
              f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s. {res['formula']} (causal mask ignored). "
              f"batch {res['batch']} x seq len {res['seq_len']}; step times: {res['timings']}."]
     for d, w in res["widths"].items():
@@ -138,7 +149,7 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    bench_main(__doc__, run, to_markdown)
+    bench_main(__doc__, run, to_markdown, extra=add_precision_arg)
 
 
 if __name__ == "__main__":

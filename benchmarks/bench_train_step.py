@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from common import (
     ROOT,
+    add_precision_arg,
     bench_main,
     header,
     load_note,
@@ -48,7 +50,7 @@ from nanogpt_ref import NanoGPT
 from normlab import ModelConfig, build_model
 from normlab.config import RunConfig, load_config
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream
-from normlab.train import loss_on, make_optimizer
+from normlab.train import autocast, loss_on, make_optimizer
 
 PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
 CONFIG = ROOT / "configs" / "addition" / "pre.toml"
@@ -93,7 +95,7 @@ def x_transformers_status() -> tuple[bool, str]:
 
 def build_contender(
     kind: str, cfg: ModelConfig, run: RunConfig, batch: dict[str, torch.Tensor],
-    compiled: bool = False, device: torch.device | None = None,
+    compiled: bool = False, device: torch.device | None = None, precision: str = "float32",
 ) -> tuple[torch.nn.Module, Callable[[], None]]:
     """kind: 'normlab' (cfg.norm_placement), 'nanogpt' (SDPA), 'nanogpt-manual' (nanoGPT's
     explicit attention) or 'x-transformers' (its default attention).
@@ -101,7 +103,9 @@ def build_contender(
     `compiled` runs the model's forward (and so its backward) through `torch.compile`, as
     `train.compile` does for normlab and nanoGPT's `compile=True` for its model; the loss,
     clipping and AdamW stay eager for every contender alike. `device` (default CPU) holds the
-    model; `batch` must already be there.
+    model; `batch` must already be there. `precision` "bfloat16" runs every contender's
+    forward and loss under the autocast normlab's training loop uses (`train.precision`,
+    `normlab.train.autocast`).
     """
     torch.manual_seed(0)
     tokens, targets = batch["tokens"], batch["targets"]
@@ -140,9 +144,12 @@ def build_contender(
         model.compile()  # in place: the loss closures above call the compiled module
     opt = make_optimizer(model, run.train)
     clip = run.train.grad_clip
+    mixed = autocast(dataclasses.replace(run.train, precision=precision),
+                     torch.device(device or "cpu"))
 
     def step() -> None:
-        loss = loss_fn()
+        with mixed:
+            loss = loss_fn()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if clip:
@@ -161,7 +168,7 @@ REFERENCES = ("nanogpt", "nanogpt-manual", "x-transformers")
 def contenders_for(
     run: RunConfig, d_model: int, batch: dict[str, torch.Tensor], placements: tuple[str, ...],
     refs: tuple[str, ...] = REFERENCES, compile_too: bool = False,
-    device: torch.device | None = None,
+    device: torch.device | None = None, precision: str = "float32",
 ) -> tuple[dict[str, Callable[[], None]], dict[str, int]]:
     """Every contender's step, eager, and with `compile_too` also compiled (`name+compile`);
     on `device` (default CPU), where `batch` already is."""
@@ -180,7 +187,7 @@ def contenders_for(
     for compiled in (False, True) if compile_too else (False,):
         for name, kind, placement in kinds:
             m, s = build_contender(kind, model_config(run, d_model, placement), run, batch,
-                                   compiled, device)
+                                   compiled, device, precision)
             if compiled:
                 graphs = counters["stats"]["unique_graphs"]
                 s()  # compile outside the timing (warm-up covers only recompiles)
@@ -206,10 +213,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": str(CONFIG.relative_to(ROOT)), "widths": {},
     }
     compile_too = bool(getattr(args, "compile", False))
-    out["compiled"] = compile_too
+    precision = getattr(args, "precision", "float32")
+    out["compiled"], out["precision"] = compile_too, precision
     for d in widths:
         steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS, compile_too=compile_too,
-                                       device=device)
+                                       device=device, precision=precision)
         times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1, device=device)
         refs = [r + c for c in ("", COMPILED) for r in REFERENCES if r + c in times]
         fastest = min(refs, key=lambda r: summary(times[r])["median_s"])
@@ -240,7 +248,8 @@ def to_markdown(res: dict[str, Any]) -> str:
              f"{res['config']} sizes, median of {res['repeats']} repeats x "
              f"{res['steps_per_repeat']} steps; ratio = time / reference time (median of "
              f"per-repeat ratios, > 1 means slower; CI: distribution-free interval for that "
-             f"median, with its coverage). {res['x_transformers']}."]
+             f"median, with its coverage). {res['x_transformers']}. Precision: "
+             f"{res.get('precision', 'float32')} (every contender alike)."]
     for d, w in res["widths"].items():
         rows = [[name, c["params"], 1e3 * c["median_s"], c["tokens_per_s"],
                  rf(c["vs_nanogpt"]["median"]), rf(c["vs_fastest_ref"]["median"]),
@@ -260,6 +269,7 @@ def main() -> None:
                        help="comma-separated d_model values (default 64,128; 64 with --quick)")
         p.add_argument("--compile", action="store_true",
                        help="also time every contender under torch.compile (+~20 s each)")
+        add_precision_arg(p)
 
     bench_main(__doc__, run, to_markdown, extra=extra)
 

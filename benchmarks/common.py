@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from normlab import allocator, io
+from normlab.config import PRECISIONS
 from normlab.io import atomic_write_text, git_commit
 from normlab.model import native
 from normlab.stats import median_ci
@@ -80,6 +81,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 DEVICES = ("cpu", "cuda")
+
+
+def add_precision_arg(parser: argparse.ArgumentParser) -> None:
+    """`--precision`, as `train.precision`: bfloat16 runs the training steps' forward and loss
+    under autocast (every contender alike) and measures the matmul peak in bfloat16."""
+    parser.add_argument("--precision", choices=PRECISIONS, default="float32",
+                        help="training steps in float32 (default) or bfloat16 autocast")
 
 
 def setup_device(name: str) -> torch.device:

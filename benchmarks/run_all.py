@@ -32,6 +32,7 @@ import plot
 from common import (
     ROOT,
     add_common_args,
+    add_precision_arg,
     load_note,
     md_table,
     rci,
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default=None, help="trained decoder run for bench_collapse")
     parser.add_argument("--compile", action="store_true",
                         help="train_step also times every contender under torch.compile")
+    add_precision_arg(parser)  # the train-step and MFU steps (packing's stay float32)
     parser.add_argument("--no-plot", action="store_true",
                         help="skip the figures (<out stem>_targets.png, _scaling.png)")
     args = parser.parse_args(argv)
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only: unknown benchmark {name!r}; expected {', '.join(ORDER)}")
     bench_args = argparse.Namespace(quick=args.quick, threads=args.threads, repeats=args.repeats,
                                     widths=None, run=args.run, out=None,
-                                    compile=args.compile, device=args.device)
+                                    compile=args.compile, device=args.device,
+                                    precision=args.precision)
     try:  # NORMLAB_MALLOC or --device cuda without CUDA: one line, as each bench_*.py says it
         _, info = start(bench_args)
     except ValueError as err:

@@ -133,7 +133,8 @@ def test_machine_info_records_the_device_and_the_header_names_the_gpu() -> None:
 
 def test_mfu_reuses_a_train_step_result_only_from_the_same_device() -> None:
     """MFU reads the train-step benchmark's step times when run_all ran it first; a result
-    from another device (or thread count) times other steps, so MFU times its own."""
+    from another device, thread count or precision times other steps, so MFU times its own
+    (and measures its peak in the steps' precision)."""
     import bench_mfu
 
     args = argparse.Namespace(quick=True, threads=1, repeats=1, device="cpu")
@@ -147,3 +148,10 @@ def test_mfu_reuses_a_train_step_result_only_from_the_same_device() -> None:
     assert set(res["widths"]["64"]["contenders"]) == {"normlab-pre", "normlab-qkv", "nanogpt"}
     old = {"info": {"threads": 1}, "batch": 128, "seq_len": 17, "widths": timed}  # pre-device
     assert bench_mfu.run(args, train_step=old)["timings"] == "bench_train_step result of this run"
+    mixed = dict(old, precision="bfloat16")  # steps in another precision: timed here, in its own
+    assert bench_mfu.run(args, train_step=mixed)["timings"] == "timed here"
+    bf16 = bench_mfu.run(argparse.Namespace(quick=True, threads=1, repeats=1, device="cpu",
+                                            precision="bfloat16"), train_step=mixed)
+    assert bf16["timings"] == "bench_train_step result of this run"
+    assert bf16["peak"]["dtype"] == "bfloat16" and "best bfloat16 torch.mm" in \
+        bench_mfu.to_markdown(bf16)

@@ -49,3 +49,29 @@ def test_the_reference_builds_nothing_on_the_cpu(rope: bool, flash: bool) -> Non
     out = model(torch.randint(0, 16, (3, 17)).to(meta))
     assert out.device == meta and out.shape == (3, 17, 16)
     out.sum().backward()
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["normlab", "nanogpt", "nanogpt-manual", "x-transformers"])
+def test_every_contender_steps_in_the_precision_asked(kind: str, precision: str) -> None:
+    """`--precision bfloat16` puts every contender's forward under the autocast normlab's
+    training loop uses, not normlab's alone: its first projection comes out in bfloat16."""
+    from bench_train_step import build_contender, x_transformers_status
+    from normlab.config import RunConfig
+
+    if kind == "x-transformers" and not x_transformers_status()[0]:
+        pytest.skip("x-transformers is not installed")
+    cfg = ModelConfig(vocab_size=16, d_model=32, n_heads=4, n_layers=1, d_mlp=64, max_len=32,
+                      norm_placement="pre", pos_encoding="rope")
+    batch = {"tokens": torch.randint(1, 16, (4, 9)), "targets": torch.randint(0, 16, (4, 9))}
+    model, step = build_contender(kind, cfg, RunConfig(), batch, precision=precision)
+    seen: list[torch.dtype] = []
+    if kind == "normlab":
+        with model.hooks([("blocks.0.mlp.hook_pre", lambda x, hook: seen.append(x.dtype))]):
+            step()
+    else:
+        linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        handle = linear.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        step()
+        handle.remove()
+    assert seen == [getattr(torch, precision)]
