@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -144,8 +143,7 @@ def build_contender(
         model.compile()  # in place: the loss closures above call the compiled module
     opt = make_optimizer(model, run.train)
     clip = run.train.grad_clip
-    mixed = autocast(dataclasses.replace(run.train, precision=precision),
-                     torch.device(device or "cpu"))
+    mixed = autocast(precision, torch.device(device or "cpu"))
 
     def step() -> None:
         with mixed:

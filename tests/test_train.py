@@ -739,7 +739,7 @@ def test_bfloat16_precision_runs_the_matmuls_in_bfloat16_and_the_norms_in_float3
     with model.hooks([(f"blocks.0.{n}", record) for n in wanted]):
         reference = loss_on(model, batch)[0]
         assert set(seen.values()) == {torch.float32}
-        with tr.autocast(c.train, torch.device("cpu")):
+        with tr.autocast(c.train.precision, torch.device("cpu")):
             loss = loss_on(model, batch)[0]
     assert seen == {"attn.hook_q_pre_norm": torch.bfloat16, "attn.q_norm.hook_scale":
                     torch.float32, "attn.v_norm.hook_scale": torch.float32,
@@ -749,7 +749,7 @@ def test_bfloat16_precision_runs_the_matmuls_in_bfloat16_and_the_norms_in_float3
     torch.testing.assert_close(loss, reference, rtol=1e-2, atol=0)
     loss.backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-    with tr.autocast(cfg().train, torch.device("cpu")):  # float32: autocast off
+    with tr.autocast(cfg().train.precision, torch.device("cpu")):  # float32: autocast off
         assert torch.equal(loss_on(model, batch)[0], reference)
 
 
@@ -794,7 +794,8 @@ def test_bfloat16_attention_scores_and_softmax_are_float32_in_every_placement(
 
     names = ["blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern",
              "blocks.0.attn.hook_z"]
-    with model.hooks([(n, record) for n in names]), tr.autocast(c.train, torch.device("cpu")):
+    mixed = tr.autocast(c.train.precision, torch.device("cpu"))
+    with model.hooks([(n, record) for n in names]), mixed:
         loss_on(model, batch)
     assert seen == dict(zip(names, [torch.float32, torch.float32, torch.bfloat16], strict=True))
 

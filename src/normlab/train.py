@@ -28,7 +28,7 @@ from normlab.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from normlab.config import RunConfig, TrainConfig, dump_toml, load_config
+from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import atomic_write_text, provenance, read_metrics, write_json
 from normlab.model import Model, build_model
@@ -83,12 +83,12 @@ def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
     )
 
 
-def autocast(tc: TrainConfig, device: torch.device) -> torch.autocast:
-    """The training forward's precision (`train.precision`): with "bfloat16", autocast runs
+def autocast(precision: str, device: torch.device) -> torch.autocast:
+    """The training forward's `train.precision`: with "bfloat16", autocast runs
     its matmuls in bfloat16 (AMX or a GPU's tensor cores); weights, gradients, AdamW, the
     residual stream, the norms and the loss stay float32. Evaluation runs outside it."""
     return torch.autocast(device.type, dtype=torch.bfloat16,
-                          enabled=tc.precision == "bfloat16")
+                          enabled=precision == "bfloat16")
 
 
 def loss_on(model: Model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -301,7 +301,7 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = {k: v.to(device) for k, v in next(stream).items()}
-            with autocast(tc, device):
+            with autocast(tc.precision, device):
                 loss, n_tok = loss_on(step_model, batch)
             if not torch.isfinite(loss):
                 raise TrainingError(f"loss is {loss.item()} at step {step + 1}; stopped, "
