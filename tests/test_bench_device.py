@@ -155,3 +155,58 @@ def test_mfu_reuses_a_train_step_result_only_from_the_same_device() -> None:
     assert bf16["timings"] == "bench_train_step result of this run"
     assert bf16["peak"]["dtype"] == "bfloat16" and "best bfloat16 torch.mm" in \
         bench_mfu.to_markdown(bf16)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_bench_passes_bench_args_to_run_all() -> None:
+    """`make bench BENCH_ARGS="--device cuda"` reaches run_all.py (`make -n`: printed, not
+    run)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+
+    def bench_line(*extra: str) -> str:
+        out = subprocess.run(["make", "-n", "-C", str(ROOT), "bench", *extra],
+                             capture_output=True, text=True, check=True).stdout
+        return next(line for line in out.splitlines() if "run_all.py" in line).strip()
+
+    assert bench_line('BENCH_ARGS=--device cuda --threads 2').endswith(
+        "run_all.py --device cuda --threads 2")
+    assert bench_line().endswith("run_all.py")
+
+
+def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu/run.sh as its header's CPU check runs it (DEVICE=cpu QUICK=1, PYTHON
+    this interpreter): the benchmarks a GPU table holds, the two training runs and the
+    summary, five files; and a PYTHON without torch stops it in one line."""
+    import json
+    import os
+    import subprocess
+
+    script = ROOT / "benchmarks" / "gpu" / "run.sh"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE="cpu", QUICK="1",
+               PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_full.json", "gpu_full.md", "nvidia-smi.txt", "run.log", "tta.json"]
+    full = json.loads((out / "gpu_full.json").read_text())
+    assert sorted(full["results"]) == ["decode", "hooks", "mfu", "packing", "train_step"]
+    assert not any("error" in r for r in full["results"].values())
+    runs = json.loads((out / "tta.json").read_text())["runs"]
+    assert sorted(r["placement"] for r in runs) == ["pre", "qkv"]
+    # whole: its last line, the closing `date -u`, waited for (the script waits for its tee)
+    assert (out / "run.log").read_text().rstrip().endswith("UTC " + full["info"]["date"][:4])
+
+    bare = dict(env, OUT=str(tmp_path / "bare"), PYTHON=str(tmp_path / "no-torch"))
+    (tmp_path / "no-torch").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "no-torch").chmod(0o755)
+    proc = subprocess.run(["bash", str(script)], env=bare, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines() == [
+        f"run.sh: {tmp_path / 'no-torch'} has no torch; set PYTHON to the interpreter that has it"]
