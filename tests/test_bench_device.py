@@ -182,7 +182,8 @@ def test_make_bench_passes_bench_args_to_run_all() -> None:
 def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/gpu/run.sh as its header's CPU check runs it (DEVICE=cpu QUICK=1, PYTHON
     this interpreter): the benchmarks a GPU table holds, the two training runs and the
-    summary, five files; and a PYTHON without torch stops it in one line."""
+    summary, five files; run again into the same folder, it refuses in one line and keeps
+    them; and a PYTHON without torch stops it in one line."""
     import json
     import os
     import subprocess
@@ -202,6 +203,13 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert sorted(r["placement"] for r in runs) == ["pre", "qkv"]
     # whole: its last line, the closing `date -u`, waited for (the script waits for its tee)
     assert (out / "run.log").read_text().rstrip().endswith("UTC " + full["info"]["date"][:4])
+
+    before = {p.name: p.read_bytes() for p in out.iterdir()}  # run again: refused, kept
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines() == [
+        f"run.sh: {out} already holds results; set OUT to another folder, or FORCE=1 to "
+        "replace them"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
     bare = dict(env, OUT=str(tmp_path / "bare"), PYTHON=str(tmp_path / "no-torch"))
     (tmp_path / "no-torch").write_text("#!/bin/sh\nexit 1\n")

@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu/run.sh                 # writes to $OUT (the device tool's) or runs/gpu
 #   PYTHON=.venv/bin/python DEVICE=cpu QUICK=1 bash benchmarks/gpu/run.sh   # the same steps on
 #                                             # a CPU, to check them, with this project's venv
-# PYTHON is the interpreter with torch (default python3, the GPU image's).
+# PYTHON is the interpreter with torch (default python3, the GPU image's). An OUT that already
+# holds files is refused, unless FORCE=1 (the device tool's $OUT starts empty).
 # It writes five files (the device tool brings back at most eight, two folders down):
 #   nvidia-smi.txt; gpu_full.json and gpu_full.md (run_all.py: train step, MFU, packing,
 #   decoding and hooks; the collapse sweep and the scaling runs are CPU-only and say so);
@@ -21,6 +22,10 @@ device=${DEVICE:-cuda}
 seeds=${SEEDS:-0}
 quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
+if [ -z "${FORCE:-}" ] && compgen -G "$out/*" > /dev/null; then
+  echo "run.sh: $out already holds results; set OUT to another folder, or FORCE=1 to replace them"
+  exit 2
+fi
 mkdir -p "$out"
 exec > >(tee "$out/run.log") 2>&1
 tee_pid=$!
