@@ -298,3 +298,85 @@ def test_dropout_only_where_it_drops(monkeypatch: pytest.MonkeyPatch) -> None:
     plain(tokens)
     assert len(seen) == 2  # attention's and the MLP's
 
+
+
+# ---- q, k, v in one matmul under autocast ------------------------------------------------
+
+
+class _MatmulWidths(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the output width of every matmul, as it reaches the kernels (after autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widths: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+            self.widths.append(out.shape[-1])
+        return out
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_autocast_projects_q_k_v_with_one_matmul(placement: str) -> None:
+    """Under the training step's autocast, self-attention gets q, k and v from one matmul of
+    the weights side by side (x cast once), cross-attention its k and v from one; without
+    autocast each keeps its own. With grouped-query heads and biases, the one matmul's
+    projections are the three matmuls' to bfloat16 rounding, in value and in gradient."""
+    cfg = tiny(norm_placement=placement, n_kv_heads=2, attn_bias=True, pos_encoding="rope")
+    attn = build_model(cfg).blocks[0].attn
+    randomise(attn)
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    e = cfg.d_head
+    widths = _MatmulWidths()
+    with torch.autocast("cpu", dtype=torch.bfloat16), widths:
+        attn(x)
+    assert widths.widths[0] == (4 + 2 + 2) * e  # q, k, v at once; then scores, z, W_O
+    assert (4 * e) not in widths.widths[:1] and len(widths.widths) == 4
+    plain = _MatmulWidths()
+    with plain:
+        attn(x)
+    assert plain.widths[:3] == [4 * e, 2 * e, 2 * e]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = attn._linear(x, "qkv")
+        apart = [attn._linear(x, n)[0] for n in "qkv"]
+    for f, a in zip(fused, apart, strict=True):
+        assert f.dtype == a.dtype and f.shape == a.shape
+        torch.testing.assert_close(f, a, rtol=1e-2, atol=1e-2)
+    grads = []
+    for ys in (fused, apart):
+        loss = sum((y.float() * torch.linspace(-1, 1, y.shape[-1])).sum() for y in ys)
+        grads.append(torch.autograd.grad(loss, [x, attn.W_Q, attn.W_K, attn.W_V, attn.b_V],
+                                         retain_graph=True))
+    for g1, g2 in zip(*grads, strict=True):
+        torch.testing.assert_close(g1, g2, rtol=2e-2, atol=2e-2)
+
+
+def test_autocast_cross_attention_projects_k_v_with_one_matmul() -> None:
+    cfg = tiny(arch="encoder_decoder", norm_placement="qk", n_encoder_layers=1,
+               n_decoder_layers=1)
+    cross = build_model(cfg).decoder.blocks[0].cross_attn
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 6, 32)
+    widths = _MatmulWidths()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), widths:
+        cross(x, memory=memory)
+    assert widths.widths[:2] == [4 * cfg.d_head, 8 * cfg.d_head]  # q; then k and v at once
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_autocast_hooks_get_contiguous_projections(placement: str) -> None:
+    """A hook on q, k or v (before its norm, where it has one) gets a contiguous tensor
+    (`.view` works), as without autocast, though the one matmul's projections are views of
+    its output."""
+    model = build_model(tiny(norm_placement=placement, pos_encoding="rope"))
+    seen = []
+
+    def flat(t: torch.Tensor, hook) -> None:
+        seen.append(t.view(t.shape[0], -1).shape)
+
+    at = "_pre_norm" if placement == "qkv" else ""
+    tokens = torch.randint(0, 16, (2, 6))
+    hooks = [(f"blocks.0.attn.hook_{n}{at}", flat) for n in "qkv"]
+    with torch.autocast("cpu", dtype=torch.bfloat16), model.hooks(hooks):
+        model(tokens)
+    assert seen == [(2, 6 * 32)] * 3

@@ -247,12 +247,13 @@ def test_head_norms_hand_attention_head_major_memory() -> None:
     x = torch.randn(80, 17, 64)
     with torch.no_grad():
         for name in "qkv":
-            free = attn._project(x, name, head_major=True)
+            (y,) = attn._linear(x, name)
+            free = attn._project(y, name, head_major=True)
             assert free.transpose(1, 2).is_contiguous() and not free.is_contiguous(), name
             seen: list[torch.Tensor] = []
             getattr(attn, f"hook_{name}").fns.append(lambda t, hook, seen=seen: seen.append(t))
             try:
-                hooked = attn._project(x, name, head_major=True)
+                hooked = attn._project(y, name, head_major=True)
             finally:
                 getattr(attn, f"hook_{name}").fns.clear()
             assert hooked.is_contiguous() and seen[0] is hooked

@@ -26,7 +26,7 @@ from torch import nn
 from normlab.model import native
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
-from normlab.model.norms import Norm, autocast_half
+from normlab.model.norms import Norm, autocast_half, autocasting
 from normlab.model.positions import Rope
 
 EXPLICIT_MAX_KEYS_CPU = 64
@@ -134,27 +134,51 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
 
+    def _linear(self, x: torch.Tensor, names: str) -> list[torch.Tensor]:
+        """x [batch, pos, d_model] -> the projections `names` ("qkv", "kv" or one letter),
+        each [batch, pos, head, d_head], with its bias if configured.
+
+        Under autocast (`train.precision = "bfloat16"`) they come from one matmul with the
+        weights side by side, as nanoGPT's `c_attn`: x is cast to bfloat16 once, not once per
+        projection, and x's gradient is one matmul, not three and their sum: a bfloat16
+        training step ran 3-7% faster. In float32 it gained nothing on CPU (the split views
+        cost QK/QKV-Norm a copy each; `benchmarks/probes/fused_qkv_ab.py`), so there each
+        projection keeps its own matmul.
+        """
+        Ws = [getattr(self, f"W_{n.upper()}") for n in names]  # each [head, d_model, d_head]
+        if len(Ws) > 1 and autocasting(x.device):
+            W_all = torch.cat([W.transpose(0, 1) for W in Ws], dim=1).flatten(1)
+            ys = (x @ W_all).split([W.shape[0] * W.shape[2] for W in Ws], dim=-1)
+        else:
+            ys = [x @ W.transpose(0, 1).flatten(1) for W in Ws]
+        out = []
+        for n, W, y in zip(names, Ws, ys, strict=True):
+            y = y.unflatten(-1, (W.shape[0], W.shape[2]))
+            b = getattr(self, f"b_{n.upper()}")
+            out.append(y if b is None else y + b)
+        return out
+
     def _project(
-        self, x: torch.Tensor, name: str, head_major: bool = False, rope: Rope | None = None
+        self, y: torch.Tensor, name: str, head_major: bool = False, rope: Rope | None = None
     ) -> torch.Tensor:
-        """x [batch, pos, d_model] -> [batch, pos, head, d_head], normalised if configured,
+        """A projection y [batch, pos, head, d_head] (`_linear`'s) -> normalised if configured,
         then rotated by `rope` if given (its `hook_rot_*` is the caller's, so that hooks fire
         in their usual order); `head_major` asks the norm for head-major memory (a view;
         `native.norm`) when no hook reads the vector."""
-        W, b = getattr(self, f"W_{name.upper()}"), getattr(self, f"b_{name.upper()}")
-        h, d, e = W.shape
-        y = (x @ W.transpose(0, 1).reshape(d, h * e)).unflatten(-1, (h, e))  # one matmul
-        if b is not None:
-            y = y + b
         norm, hook = getattr(self, f"{name}_norm"), getattr(self, f"hook_{name}")
         if norm is not None:
-            y = getattr(self, f"hook_{name}_pre_norm")(y)
+            pre = getattr(self, f"hook_{name}_pre_norm")
+            if pre.fns:  # a hook gets its vector contiguous (`.view` works on it), also where
+                y = y.contiguous()  # it is a view of `_linear`'s one matmul
+            y = pre(y)
             if rope is not None and not hook.fns:
                 # nobody reads the vector between its norm and its rotation: one kernel call
                 # does both where the kernels run (`Norm.rotated`)
                 return norm.rotated(y, rope)
             # a hook on the vector gets it contiguous, as it always did (`.view` works on it)
             y = norm(y, head_major and not hook.fns)
+        if hook.fns:
+            y = y.contiguous()
         y = hook(y)
         return y if rope is None else rope(y)
 
@@ -177,13 +201,18 @@ class Attention(nn.Module):
         # q, k, v come out of the kernels head-major, as attention reads them: normalised v
         # from the norm's; q and k from RoPE's, or from the norm's without RoPE, or from the
         # norm's call that also rotates them (QK-Norm with RoPE).
-        q = self._project(x, "q", head_major=rope is None, rope=rope)
+        if memory is None:  # self-attention
+            yq, yk, yv = self._linear(x, "qkv")
+        else:
+            (yq,) = self._linear(x, "q")
+        q = self._project(yq, "q", head_major=rope is None, rope=rope)
         if memory is not None and cache is not None and "k" in cache:
             k, v = cache["k"], cache["v"]
         else:
-            source = x if memory is None else memory
-            k = self._project(source, "k", head_major=rope is None, rope=rope)
-            v = self._project(source, "v", head_major=True)
+            if memory is not None:
+                yk, yv = self._linear(memory, "kv")
+            k = self._project(yk, "k", head_major=rope is None, rope=rope)
+            v = self._project(yv, "v", head_major=True)
             if rope is not None:
                 k = self.hook_rot_k(k)
             # Keys/values go head-major, [batch, head, kpos, d_head], as the kernels read them;

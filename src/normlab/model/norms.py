@@ -27,6 +27,13 @@ def autocast_half(x: object) -> bool:
             and torch.is_autocast_enabled(x.device.type))
 
 
+def autocasting(device: torch.device) -> bool:
+    """Whether autocast is on for `device`'s type (never for a type it does not know, such as
+    `meta`, where asking would raise)."""
+    kind = device.type
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+
+
 class Norm(nn.Module):
     """N(x) over the last dim: `layer` centres first, `rms` does not."""
 
