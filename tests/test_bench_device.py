@@ -202,7 +202,9 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     runs = json.loads((out / "tta.json").read_text())["runs"]
     assert sorted(r["placement"] for r in runs) == ["pre", "qkv"]
     # whole: its last line, the closing `date -u`, waited for (the script waits for its tee)
-    assert (out / "run.log").read_text().rstrip().endswith("UTC " + full["info"]["date"][:4])
+    log = (out / "run.log").read_text()
+    assert log.rstrip().endswith("UTC " + full["info"]["date"][:4])
+    assert "sync_check: skipped (CUDA's sync debug mode needs a GPU)" in log
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}  # run again: refused, kept
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
@@ -218,3 +220,38 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stdout.strip().splitlines() == [
         f"run.sh: {tmp_path / 'no-torch'} has no torch; set PYTHON to the interpreter that has it"]
+
+
+def test_sync_check_counts_the_steps_synchronising_calls_and_skips_without_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/gpu/sync_check.py counts CUDA's synchronisation warnings in a run, outside
+    evaluation. Without a GPU its counting is checked with a stand-in: every training loss
+    warns as CUDA would, so a 10-step run counts 10; on the CPU, its command line says it is
+    skipped."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+    import warnings
+
+    import sync_check
+
+    import normlab.train as tr
+
+    modes: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    loss_on, evaluate = tr.loss_on, tr.evaluate
+
+    def warning_loss(*args, **kwargs):
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        return loss_on(*args, **kwargs)
+
+    def warning_evaluate(*args, **kwargs):  # evaluation's warnings are not counted
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(tr, "loss_on", warning_loss)
+    monkeypatch.setattr(tr, "evaluate", warning_evaluate)
+    assert sync_check.synchronising_calls(10, "cpu", tmp_path) == 10
+    assert modes == ["warn", "default"] and tr.evaluate is warning_evaluate
+    monkeypatch.setattr(sys, "argv", ["sync_check.py", "--device", "cpu"])
+    assert sync_check.main() == 0
+    assert capsys.readouterr().out == "sync_check: skipped (CUDA's sync debug mode needs a GPU)\n"

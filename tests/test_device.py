@@ -15,6 +15,7 @@ import torch
 
 from normlab import ModelConfig, build_model
 from normlab.model.config import PLACEMENTS
+from normlab.train import loss_on
 
 META = torch.device("meta")
 
@@ -35,16 +36,26 @@ def backward_reaches_every_weight(model: torch.nn.Module, out: torch.Tensor) -> 
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("pos", ["rope", "none"])
+@pytest.mark.parametrize("pos", ["rope", "none", "learned", "sinusoidal"])
 def test_a_decoder_trains_off_the_cpu(placement: str, pos: str) -> None:
-    """RoPE (the recipes') and no positions. An additive table (learned, sinusoidal) checks
-    its largest position on the host first (`PosEmbed`: one value read back, fine on a GPU),
-    which `meta` cannot answer, so those two are left to the GPU run."""
+    """Every kind of positions. An additive table (learned, sinusoidal) reads nothing back
+    either: the positions the model counts itself are below a bound it knows (`PosEmbed`),
+    where it read their largest back from the device, which `meta` cannot answer."""
     model = build_model(tiny(norm_placement=placement, pos_encoding=pos)).to(META)
     mask = torch.ones(3, 9, dtype=torch.bool).to(META)
     logits = model(on_meta(3, 9), attention_mask=mask, aux=on_meta(3, 9, high=4))
     assert logits.device == META and logits.shape == (3, 9, 16)
     backward_reaches_every_weight(model, logits)
+
+
+def test_the_training_loss_reads_nothing_back_off_the_cpu() -> None:
+    """`loss_on`, the training step's forward, loss and token count, reads no value back to
+    the host, where a GPU would wait for the forward to finish: on `meta`, any read raises."""
+    model = build_model(tiny(norm_placement="qkv", pos_encoding="rope")).to(META)
+    batch = {"tokens": on_meta(3, 9), "targets": on_meta(3, 9), "aux": on_meta(3, 9, high=4)}
+    loss, n_tok = loss_on(model, batch)
+    assert loss.device == n_tok.device == META and loss.shape == n_tok.shape == ()
+    backward_reaches_every_weight(model, loss)
 
 
 def test_packed_rows_train_off_the_cpu() -> None:

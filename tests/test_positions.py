@@ -180,3 +180,26 @@ def test_an_id_outside_its_table_is_one_clear_error(field: str, bad: int) -> Non
     with pytest.raises(IndexError, match=rf"^{field}: expected ids in \[0, {n}\), got values "
                                          rf"from {min(bad, 0)} to {max(bad, 0)}$"):
         model(inputs["tokens"], aux=inputs["aux"])
+
+
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal"])
+def test_a_position_past_the_table_is_one_clear_error_whoever_counts_it(pos: str) -> None:
+    """An additive table has `max_len` rows. Past them: a one-line error, for positions the
+    model counts (along the row) and for positions passed in. Where the model counts them
+    below a bound it knows, nothing is read back; where its bound reaches the end (left-padded
+    rows count real tokens only), it reads their largest, and rows that fit still run."""
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
+                                    vocab_size=16, pos_encoding=pos))
+    model(torch.randint(0, 16, (2, 8)))  # positions 0-7: the whole table
+    with pytest.raises(ValueError, match=r"position 8 is beyond ModelConfig\.max_len=8; raise"):
+        model(torch.randint(0, 16, (2, 9)))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[:, :2] = False  # two pads on the left: 8 real tokens, positions 0-7
+    logits = model(torch.randint(0, 16, (2, 10)), attention_mask=mask)
+    assert bool(torch.isfinite(logits).all())
+    mask[1, 1] = True  # row 1: 9 real tokens
+    with pytest.raises(ValueError, match=r"position 8 is beyond ModelConfig\.max_len=8"):
+        model(torch.randint(0, 16, (2, 10)), attention_mask=mask)
+    model(torch.randint(0, 16, (1, 3)), positions=torch.tensor([[5, 6, 7]]))
+    with pytest.raises(ValueError, match=r"position 9 is beyond ModelConfig\.max_len=8"):
+        model(torch.randint(0, 16, (1, 3)), positions=torch.tensor([[0, 9, 1]]))

@@ -259,6 +259,42 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mon
               tmp_path / "early", progress=False)
 
 
+def test_training_steps_read_nothing_back_to_the_host(tmp_path: Path, monkeypatch) -> None:
+    """On a GPU every read of a tensor's value (`bool`, `int`, `.item()`) makes the host wait
+    for all the work queued before it, so the loop reads only at its log, evaluation and
+    checkpoint steps (it checked each step's loss, and counted its tokens, as it came).
+    Counted on the CPU: 20 steps read as often as 10, when both log, evaluate and checkpoint
+    only at their last step. Evaluation's own reads are left out: its decoding reads what
+    the model writes, which differs after 10 and 20 steps."""
+    reads, counting = {"n": 0}, {"on": True}
+
+    def counted(real):
+        def read(self, *args, **kwargs):
+            reads["n"] += counting["on"]
+            return real(self, *args, **kwargs)
+        return read
+
+    for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch._C.TensorBase, name)))
+    real_evaluate = tr.evaluate
+
+    def evaluate(*args, **kwargs):
+        counting["on"] = False
+        try:
+            return real_evaluate(*args, **kwargs)
+        finally:
+            counting["on"] = True
+
+    monkeypatch.setattr(tr, "evaluate", evaluate)
+    n = {}
+    for steps in (10, 20):
+        reads["n"] = 0
+        every = [f"train.{k}={steps}" for k in ("log_every", "eval_every", "checkpoint_every")]
+        train(cfg(f"train.steps={steps}", *every), tmp_path / str(steps), progress=False)
+        n[steps] = reads["n"]
+    assert n[10] == n[20] > 0
+
+
 def test_never_overwrites_without_force(tmp_path: Path) -> None:
     c = cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5")
     train(c, tmp_path / "run", progress=False)

@@ -12,7 +12,8 @@
 #   nvidia-smi.txt; gpu_full.json and gpu_full.md (run_all.py: train step, MFU, packing,
 #   decoding and hooks; the collapse sweep and the scaling runs are CPU-only and say so);
 #   tta.json (time to 99% on the train cells, default recipes, SEEDS, default one seed each:
-#   three would not fit a 15-minute lease); run.log (everything printed).
+#   three would not fit a 15-minute lease); run.log (everything printed; near its end
+#   sync_check.py's line: does a training step make the host wait for the GPU?).
 # About 5 minutes on an H100 is the plan; nothing here has run on a GPU yet (no GPU has been
 # lent to this project so far), so read run.log first.
 set -uo pipefail
@@ -70,5 +71,6 @@ for seed in $seeds; do
   done
 done
 "$py" benchmarks/time_to_accuracy.py "$runs"/*/ --json "$out/tta.json" --force || status=1
+"$py" benchmarks/gpu/sync_check.py --device "$device" || status=1
 date -u
 finish $status

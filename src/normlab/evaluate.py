@@ -67,20 +67,23 @@ def predict(
 
 def forward_batch(
     model: Model, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Teacher-forced `(logits, targets, n_real_tokens)` of a `make_batch` batch, either arch.
 
     `targets` is `IGNORE_INDEX` except where the next token is part of the answer.
+    `n_real_tokens` is a 0-d tensor on the batch's device, not an int: reading it back would
+    make a GPU wait for the forward at every training step (the loop sums it, and reads the
+    sum at its log steps).
     """
     if "tokens" in batch:
         packed = {"segments": batch["segments"]} if "segments" in batch else {}
         logits, targets = model(batch["tokens"], aux=batch.get("aux"), **packed), batch["targets"]
-        n_tok = int((batch["tokens"] != 0).sum())
+        n_tok = (batch["tokens"] != 0).sum()
     else:
         logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch.get("src_aux"),
                        batch.get("tgt_aux"))
         targets = batch["tgt_out"]
-        n_tok = int(batch["src_mask"].sum() + (batch["tgt_out"] != IGNORE_INDEX).sum())
+        n_tok = batch["src_mask"].sum() + (batch["tgt_out"] != IGNORE_INDEX).sum()
     return logits, targets, n_tok
 
 

@@ -91,8 +91,9 @@ def autocast(precision: str, device: torch.device) -> torch.autocast:
                           enabled=precision == "bfloat16")
 
 
-def loss_on(model: Model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Cross-entropy on answer tokens only; returns (loss, number of real tokens)."""
+def loss_on(model: Model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy on answer tokens only; returns (loss, number of real tokens), both 0-d
+    tensors on the batch's device: nothing is read back to the host (`forward_batch`)."""
     logits, targets, n_tok = forward_batch(model, batch)
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX
@@ -291,8 +292,24 @@ def train(
                 writer.add_scalar(f"accuracy/{split}", acc, rec["step"])
             writer.flush()
 
+    def check_losses() -> None:
+        # The losses since the last check, read back at once: checking each step's loss as it
+        # came made a GPU finish every step before the host could queue the next. A non-finite
+        # one stops the run here, before anything is logged, evaluated or saved; the weights
+        # it left are never saved (`checkpoint` checks them too).
+        if not pending:
+            return
+        bad = (~torch.isfinite(torch.stack(pending))).nonzero()
+        if len(bad):
+            i = int(bad[0, 0])
+            raise TrainingError(f"loss is {pending[i].item()} at step {step - len(pending) + i + 1}"
+                                f"; stopped, {_kept(ckpt_dir)}")
+        pending.clear()
+
     bar = Progress(tc.steps, step, progress, out.name)
-    tok_count, t0 = 0, time.perf_counter()
+    pending: list[torch.Tensor] = []  # this step's and earlier losses not checked yet
+    tok_count: int | torch.Tensor = 0
+    t0 = time.perf_counter()
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     try:
         model.train()
@@ -300,12 +317,12 @@ def train(
             lr = lr_at(step, tc)
             for group in opt.param_groups:
                 group["lr"] = lr
-            batch = {k: v.to(device) for k, v in next(stream).items()}
+            # non_blocking: a GPU copy from pageable memory returns once the host's data is
+            # staged, not after every step already queued has run (a no-op on the CPU)
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
             with autocast(tc.precision, device):
                 loss, n_tok = loss_on(step_model, batch)
-            if not torch.isfinite(loss):
-                raise TrainingError(f"loss is {loss.item()} at step {step + 1}; stopped, "
-                                    f"{_kept(ckpt_dir)}")
+            pending.append(loss.detach())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip:
@@ -318,8 +335,11 @@ def train(
             # an evaluation step is logged too: nested in the log steps, evaluations at steps
             # that were not log steps were skipped
             evaluate_now = step % tc.eval_every == 0 or step == tc.steps
-            if step % tc.log_every == 0 or step == end or evaluate_now:
-                tps = tok_count / max(now - t0, 1e-9)
+            log_now = step % tc.log_every == 0 or step == end or evaluate_now
+            if log_now or step % tc.checkpoint_every == 0 or step == tc.steps:
+                check_losses()
+            if log_now:
+                tps = int(tok_count) / max(now - t0, 1e-9)
                 last = {
                     "step": step,
                     "loss": loss.item(),

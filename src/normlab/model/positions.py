@@ -53,7 +53,13 @@ class PosEmbed(nn.Module):
                 "W_pos", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False
             )
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+        """The table's rows for integer positions [batch, pos]; one past its end is a one-line
+        error, not an IndexError. `bound`, when the caller knows one, is an upper bound on the
+        positions: below the table's end it spares reading their largest back from the device
+        (a GPU would wait there for all the work queued before this forward)."""
+        if bound is not None and bound < self.max_len:
+            return lookup(self.W_pos, positions, "positions")
         top = int(positions.max()) if positions.numel() else 0
         if top >= self.max_len:
             raise ValueError(

@@ -105,6 +105,10 @@ class Stack(nn.Module):
         _check_width(positions, (b, p), "positions", "the tokens")
         if memory is not None:
             _check_width(memory_mask, memory.shape[:2], "src_mask", "the source")
+        # The model's own positions (counted along the row, from a segment's start, or over
+        # a row's real tokens) never pass past + p - 1: a bound known without reading them
+        # back from the device (`PosEmbed`). Positions passed in have none.
+        top = None if positions is not None else past + p - 1
         if segments is not None:
             if cache is not None or key_mask is not None or not self.causal:
                 raise ValueError("segments: only for a causal forward without cache or key_mask")
@@ -120,7 +124,7 @@ class Stack(nn.Module):
                 positions = torch.arange(past, past + p, device=tokens.device).expand(b, p)
         x = self.hook_embed(self.embed(tokens))
         if self.pos_embed is not None:
-            x = x + self.hook_pos_embed(self.pos_embed(positions))
+            x = x + self.hook_pos_embed(self.pos_embed(positions, top))
         if self.W_aux is not None:
             if aux is None:
                 raise ValueError(
