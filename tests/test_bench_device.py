@@ -250,8 +250,10 @@ def test_sync_check_counts_the_steps_synchronising_calls_and_skips_without_a_gpu
 
     monkeypatch.setattr(tr, "loss_on", warning_loss)
     monkeypatch.setattr(tr, "evaluate", warning_evaluate)
-    assert sync_check.synchronising_calls(10, "cpu", tmp_path) == 10
-    assert modes == ["warn", "default"] and tr.evaluate is warning_evaluate
+    assert sync_check.synchronising_calls(10, "cpu", tmp_path, []) == 10
+    learned = sync_check.VARIANTS["learned positions"]
+    assert sync_check.synchronising_calls(3, "cpu", tmp_path, learned) == 3
+    assert modes == ["warn", "default"] * 2 and tr.evaluate is warning_evaluate
     monkeypatch.setattr(sys, "argv", ["sync_check.py", "--device", "cpu"])
     assert sync_check.main() == 0
     assert capsys.readouterr().out == "sync_check: skipped (CUDA's sync debug mode needs a GPU)\n"

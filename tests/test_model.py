@@ -331,8 +331,7 @@ def test_autocast_projects_q_k_v_with_one_matmul(placement: str) -> None:
     widths = _MatmulWidths()
     with torch.autocast("cpu", dtype=torch.bfloat16), widths:
         attn(x)
-    assert widths.widths[0] == (4 + 2 + 2) * e  # q, k, v at once; then scores, z, W_O
-    assert (4 * e) not in widths.widths[:1] and len(widths.widths) == 4
+    assert widths.widths == [(4 + 2 + 2) * e, 7, e, 32]  # q, k, v at once; scores, z, W_O
     plain = _MatmulWidths()
     with plain:
         attn(x)
@@ -363,20 +362,26 @@ def test_autocast_cross_attention_projects_k_v_with_one_matmul() -> None:
     assert widths.widths[:2] == [4 * cfg.d_head, 8 * cfg.d_head]  # q; then k and v at once
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (2, 6)])
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
-def test_autocast_hooks_get_contiguous_projections(placement: str) -> None:
-    """A hook on q, k or v (before its norm, where it has one) gets a contiguous tensor
-    (`.view` works), as without autocast, though the one matmul's projections are views of
-    its output."""
+def test_autocast_hooks_read_projections_from_their_own_matmuls(
+    placement: str, shape: tuple[int, int]
+) -> None:
+    """Where a hook reads a projection as it leaves its matmul (before its norm, if any), the
+    projections keep one matmul each under autocast: the hook gets a contiguous tensor of its
+    own (`.view` works) that it may change in place under autograd, which a view of the one
+    matmul's output is not (at batch 1 x 1 position it raised)."""
     model = build_model(tiny(norm_placement=placement, pos_encoding="rope"))
     seen = []
 
-    def flat(t: torch.Tensor, hook) -> None:
+    def edit(t: torch.Tensor, hook) -> None:
         seen.append(t.view(t.shape[0], -1).shape)
+        t.mul_(1.0)
 
     at = "_pre_norm" if placement == "qkv" else ""
-    tokens = torch.randint(0, 16, (2, 6))
-    hooks = [(f"blocks.0.attn.hook_{n}{at}", flat) for n in "qkv"]
-    with torch.autocast("cpu", dtype=torch.bfloat16), model.hooks(hooks):
-        model(tokens)
-    assert seen == [(2, 6 * 32)] * 3
+    hooks = [(f"blocks.0.attn.hook_{n}{at}", edit) for n in "qkv"]
+    widths = _MatmulWidths()
+    with torch.autocast("cpu", dtype=torch.bfloat16), model.hooks(hooks), widths:
+        model(torch.randint(0, 16, shape)).float().sum().backward()
+    assert seen == [(shape[0], shape[1] * 32)] * 3
+    assert widths.widths[:3] == [32, 32, 32]  # block 0: q, k, v apart

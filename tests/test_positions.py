@@ -203,3 +203,15 @@ def test_a_position_past_the_table_is_one_clear_error_whoever_counts_it(pos: str
     model(torch.randint(0, 16, (1, 3)), positions=torch.tensor([[5, 6, 7]]))
     with pytest.raises(ValueError, match=r"position 9 is beyond ModelConfig\.max_len=8"):
         model(torch.randint(0, 16, (1, 3)), positions=torch.tensor([[0, 9, 1]]))
+
+
+def test_positions_count_the_tokens_an_integer_mask_marks_real() -> None:
+    """An integer attention mask counts as its truth values (as the attention mask reads
+    it): a 2 marks one real token, not two positions."""
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
+                                    vocab_size=16, pos_encoding="learned"))
+    tokens = torch.randint(0, 16, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[:, :2] = False
+    as_bool = model(tokens, attention_mask=mask)
+    assert torch.equal(model(tokens, attention_mask=mask.long() * 2), as_bool)

@@ -259,6 +259,25 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mon
               tmp_path / "early", progress=False)
 
 
+def test_unchecked_losses_wait_at_most_check_losses_every_steps(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """With log and checkpoint steps far apart, losses are still checked every
+    CHECK_LOSSES_EVERY steps: a bad one stops the run that soon, named by its step."""
+    monkeypatch.setattr(tr, "CHECK_LOSSES_EVERY", 4)
+    real, calls = tr.loss_on, {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss, n = real(model, batch)
+        return (loss * float("nan"), n) if calls["n"] == 5 else (loss, n)
+
+    monkeypatch.setattr(tr, "loss_on", poisoned)
+    every = [f"train.{k}=40" for k in ("log_every", "eval_every", "checkpoint_every")]
+    with pytest.raises(TrainingError, match="loss is nan at step 5; stopped, no checkpoint"):
+        train(cfg("train.steps=40", *every), tmp_path / "run", progress=False)
+    assert calls["n"] == 8  # checked after steps 4 and 8
+
+
 def test_training_steps_read_nothing_back_to_the_host(tmp_path: Path, monkeypatch) -> None:
     """On a GPU every read of a tensor's value (`bool`, `int`, `.item()`) makes the host wait
     for all the work queued before it, so the loop reads only at its log, evaluation and

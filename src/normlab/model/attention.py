@@ -141,12 +141,14 @@ class Attention(nn.Module):
         Under autocast (`train.precision = "bfloat16"`) they come from one matmul with the
         weights side by side, as nanoGPT's `c_attn`: x is cast to bfloat16 once, not once per
         projection, and x's gradient is one matmul, not three and their sum: a bfloat16
-        training step ran 3-7% faster. In float32 it gained nothing on CPU (the split views
-        cost QK/QKV-Norm a copy each; `benchmarks/probes/fused_qkv_ab.py`), so there each
-        projection keeps its own matmul.
+        training step ran 4.5-7% faster. Not where a hook reads a projection or its norm's
+        input: it then gets the tensor its own matmul made, as before (the one matmul's are
+        views of one output, which an in-place hook could not change under autograd). In
+        float32 one matmul gained nothing on CPU (the split views cost QK/QKV-Norm a copy
+        each; `benchmarks/probes/fused_qkv_ab.py`), so there each projection keeps its own.
         """
         Ws = [getattr(self, f"W_{n.upper()}") for n in names]  # each [head, d_model, d_head]
-        if len(Ws) > 1 and autocasting(x.device):
+        if len(Ws) > 1 and autocasting(x.device) and not self._read_as_made(names):
             W_all = torch.cat([W.transpose(0, 1) for W in Ws], dim=1).flatten(1)
             ys = (x @ W_all).split([W.shape[0] * W.shape[2] for W in Ws], dim=-1)
         else:
@@ -158,6 +160,12 @@ class Attention(nn.Module):
             out.append(y if b is None else y + b)
         return out
 
+    def _read_as_made(self, names: str) -> bool:
+        """Whether a hook reads one of these projections as its matmul made it: `hook_{n}`,
+        or `hook_{n}_pre_norm` where a norm follows."""
+        points = [getattr(self, f"hook_{n}{at}", None) for n in names for at in ("", "_pre_norm")]
+        return any(p is not None and p.fns for p in points)
+
     def _project(
         self, y: torch.Tensor, name: str, head_major: bool = False, rope: Rope | None = None
     ) -> torch.Tensor:
@@ -167,18 +175,13 @@ class Attention(nn.Module):
         `native.norm`) when no hook reads the vector."""
         norm, hook = getattr(self, f"{name}_norm"), getattr(self, f"hook_{name}")
         if norm is not None:
-            pre = getattr(self, f"hook_{name}_pre_norm")
-            if pre.fns:  # a hook gets its vector contiguous (`.view` works on it), also where
-                y = y.contiguous()  # it is a view of `_linear`'s one matmul
-            y = pre(y)
+            y = getattr(self, f"hook_{name}_pre_norm")(y)
             if rope is not None and not hook.fns:
                 # nobody reads the vector between its norm and its rotation: one kernel call
                 # does both where the kernels run (`Norm.rotated`)
                 return norm.rotated(y, rope)
             # a hook on the vector gets it contiguous, as it always did (`.view` works on it)
             y = norm(y, head_major and not hook.fns)
-        if hook.fns:
-            y = y.contiguous()
         y = hook(y)
         return y if rope is None else rope(y)
 

@@ -119,7 +119,7 @@ class Stack(nn.Module):
                 positions = _segment_positions(segments)
         if positions is None:
             if key_mask is not None and self.causal:
-                positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+                positions = (key_mask.bool().long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 positions = torch.arange(past, past + p, device=tokens.device).expand(b, p)
         x = self.hook_embed(self.embed(tokens))
