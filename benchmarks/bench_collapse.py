@@ -14,7 +14,9 @@ number of noise draws, and count rows whose argmax key changes.
 - naive (`naive_sweep`, below): one forward per example per draw, batch size 1, with hooks
   that scale q/k/v by the very same eps tables (drawn through `Perturbation.draw` in the same
   order), so the flip counts must agree row for row (up to float ties); we report agreement.
-  Like `measure_collapse`, each forward stops once the last pattern it reads is in hand (the
+  Like `measure_collapse`'s hooks (twenty-fifth session), they write the noise into q, k and
+  v in place. Like `measure_collapse`, each forward stops once the last pattern it reads is
+  in hand (the
   last block's MLP and the unembedding cannot change it), so the speed-up is the
   vectorisation's alone. Until normlab's twenty-third session the loop ran every forward to
   the logits; that loop is still timed (`naive_full`, `speedup_sweep_full_forward`), for
@@ -65,10 +67,11 @@ class _Read(Exception):
 
 def naive_sweep(
     model: Model, data: Any, rows: Any, pert: Any, sigma: float, n_draws: int, chunk: int,
-    seed: int = SEED, stop_early: bool = True,
+    seed: int = SEED, stop_early: bool = True, in_place: bool = True,
 ) -> torch.Tensor:
     """Flip count per sparse row: for each draw, for each example, one batch-1 forward,
-    stopped after the last pattern it reads (`stop_early`) or run to the logits."""
+    stopped after the last pattern it reads (`stop_early`) or run to the logits. The noise
+    is written into q, k and v in place (`in_place`), as `measure_collapse`'s hooks do."""
     tokens = data.inputs["tokens"]
     aux = data.inputs.get("aux")  # digit positions, when the model uses them
     B, R = data.n_examples, len(rows)
@@ -93,7 +96,8 @@ def naive_sweep(
 
                     def scale(eps: torch.Tensor) -> Callable[..., torch.Tensor]:
                         def fn(x: torch.Tensor, hook: Any) -> torch.Tensor:
-                            return x * (1 + eps[:, : x.shape[1], None, None])
+                            factor = 1 + eps[:, : x.shape[1], None, None]
+                            return x.mul_(factor) if in_place else x * factor
                         return fn
 
                     def grab(x: torch.Tensor, hook: Any, store: dict = argmax) -> None:

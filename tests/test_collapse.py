@@ -151,6 +151,62 @@ def test_token_mode_shares_one_factor_vector_mode_does_not() -> None:
     torch.testing.assert_close(r["k"][:, :, [0, 1, 3]], torch.ones(3, lengths["tokens"], 3))
 
 
+class _Point:
+    """A hook point's name and functions, for calling a noise hook by hand."""
+
+    def __init__(self, *fns) -> None:
+        self.name, self.fns = "blocks.0.attn.hook_q", list(fns)
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_noise_is_written_in_place_only_where_nothing_else_holds_the_vector(
+    placement: str,
+) -> None:
+    """A noise hook writes into the vector itself (no fresh tensor a call) only where nothing
+    else can hold it: behind another function on its point, under autograd, or behind a hook
+    on the norm that made it (normlab's or PyTorch's), it makes a new tensor, so what those
+    saw stays as it was. The values are the same products either way."""
+    model = small(placement=placement)
+    pert = Perturbation(model, sites=["blocks.0.attn"], targets="q")
+    tables = pert.draw(0.2, 2, {"tokens": 5}, torch.Generator().manual_seed(0))
+    ((_, fn),) = pert.hooks(tables)
+    x0 = torch.randn(2, 5, 4, 8)
+    want = x0 * (1 + tables[("blocks.0.attn", "q")])[:, :, None, None]
+    x = x0.clone()
+    assert fn(x, _Point(fn)) is x and torch.equal(x, want)  # alone, first: in place
+    for point, x in ((_Point(print, fn), x0.clone()),  # another function saw it first
+                     (_Point(fn), x0.clone().requires_grad_())):  # autograd records it
+        y = fn(x, point)
+        assert y is not x and torch.equal(x, x0) and torch.equal(y, want)
+    norm = model.blocks[0].attn.q_norm
+    if norm is None:
+        return
+    for attach in (lambda: norm.hook_normalized.fns.append(print),
+                   lambda: norm.register_forward_hook(lambda *a: None)):
+        handle = attach()
+        x = x0.clone()
+        y = fn(x, _Point(fn))
+        assert y is not x and torch.equal(x, x0) and torch.equal(y, want)
+        norm.hook_normalized.fns.clear()
+        if handle is not None:
+            handle.remove()
+
+
+def test_a_norm_output_read_during_a_sweep_is_left_unperturbed() -> None:
+    """End to end: a hook caching QKV-Norm's output (`q_norm.hook_normalized`, a reference,
+    as `run_with_cache` keeps) while noise hooks run sees the clean normalised q."""
+    model = small(placement="qkv")
+    data = EvalData.from_problems(problems(3), "decoder")
+    pert = Perturbation(model, sites=["blocks.0.attn"])
+    tables = pert.draw(0.3, 3, data.lengths, torch.Generator().manual_seed(0))
+    point = "blocks.0.attn.q_norm.hook_normalized"
+    clean = collect(model, data, {point: lambda x: x.clone()})[point]
+    kept = collect(model, data, {point: lambda x: x, "blocks.0.attn.hook_q": lambda x: x},
+                   hooks=pert.hooks(tables))
+    assert torch.equal(kept[point], clean) and not torch.equal(kept["blocks.0.attn.hook_q"],
+                                                               clean)
+
+
 def test_cross_attention_memory_has_its_own_table() -> None:
     model = small("encoder_decoder")
     data = EvalData.from_problems(problems(3), "encoder_decoder")
