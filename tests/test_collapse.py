@@ -458,6 +458,8 @@ def pattern_flips(model, data, rows, pert, sigma: float, n_draws: int, seed: int
     ("decoder", {"norm_placement": "qk"}, "vector", [1, 3]),
     ("decoder", {"norm_placement": "qk", "attn_scale": "fixed"}, "token", None),
     ("encoder_decoder", {"norm_placement": "qkv"}, "token", None),
+    # RoPE: cross-attention has `hook_rot_*` points that never fire (it does not rotate)
+    ("encoder_decoder", {"norm_placement": "qkv", "pos_encoding": "rope"}, "token", None),
 ])
 def test_sweep_counts_equal_one_plain_forward_per_draw(
     arch, kw, mode, heads, reader, monkeypatch

@@ -204,9 +204,9 @@ def _scale_hook(
     """x [batch, pos, head, d_head] -> x * (1 + eps[batch, pos(, head)]) on selected heads.
 
     The product is written into x itself where nothing else can hold x (`_may_overwrite`):
-    the same products, without a fresh tensor per call, which ran the one-thread sweep 8%
-    faster (`benchmarks/probes/sweep_noise_in_place.py`). `norm` is the norm that made x, if
-    any (QK/QKV-Norm): a hook on its output has seen x.
+    the same products, without a fresh tensor per call: the sweep's forwards about 2%
+    faster, within the noise (`benchmarks/probes/sweep_noise_in_place.py`). `norm` is the
+    norm that made x, if any (QK/QKV-Norm): a hook on its output has seen x.
     """
 
     def fn(x: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -354,7 +354,8 @@ class _RowWinners:
         self, site: Site, example: torch.Tensor, head: torch.Tensor, qpos: torch.Tensor,
         attendable: torch.Tensor,
     ) -> None:
-        rot = "rot_" if hasattr(site.module, "hook_rot_q") else ""
+        # cross-attention has RoPE's points too but never rotates (its keys are the source's)
+        rot = "rot_" if hasattr(site.module, "hook_rot_q") and not site.cross else ""
         self.q_name, self.k_name = f"{site.name}.hook_{rot}q", f"{site.name}.hook_{rot}k"
         self.example, self.head, self.qpos = example, head, qpos
         self.kv_head = head // (site.n_heads // site.n_kv_heads)

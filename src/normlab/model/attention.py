@@ -141,7 +141,7 @@ class Attention(nn.Module):
         Under autocast (`train.precision = "bfloat16"`) they come from one matmul with the
         weights side by side, as nanoGPT's `c_attn`: x is cast to bfloat16 once, not once per
         projection, and x's gradient is one matmul, not three and their sum: a bfloat16
-        training step ran 4.5-7% faster. Not where a hook reads a projection or its norm's
+        training step ran 4.5-7.3% faster. Not where a hook reads a projection or its norm's
         input: it then gets the tensor its own matmul made, as before (the one matmul's are
         views of one output, which an in-place hook could not change under autograd). In
         float32 one matmul gained nothing on CPU (the split views cost QK/QKV-Norm a copy
