@@ -16,8 +16,7 @@ number of noise draws, and count rows whose argmax key changes.
   order), so the flip counts must agree row for row (up to float ties); we report agreement.
   Like `measure_collapse`'s hooks (twenty-fifth session), they write the noise into q, k and
   v in place. Like `measure_collapse`, each forward stops once the last pattern it reads is
-  in hand (the
-  last block's MLP and the unembedding cannot change it), so the speed-up is the
+  in hand (the last block's MLP and the unembedding cannot change it), so the speed-up is the
   vectorisation's alone. Until normlab's twenty-third session the loop ran every forward to
   the logits; that loop is still timed (`naive_full`, `speedup_sweep_full_forward`), for
   comparison with earlier results.

@@ -106,7 +106,7 @@ def call_cost(repeats: int, calls: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device, info = start(args)
     run_cfg = base_config()
-    full = {k: v.to(device) for k, v in real_batch(run_cfg).items()}
+    full = real_batch(run_cfg, device=device)
     batch, aux_all = full["tokens"], full.get("aux")  # aux: digit positions, if used
     repeats = repeats_for(args, quick=3, full=9)
     target = 0.05 if args.quick else 0.3

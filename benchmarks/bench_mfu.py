@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
         source = "bench_train_step result of this run"
     else:
         run_cfg = base_config()
-        batch = {k: v.to(device) for k, v in real_batch(run_cfg).items()}
+        batch = real_batch(run_cfg, device=device)
         b, t = batch["tokens"].shape
         widths = ["64"] if args.quick else ["64", "128"]
         repeats = repeats_for(args, quick=3, full=5)

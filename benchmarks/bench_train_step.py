@@ -69,12 +69,15 @@ def model_config(run: RunConfig, d_model: int, placement: str) -> ModelConfig:
     return cfg
 
 
-def real_batch(run: RunConfig, batch_size: int | None = None) -> dict[str, torch.Tensor]:
+def real_batch(
+    run: RunConfig, batch_size: int | None = None, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """The recipe's first training batch (seed 0), on `device` (default CPU)."""
     task = run.validate()
     stream = TrainStream(task.train_cells, seed=0, batch_size=batch_size or run.train.batch_size,
                          arch="decoder", answer_format=task.answer_format,
                          weights=task.train_weights, digit_positions=task.digit_positions)
-    return next(stream)
+    return {k: v.to(device or "cpu") for k, v in next(stream).items()}
 
 
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -199,7 +202,7 @@ def contenders_for(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device, info = start(args)
     run_cfg = base_config()
-    batch = {k: v.to(device) for k, v in real_batch(run_cfg).items()}
+    batch = real_batch(run_cfg, device=device)
     b, t = batch["tokens"].shape
     widths = args.widths or ([64] if args.quick else [64, 128])
     repeats = repeats_for(args, quick=3, full=7)

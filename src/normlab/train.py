@@ -348,8 +348,8 @@ def train(
             # that were not log steps were skipped
             evaluate_now = step % tc.eval_every == 0 or step == tc.steps
             log_now = step % tc.log_every == 0 or step == end or evaluate_now
-            if (log_now or step % tc.checkpoint_every == 0 or step == tc.steps
-                    or len(pending) >= CHECK_LOSSES_EVERY):
+            checkpoint_now = step % tc.checkpoint_every == 0 or step == tc.steps
+            if log_now or checkpoint_now or len(pending) >= CHECK_LOSSES_EVERY:
                 check_losses()
             if log_now:
                 tps = int(tok_count) / max(now - t0, 1e-9)
@@ -380,7 +380,7 @@ def train(
                 and (best >= tc.early_stop_accuracy or (tc.patience and stale >= tc.patience))
             )
             # one checkpoint at a stop, whether or not the step had one, saying it stopped
-            if step % tc.checkpoint_every == 0 or step == tc.steps or stop:
+            if checkpoint_now or stop:
                 checkpoint(early_stopped=bool(stop))
             if stop:
                 log(f"early stop at step {step}: {tc.early_stop_split} accuracy {best:.4f}")

@@ -23,8 +23,7 @@ def autocast_half(x: object) -> bool:
     "bfloat16"`): a matmul's output, which the norms' statistics and attention's scores and
     softmax read in float32, so that the quantities this project compares across placements
     have one precision whatever the placement (an fx Proxy is no Tensor)."""
-    return (isinstance(x, torch.Tensor) and x.dtype in _HALF
-            and torch.is_autocast_enabled(x.device.type))
+    return isinstance(x, torch.Tensor) and x.dtype in _HALF and autocasting(x.device)
 
 
 def autocasting(device: torch.device) -> bool:
