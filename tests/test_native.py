@@ -1,6 +1,7 @@
 """normlab's native CPU kernels against torch's own ops (the independent truth): the norms
 against LayerNorm / RMSNorm, RoPE against `Rope`'s torch ops (bit for bit), decoding attention
-against softmax(q k^T) v in float64, and the build.
+against softmax(q k^T) v in float64, the training step's linear + GELU against torch's GELU in
+float64, and the build.
 
 Every width path of native.c is exercised: 16 and 64 (the inlined eight-row copies), 24
 (the generic eight-row loop), 13 (the per-row loop), 264 (eight-row forward, per-row backward:
@@ -191,17 +192,17 @@ def test_applies_only_where_it_pays() -> None:
     assert not native.norm_applies(big.bfloat16(), w.bfloat16())
     assert not native.norm_applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
     assert not native.norm_applies(torch.tensor(1.0), torch.ones(1))
-    assert native.describe().startswith("on: norm, rope, attn (")
+    assert native.describe().startswith("on: norm, rope, attn, gelu (")
     native.set_enabled(False, "norm")
     try:
         assert not native.norm_applies(big, w)
-        assert native.describe().startswith("on: rope, attn; norm off (")
+        assert native.describe().startswith("on: rope, attn, gelu; norm off (")
         native.set_enabled(False)
         assert native.describe() == "off (torch's kernels)"
     finally:
         native.set_enabled(True)
-    assert native.describe().startswith("on: norm, rope, attn (")
-    with pytest.raises(ValueError, match="kernel: expected one of norm, rope, attn"):
+    assert native.describe().startswith("on: norm, rope, attn, gelu (")
+    with pytest.raises(ValueError, match="kernel: expected one of norm, rope, attn, gelu"):
         native.set_enabled(False, "softmax")
 
 
@@ -372,23 +373,25 @@ def test_env_switch(monkeypatch: pytest.MonkeyPatch, kernel: str, value: str, on
 
 @pytest.mark.parametrize("off", native.KERNELS)
 def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str) -> None:
-    """NORMLAB_NATIVE_<KERNEL>=0 set before normlab is imported: a `qkv` RoPE model's forward
-    and a cached decoding step never reach that kernel, and still reach the others (a norm call
-    that also rotates, QK-Norm then RoPE in one, reaches both)."""
+    """NORMLAB_NATIVE_<KERNEL>=0 set before normlab is imported: a `qkv` RoPE model's forward,
+    a cached decoding step and a training forward and backward never reach that kernel, and
+    still reach the others (a norm call that also rotates, QK-Norm then RoPE in one, reaches
+    both)."""
     on = [k for k in native.KERNELS if k != off]
     code = (
         "import torch\n"
         "from normlab import ModelConfig, build_model\n"
         "from normlab.model import native\n"
-        "calls = {'norm': 0, 'rope': 0, 'attn': 0}\n"
+        "calls = {'norm': 0, 'rope': 0, 'attn': 0, 'gelu': 0}\n"
         "def count(kernel, fn):\n"
         "    def counted(*a, **k):\n"
         "        calls[kernel] += 1\n"
         "        calls['rope'] += k.get('rope') is not None\n"
         "        return fn(*a, **k)\n"
         "    return counted\n"
-        "native.norm, native.rope, native.attend = (count(k, getattr(native, f)) for k, f in\n"
-        "    (('norm', 'norm'), ('rope', 'rope'), ('attn', 'attend')))\n"
+        "native.norm, native.rope, native.attend, native.linear_gelu = (\n"
+        "    count(k, getattr(native, f)) for k, f in (('norm', 'norm'), ('rope', 'rope'),\n"
+        "    ('attn', 'attend'), ('gelu', 'linear_gelu')))\n"
         f"assert native.describe().startswith('on: {', '.join(on)}; {off} off ('), "
         "native.describe()\n"
         "cfg = ModelConfig(d_model=64, n_heads=4, norm_placement='qkv', pos_encoding='rope')\n"
@@ -397,6 +400,7 @@ def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str) -> None:
         "    cache = model.new_cache()\n"
         "    model(tokens[:, :16], cache=cache)\n"
         "    model(tokens[:, 16:], cache=cache)\n"
+        "model.train()(tokens).sum().backward()\n"
         f"assert calls['{off}'] == 0 and all(calls[k] > 0 for k in {on!r}), calls\n"
     )
     run_python(code, **{f"NORMLAB_NATIVE_{off.upper()}": "0"})
@@ -451,7 +455,7 @@ def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "built_with", None)
     built = native.describe()
-    assert built.startswith("on: norm, rope, attn (-O3, "), built
+    assert built.startswith("on: norm, rope, attn, gelu (-O3, "), built
     torch.manual_seed(0)
     x = torch.randn(1031, 16, requires_grad=True)
     w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
@@ -1247,3 +1251,218 @@ def test_a_hook_on_the_pattern_takes_the_explicit_path() -> None:
                 outs.append(model(tokens[:, 5:], cache=cache))
     assert seen == [(3, 4, 1, 6)]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- linear + GELU
+
+
+def gelu_kernel(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel alone on a contiguous float32 tensor: GELU and its derivative."""
+    y, d = torch.empty_like(h), torch.empty_like(h)
+    native.load().nl_gelu_fwd(h.data_ptr(), y.data_ptr(), d.data_ptr(), h.numel(),
+                              torch.get_num_threads())
+    return y, d
+
+
+def gelu_truth(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GELU and its derivative in float64, from erf and exp (no approximation)."""
+    x = h.double()
+    cdf = 0.5 * (1 + torch.erf(x / 2**0.5))
+    return x * cdf, cdf + x * torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_gelu_kernel_against_float64(n_threads: int, threads: None) -> None:
+    """GELU and its derivative over -30..30 (both tails, every lane of the vector loop and a
+    tail) to 5e-7 of the float64 truth, as close as ATen's own float32 GELU gets; NaN in, NaN
+    out; -inf gives NaN, as torch's GELU."""
+    torch.set_num_threads(n_threads)
+    h = torch.cat([torch.linspace(-30, 30, 200_003), torch.randn(10_007) * 3,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-6, -1e-6, 87.5, -87.5, 1e4, -1e4])])
+    y, d = gelu_kernel(h)
+    ty, td = gelu_truth(h)
+    assert ((y.double() - ty).abs() / ty.abs().clamp(min=1)).max() < 5e-7
+    assert (d.double() - td).abs().max() < 1e-6
+    aten = (F.gelu(h).double() - ty).abs().max()
+    assert (y.double() - ty).abs().max() <= aten + 1e-7  # no worse than torch's float32 GELU
+    y, d = gelu_kernel(torch.tensor([float("nan"), float("-inf"), 3.0]))
+    assert y[:2].isnan().all() and d[0].isnan()
+    assert abs(y[2].item() - F.gelu(torch.tensor(3.0)).item()) < 1e-6
+
+
+def test_gelu_kernel_by_hand() -> None:
+    """Hand values: GELU(0) = 0, GELU'(0) = 1/2; GELU(1) = Phi(1) = 0.8413447, GELU'(1) =
+    Phi(1) + phi(1) = 0.8413447 + 0.2419707; GELU(-1) = -0.1586553, GELU'(-1) = 0.1586553 -
+    0.2419707."""
+    y, d = gelu_kernel(torch.tensor([0.0, 1.0, -1.0]))
+    torch.testing.assert_close(y, torch.tensor([0.0, 0.8413447, -0.1586553]), atol=3e-7, rtol=0)
+    torch.testing.assert_close(d, torch.tensor([0.5, 1.0833154, -0.0833154]), atol=3e-7, rtol=0)
+
+
+def linear_gelu_inputs(rows: tuple[int, ...], bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, 64, generator=g)
+    w = torch.randn(64, 256, generator=g) * 0.3
+    b = torch.randn(256, generator=g) * 0.2 if bias else None
+    gy = torch.randn(*rows, 256, generator=g)
+    return x, w, b, gy
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("rows", [(128, 17), (1031,)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_gelu_matches_float64(rows: tuple[int, ...], bias: bool, n_threads: int,
+                                     threads: None) -> None:
+    """Output and the gradients of x, w and b against torch's ops in float64, within what
+    torch's own float32 ops get (the matmuls' rounding dominates)."""
+    torch.set_num_threads(n_threads)
+    x, w, b, gy = linear_gelu_inputs(rows, bias)
+    xs, ws, bs = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    assert native.linear_gelu_applies(xs, ws)
+    y = native.linear_gelu(xs, ws, bs)
+    y.backward(gy)
+    xd, wd, bd = as_double(x, w, b)
+    yd = F.gelu(xd @ wd + (0 if bd is None else bd))
+    yd.backward(gy.double())
+    xa, wa, ba = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    ya = F.gelu(xa @ wa + (0 if ba is None else ba))
+    ya.backward(gy)
+    for ours, aten, truth in ((y, ya, yd), (xs.grad, xa.grad, xd.grad),
+                              (ws.grad, wa.grad, wd.grad), (bs, ba, bd)):
+        if truth is None:
+            continue
+        if ours is bs:
+            ours, aten, truth = bs.grad, ba.grad, bd.grad
+        err, aten_err = ((t.double() - truth).abs().max() for t in (ours, aten))
+        scale = truth.abs().max()
+        assert err <= 2 * aten_err + 1e-6 * scale, (err, aten_err, scale)
+
+
+def test_linear_gelu_second_order_gradient() -> None:
+    """create_graph=True gives a differentiable gradient: the gradient of a gradient penalty
+    equals torch's (the saved derivative alone would have dropped the second-order term)."""
+    x, w, b, gy = linear_gelu_inputs((300,), True)
+    grads = []
+    for fn in (native.linear_gelu, native.torch_linear_gelu):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        (gx,) = torch.autograd.grad((fn(xs, ws, bs) * gy).sum(), xs, create_graph=True)
+        grads.append(torch.autograd.grad(gx.pow(2).sum(), (xs, ws, bs)))
+    for ours, ref in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_gelu_batched_gradients() -> None:
+    """Batched gradients (`is_grads_batched`, vmap over the backward) go through torch's ops in
+    the backward: each equals its own backward."""
+    x, w, _, gy = linear_gelu_inputs((300,), False)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = native.linear_gelu(xs, ws)
+    gys = torch.stack([gy, 2 * gy.flip(0)])
+    (batched,) = torch.autograd.grad(y, xs, gys, is_grads_batched=True, retain_graph=True)
+    for i in range(2):
+        (one,) = torch.autograd.grad(y, xs, gys[i], retain_graph=True)
+        torch.testing.assert_close(batched[i], one)
+
+
+def test_linear_gelu_applies_only_under_autograd_to_what_it_can_read() -> None:
+    x, w, _, _ = linear_gelu_inputs((300,), False)
+    xg = x.clone().requires_grad_()
+    assert native.linear_gelu_applies(xg, w) and native.linear_gelu_applies(x, w.requires_grad_())
+    w = w.detach()
+    refused = {
+        "no autograd (evaluation keeps torch's GELU)": (x, w),
+        "float64": (xg.double(), w.double()),
+        "widths differ": (xg, w[:32]),
+        "w not a matrix": (xg, w[None]),
+        "too few elements": (xg[: native.GELU_MIN_ELEMENTS // 256 - 1], w),
+        "one row vector": (xg[0], w),
+    }
+    for why, args in refused.items():
+        assert not native.linear_gelu_applies(*args), why
+        with pytest.raises(ValueError, match=r"^native\.linear_gelu: expected float32 CPU x"):
+            native.linear_gelu(*args)
+    with pytest.raises(ValueError, match=r"b None or \[m\]"):
+        native.linear_gelu(xg, w, torch.zeros(255))
+    with torch.no_grad():
+        assert not native.linear_gelu_applies(xg, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # x @ w would come out bfloat16
+        assert not native.linear_gelu_applies(xg, w)
+    with switched(False, "gelu"):
+        assert not native.linear_gelu_applies(xg, w)
+
+
+@pytest.mark.parametrize(("cfg_kw", "takes"), [
+    ({}, True),
+    ({"mlp_bias": True}, True),
+    ({"act": "gelu_tanh"}, False),
+    ({"act": "relu"}, False),
+    ({"mlp_type": "gated"}, False),
+])
+def test_mlp_takes_the_kernel_in_training_only(cfg_kw: dict, takes: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MLP with exact GELU after W_in takes the kernel under autograd, never in evaluation,
+    and never where a hook reads the pre-activation (the hook sees it and may change it); its
+    output and gradients equal those with the kernel off."""
+    from normlab.model.mlp import MLP
+
+    calls = []
+    fn = native.linear_gelu
+    monkeypatch.setattr(native, "linear_gelu", lambda *a: calls.append(1) or fn(*a))
+    torch.manual_seed(0)
+    mlp = MLP(ModelConfig(d_model=64, n_heads=4, d_mlp=256, **cfg_kw))
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(128, 17, 64)
+    outs = []
+    for on in (True, False):
+        with switched(on, "gelu"):
+            mlp.zero_grad()
+            y = mlp(x)
+            y.pow(2).sum().backward()
+            outs.append((y.detach(), mlp.W_in.grad.clone(), mlp.W_out.grad.clone()))
+    assert len(calls) == (1 if takes else 0)
+    for ours, ref in zip(*outs, strict=True):  # W_in's gradient sums 2176 rows: scale's 1e-6
+        torch.testing.assert_close(ours, ref, atol=1e-6 * ref.abs().max().item(), rtol=1e-5)
+    with torch.no_grad():
+        mlp(x)
+    assert len(calls) == (1 if takes else 0), "evaluation keeps torch's GELU"
+    seen = []
+    mlp.hook_pre.fns.append(lambda h, _: seen.append(h.shape) or h * 0)
+    try:
+        y = mlp(x)
+    finally:
+        mlp.hook_pre.fns.clear()
+    assert len(calls) == (1 if takes else 0) and seen == [(128, 17, 256)]
+    if not cfg_kw.get("mlp_bias"):  # (a bias would be added after the MLP's last matmul)
+        torch.testing.assert_close(y, torch.zeros_like(y))  # the hook's zeros went through
+
+
+def test_linear_gelu_in_a_training_step_matches_torchs() -> None:
+    """A `pre` model's loss and every parameter's gradient, kernel on and off."""
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, d_mlp=256, pos_encoding="rope")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (64, 17))
+    grads = []
+    for on in (True, False):
+        with switched(on, "gelu"):
+            model.zero_grad()
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, ref in grads[1].items():
+        torch.testing.assert_close(grads[0][name], ref, atol=1e-6 * ref.abs().max().item(),
+                                   rtol=1e-4, msg=name)
+
+
+def test_gelu_portable_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Built without -march=native (and without OpenMP): the same GELU to float32 rounding."""
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAG_SETS", (("-O3",),))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "built_with", None)
+    h = torch.linspace(-12, 12, 10_001)
+    y, d = gelu_kernel(h)
+    ty, td = gelu_truth(h)
+    assert (y.double() - ty).abs().max() < 5e-7 * 12 and (d.double() - td).abs().max() < 1e-6

@@ -1,5 +1,6 @@
 """normlab's native CPU kernels, compiled on first use: LayerNorm / RMSNorm for `Norm`, RoPE's
-rotation for `Rope`, and the attention of a decoding step for `Attention`.
+rotation for `Rope`, the attention of a decoding step for `Attention`, and the GELU of a
+training step for `MLP`.
 
 Norms. ATen's CPU `layer_norm` reduces one row at a time, so on QK/QKV-Norm's 16-float head
 rows it is bound by each row's chain of adds (~22 ns a row, 2.6x its cost per float on
@@ -33,12 +34,21 @@ buffers in place, equal to torch's attention to float32 rounding (tests against 
 `Attention` takes it whenever `attend_applies` and no hook reads the scores or the pattern
 (docs/performance.md, eighteenth session).
 
+GELU in training. ATen's GELU backward recomputes erf and two exponentials from the saved
+pre-activation, ~1.4 ns a float on one thread, 1.7x its forward. `linear_gelu` runs the MLP's
+first matmul and the GELU in one autograd Function whose forward also writes the GELU's
+derivative (one pass, one exponential) and saves it in place of the pre-activation, so the
+backward is one multiply: the same memory, a `pre` training step 4-5% faster
+(docs/performance.md, twenty-sixth session). Equal to ATen's to float32 rounding (tests against
+float64). `MLP` takes it under autograd when no hook reads the pre-activation; without
+autograd (evaluation, decoding, the collapse sweep) ATen's forward, which is faster alone,
+runs.
 The kernels are compiled with the system C compiler (`$CC`, else `cc`) the first time a
 process needs them, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file
 keyed by the source, the flags, the compiler and the CPU (it is built for this CPU,
 `-march=native`). Without a compiler, or with `NORMLAB_NATIVE_NORM=0` / `NORMLAB_NATIVE_ROPE=0`
-/ `NORMLAB_NATIVE_ATTN=0`, torch's ops run instead: the same numbers to float32 rounding for
-the norms and attention, bit for bit for RoPE.
+/ `NORMLAB_NATIVE_ATTN=0` / `NORMLAB_NATIVE_GELU=0`, torch's ops run instead: the same numbers
+to float32 rounding for the norms, attention and GELU, bit for bit for RoPE.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +98,16 @@ ROPE_MIN_ELEMENTS = 16384
 FUSE_MAX_ROW = 1024
 
 
-KERNELS = ("norm", "rope", "attn")
+# Fewest elements of the MLP's pre-activation [rows, d_mlp] from which the linear + GELU
+# Function is at least as fast as torch's matmul and GELU under autograd (see `linear_gelu`).
+GELU_MIN_ELEMENTS = 16384
+
+KERNELS = ("norm", "rope", "attn", "gelu")
 
 
 def _enabled_by_env(kernel: str) -> bool:
-    """`NORMLAB_NATIVE_NORM` / `_ROPE` / `_ATTN`: 0, false or no switch that kernel off."""
+    """`NORMLAB_NATIVE_NORM` / `_ROPE` / `_ATTN` / `_GELU`: 0, false or no switch that kernel
+    off."""
     value = os.environ.get(f"NORMLAB_NATIVE_{kernel.upper()}", "1")
     return value.strip().lower() not in ("0", "false", "no")
 
@@ -104,7 +120,7 @@ built_with: tuple[str, ...] | None = None  # the flags of the loaded build, for 
 
 
 def set_enabled(on: bool, kernel: str | None = None) -> None:
-    """Switch one kernel (`norm`, `rope`, `attn`), or all, on or off for this process
+    """Switch one kernel (`norm`, `rope`, `attn`, `gelu`), or all, on or off for this process
     (benchmarks A/B them; tests compare)."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {', '.join(KERNELS)} or None; got {kernel!r}")
@@ -220,6 +236,8 @@ def _load() -> ctypes.CDLL | None:
                                          p, p, *[i64] * 3, i32]
         lib.nl_norm_rope_bwd.argtypes = [p, *[i64] * 4, p, p, p, p, p, p, p, *[i64] * 4, i32,
                                          p, p, i32]
+        lib.nl_gelu_fwd.argtypes = [p, p, p, i64, i32]
+        lib.nl_gelu_fwd.restype = None
         lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = lib.nl_rope.restype = None
         lib.nl_attn1.restype = lib.nl_norm_rope_fwd.restype = lib.nl_norm_rope_bwd.restype = None
         lib.nl_has_rows8.restype = lib.nl_attn_max_keys.restype = ctypes.c_int
@@ -228,9 +246,9 @@ def _load() -> ctypes.CDLL | None:
         return _lib
     warnings.warn(
         f"normlab: could not compile {SOURCE.name} with {' '.join(cc)!r} into {_cache_dir()}; "
-        "norms, RoPE and decoding attention use torch's ops (set CC to a C compiler and "
+        "norms, RoPE, decoding attention and GELU use torch's ops (set CC to a C compiler and "
         "NORMLAB_CACHE to a writable folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0, "
-        "NORMLAB_NATIVE_ROPE=0 and NORMLAB_NATIVE_ATTN=0 to silence this)",
+        "NORMLAB_NATIVE_ROPE=0, NORMLAB_NATIVE_ATTN=0 and NORMLAB_NATIVE_GELU=0 to silence this)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -377,19 +395,12 @@ class _NormFn(torch.autograd.Function):
             # create_graph=True (double backward, e.g. a gradient penalty), or a batched
             # gradient C cannot read: take the gradient through torch's ops, which are
             # differentiable and batch
-            # only the inputs that want a gradient: a frozen gain or bias, or an input that is
-            # data, is no leaf of this graph, and asking for it would raise
-            want = [i for i, t in enumerate((x, w, b)) if t is not None and ctx.needs_input_grad[i]]
-            with torch.enable_grad():
+            def by_torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+                         ) -> torch.Tensor:
                 y = torch_norm(x, w, b, ctx.eps, ctx.center)
-                if cos is not None:
-                    y = torch_rope(y, cos, sin2)
-                gs = torch.autograd.grad(y, [(x, w, b)[i] for i in want], gy, create_graph=True,
-                                         allow_unused=True)
-            out: list[torch.Tensor | None] = [None, None, None]
-            for i, g in zip(want, gs, strict=True):
-                out[i] = g
-            return (*out, *rest)
+                return y if cos is None else torch_rope(y, cos, sin2)
+
+            return (*_grads_by_torch(by_torch, (x, w, b), ctx.needs_input_grad, gy), *rest)
         d = x.shape[-1]
         n = x.numel() // d
         if cos is not None:  # the rotation undone block by block, inside the kernel
@@ -413,6 +424,25 @@ class _NormFn(torch.autograd.Function):
             gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), n, d, int(ctx.center), t, *_rows(g),
         )  # fmt: skip
         return gx, gw[0], None if b is None else gb[0], *rest
+
+
+def _grads_by_torch(
+    fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor | None, ...],
+    needs: tuple[bool, ...], gy: torch.Tensor,
+) -> list[torch.Tensor | None]:
+    """A Function's backward taken again through torch's ops (`fn`, differentiable and
+    batching) where C cannot serve it: create_graph=True, or a batched gradient. Only the inputs
+    that want a gradient are asked for: a frozen gain or bias, or an input that is data, is no
+    leaf of this graph, and asking for it would raise."""
+    want = [i for i, t in enumerate(inputs) if t is not None and needs[i]]
+    with torch.enable_grad():
+        y = fn(*inputs)
+        gs = torch.autograd.grad(y, [inputs[i] for i in want], gy, create_graph=True,
+                                 allow_unused=True)
+    out: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, g in zip(want, gs, strict=True):
+        out[i] = g
+    return out
 
 
 def norm(
@@ -634,3 +664,86 @@ def attend(
         min(_threads(b * h * -(-t // 8)), b * h),  # a row of t keys is worth t / 8 norm rows
     )  # fmt: skip
     return z
+
+
+# --------------------------------------------------------------------------- GELU in training
+
+
+def linear_gelu_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear_gelu` should take `gelu(x @ w)`: autograd recording (without it ATen's
+    GELU forward, faster alone, runs), x [..., d] and w [d, m] float32 CPU tensors, at least
+    GELU_MIN_ELEMENTS pre-activation elements, eager, no autocast, the kernel built."""
+    if not _enabled["gelu"] or not isinstance(x, torch.Tensor) or x.ndim < 2 or w.ndim != 2:
+        return False
+    d, m = w.shape
+    if x.shape[-1] != d or x.numel() // max(d, 1) * m < GELU_MIN_ELEMENTS:
+        return False
+    if not _needs_grad(x, w) or _tracing() or not (_plain(x) and _plain(w)):
+        return False
+    if torch.is_autocast_enabled("cpu"):  # x @ w would be bfloat16 (mixed precision)
+        return False
+    return load() is not None
+
+
+def torch_linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The same function by torch's ops (differentiable to any order)."""
+    h = x @ w
+    return torch.nn.functional.gelu(h if b is None else h + b)
+
+
+class _LinearGeluFn(torch.autograd.Function):
+    """gelu(x @ w + b), saving x, w and the GELU's derivative (not the pre-activation): the
+    backward's GELU is one multiply, and its matmuls are the ones autograd would run."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = x @ w
+        if b is not None:
+            h += b
+        if h.dtype is not torch.float32 or not h.is_contiguous():  # what C reads, or nothing
+            raise RuntimeError(f"native.linear_gelu: x @ w came out {h.dtype}, "
+                               f"contiguous={h.is_contiguous()}; expected contiguous float32")
+        y, dh = torch.empty_like(h), torch.empty_like(h)
+        n_rows = h.numel() // h.shape[-1]
+        _kernel().nl_gelu_fwd(h.data_ptr(), y.data_ptr(), dh.data_ptr(), h.numel(),
+                              _threads(n_rows))
+        ctx.save_for_backward(x, w, b, dh)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, w, b, dh = ctx.saved_tensors
+        want = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            # create_graph=True (a gradient penalty): the derivative saved is a constant to
+            # autograd, so the gradient is taken again through torch's differentiable ops
+            return tuple(_grads_by_torch(torch_linear_gelu, (x, w, b), want, gy))
+        gh = gy * dh  # [..., m]
+        gx = gh @ w.T if want[0] else None
+        gh2, x2 = gh.reshape(-1, gh.shape[-1]), x.reshape(-1, x.shape[-1])
+        gw = x2.T @ gh2 if want[1] else None
+        gb = gh2.sum(0) if b is not None and want[2] else None
+        return gx, gw, gb
+
+
+def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.gelu(x @ w + b)` (exact GELU) for a training step: x [..., d], w [d, m], b [m] or None.
+
+    Equal to torch's ops to float32 rounding, forward and backward, and differentiable to any
+    order (a second-order gradient goes through torch's ops). Callers check
+    `linear_gelu_applies` (`MLP` does, and runs torch's ops otherwise).
+    """
+    if not linear_gelu_applies(x, w) or (b is not None and not (
+            _plain(b) and b.shape == (w.shape[1],))):
+        raise ValueError(
+            "native.linear_gelu: expected float32 CPU x [..., d] and w [d, m] with autograd "
+            f"recording, at least {GELU_MIN_ELEMENTS} elements of x @ w, b None or [m], and the "
+            f"kernel built; got x {tuple(x.shape)}, w {tuple(w.shape)}, "
+            f"b {None if b is None else tuple(b.shape)}"
+        )
+    return _LinearGeluFn.apply(x, w, b)
