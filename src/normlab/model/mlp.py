@@ -40,7 +40,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.linear_gelu and not self.hook_pre.fns
-                and native.linear_gelu_applies(x, self.W_in)):
+                and native.linear_gelu_applies(x, self.W_in, self.b_in)):
             # under autograd on CPU: one Function whose backward's GELU is one multiply
             # (`native.linear_gelu`); nobody reads the pre-activation it does not return
             post = native.linear_gelu(x, self.W_in, self.b_in)

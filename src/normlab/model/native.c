@@ -630,11 +630,14 @@ void nl_attn1(const float *q, int64_t qb, int64_t qh, const float *k, int64_t kb
  * round-to-nearest by the 1.5 * 2^23 trick; no libm call and no branch, so the loop
  * vectorises at any -O3 (floorf would vectorise only without trapping math).
  */
-static inline float exp_nonpos(float v) { /* e^v for v <= 0; below -87 it is e^-87 ~ 1.6e-38 */
-  v = v < -87.f ? -87.f : v;
-  const float big = v * 1.44269504088896341f + 12582912.f; /* 1.5 * 2^23 + round(v / ln 2) */
+static inline float exp_nonpos(float v) {
+  /* e^v for v <= 0, and 0 below -80: the GELU's tails are then exactly 0 and 1 (the terms
+   * dropped are below 1e-34), no product goes subnormal, and at huge |x| (x * x = inf) the
+   * derivative's x * e^(-x^2/2) is 0, not x times a clamped exponential */
+  const float u = v < -80.f ? -80.f : v;
+  const float big = u * 1.44269504088896341f + 12582912.f; /* 1.5 * 2^23 + round(u / ln 2) */
   const float n = big - 12582912.f;
-  const float r = v - n * 0.693359375f + n * 2.12194440e-4f; /* v - n ln 2, ln 2 in two parts */
+  const float r = u - n * 0.693359375f + n * 2.12194440e-4f; /* u - n ln 2, ln 2 in two parts */
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -642,9 +645,9 @@ static inline float exp_nonpos(float v) { /* e^v for v <= 0; below -87 it is e^-
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  union { float f; int32_t i; } k = {big}, s;
-  s.i = (k.i - 0x4B400000 + 127) << 23; /* 2^n: n sits in big's low mantissa bits */
-  return p * s.f;
+  union { float f; uint32_t i; } k = {big}, s;
+  s.i = (k.i - 0x4B400000u + 127u) << 23; /* 2^n: n sits in big's low mantissa bits */
+  return v < -80.f ? 0.f : p * s.f;
 }
 
 void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {

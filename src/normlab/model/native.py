@@ -283,19 +283,25 @@ def norm_applies(x: torch.Tensor, gain: torch.Tensor) -> bool:
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(t: torch.Tensor) -> bool:
-    """A float32 CPU tensor whose data C can read through its pointer (not a vmap wrapper, nor
-    the storage-less gradients a batched backward, `is_grads_batched`, hands a Function)."""
-    return (t.dtype is torch.float32 and t.is_cpu and not _wrapped(t)
-            and torch._C._has_storage(t))
+    """A float32 CPU tensor whose data C can read through its pointer: not a subclass (a
+    FakeTensor's pointer points at nothing: C would crash), nor a vmap wrapper, nor the
+    storage-less gradients a batched backward, `is_grads_batched`, hands a Function."""
+    return (type(t) in _PLAIN_TYPES and t.dtype is torch.float32 and t.is_cpu
+            and not _wrapped(t) and torch._C._has_storage(t))
 
 
 def _tracing() -> bool:
     """Under torch.compile or jit.trace a ctypes call would not be recorded (an fx trace hands
     `norm_applies` a Proxy, which it turns away first); under forward-mode AD (`dual_level`) it
-    would drop the tangent, and the Functions have no `jvp`."""
+    would drop the tangent, and the Functions have no `jvp`; under a `torch.func` transform
+    (`grad`, `vmap`) a Function needs a `setup_context` these do not have."""
     return (torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or torch.autograd.forward_ad._current_level >= 0)
+            or torch.autograd.forward_ad._current_level >= 0
+            or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def _kernel() -> ctypes.CDLL:
@@ -462,7 +468,8 @@ def norm(
     """
     if head_major and x.ndim != 4:
         raise ValueError(f"native.norm: head_major expects x [B, T, H, D], got {tuple(x.shape)}")
-    if rope is not None:
+    transformed = _tracing()  # e.g. under torch.func.vmap: torch's ops, whatever the inputs
+    if rope is not None and not transformed:
         if not (norm_applies(x, gain) and norm_rope_applies(x, *rope)):
             raise ValueError(
                 "native.norm: with rope, expected what norm_applies and rope_applies take and "
@@ -472,8 +479,8 @@ def norm(
         head_major = True  # as RoPE's kernel writes q and k
     d = x.shape[-1] if x.ndim else 0
     ok = [t is None or (_plain(t) and t.shape == (d,)) for t in (gain, bias)]
-    if not (d and _plain(x) and all(ok)):  # e.g. a bias under vmap: torch's ops, rotated too
-        y = torch_norm(x, gain, bias, eps, center)
+    if transformed or not (d and _plain(x) and all(ok)):  # e.g. a bias under vmap
+        y = torch_norm(x, gain, bias, eps, center)  # torch's ops, rotated too
         return y if rope is None else torch_rope(y, *rope)
     x, gain = x.contiguous(), gain.contiguous()
     bias = None if bias is None else bias.contiguous()
@@ -669,16 +676,21 @@ def attend(
 # --------------------------------------------------------------------------- GELU in training
 
 
-def linear_gelu_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear_gelu` should take `gelu(x @ w)`: autograd recording (without it ATen's
-    GELU forward, faster alone, runs), x [..., d] and w [d, m] float32 CPU tensors, at least
-    GELU_MIN_ELEMENTS pre-activation elements, eager, no autocast, the kernel built."""
+def linear_gelu_applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+                        ) -> bool:
+    """Whether `linear_gelu` should take `gelu(x @ w + b)`: w [d, m] wanting its gradient
+    (autograd recording; without it ATen's GELU forward, faster alone, runs; and a frozen w's
+    torch path keeps no x, which the Function would), x [..., d] and b None or [m], float32
+    CPU tensors, at least GELU_MIN_ELEMENTS pre-activation elements, eager, no autocast, the
+    kernel built."""
     if not _enabled["gelu"] or not isinstance(x, torch.Tensor) or x.ndim < 2 or w.ndim != 2:
         return False
     d, m = w.shape
     if x.shape[-1] != d or x.numel() // max(d, 1) * m < GELU_MIN_ELEMENTS:
         return False
-    if not _needs_grad(x, w) or _tracing() or not (_plain(x) and _plain(w)):
+    if not _needs_grad(w) or _tracing() or not (_plain(x) and _plain(w)):
+        return False
+    if b is not None and not (_plain(b) and b.shape == (m,)):
         return False
     if torch.is_autocast_enabled("cpu"):  # x @ w would be bfloat16 (mixed precision)
         return False
@@ -738,12 +750,11 @@ def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
     order (a second-order gradient goes through torch's ops). Callers check
     `linear_gelu_applies` (`MLP` does, and runs torch's ops otherwise).
     """
-    if not linear_gelu_applies(x, w) or (b is not None and not (
-            _plain(b) and b.shape == (w.shape[1],))):
+    if not linear_gelu_applies(x, w, b):
         raise ValueError(
-            "native.linear_gelu: expected float32 CPU x [..., d] and w [d, m] with autograd "
-            f"recording, at least {GELU_MIN_ELEMENTS} elements of x @ w, b None or [m], and the "
-            f"kernel built; got x {tuple(x.shape)}, w {tuple(w.shape)}, "
+            "native.linear_gelu: expected float32 CPU x [..., d], w [d, m] wanting its "
+            f"gradient, at least {GELU_MIN_ELEMENTS} elements of x @ w, b None or [m], no "
+            f"autocast, and the kernel built; got x {tuple(x.shape)}, w {tuple(w.shape)}, "
             f"b {None if b is None else tuple(b.shape)}"
         )
     return _LinearGeluFn.apply(x, w, b)
