@@ -1,7 +1,8 @@
 /* normlab's native CPU kernels, behind normlab.model.native (see its docstring for why):
  * LayerNorm / RMSNorm over the last dim of a contiguous float32 [N, D] tensor, forward and
- * backward (y written and gy read through row strides: `rowmap`); RoPE's rotation; and the
- * attention of one query a row (the last two at the end of this file).
+ * backward (y written and gy read through row strides: `rowmap`); RoPE's rotation; the
+ * attention of one query a row; and the GELU of a training step with its derivative (the last
+ * three further down this file).
  *
  * Norms. ATen's CPU kernel reduces one row at a time, so on QKV-Norm's 16-float rows it is
  * bound by each row's chain of adds (~22 ns a row). Here, with AVX2, eight rows are reduced at

@@ -38,7 +38,7 @@ GELU in training. ATen's GELU backward recomputes erf and two exponentials from 
 pre-activation, ~1.4 ns a float on one thread, 1.7x its forward. `linear_gelu` runs the MLP's
 first matmul and the GELU in one autograd Function whose forward also writes the GELU's
 derivative (one pass, one exponential) and saves it in place of the pre-activation, so the
-backward is one multiply: the same memory, a `pre` training step 4-5% faster
+backward is one multiply: the same tensors saved, a training step 1-3% faster
 (docs/performance.md, twenty-sixth session). Equal to ATen's to float32 rounding (tests against
 float64). `MLP` takes it under autograd when no hook reads the pre-activation; without
 autograd (evaluation, decoding, the collapse sweep) ATen's forward, which is faster alone,
