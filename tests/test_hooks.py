@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
-from normlab.model import attention
+from normlab.model import attention, native
 from normlab.model.generate import _pad, greedy_decode
 
 
@@ -493,12 +493,14 @@ def test_fused_norms_give_the_same_numbers(placement: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
-def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path_bit_for_bit(
+def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path(
     placement: str, monkeypatch
 ) -> None:
-    """Rows of <= EXPLICIT_MAX_KEYS_CPU keys run the explicit path with no hook attached (faster
-    than SDPA there); its output and gradients are then bitwise those of a hooked forward, and
-    its scores are the masked, scaled q.k written out by hand."""
+    """Rows of <= EXPLICIT_MAX_KEYS_CPU keys run the explicit path's arithmetic with no hook
+    attached (faster than SDPA there): normlab's kernel (`native.attention`), whose output and
+    gradients are a hooked forward's to float32 rounding, or with the kernel off the explicit
+    path itself, bitwise a hooked forward's; its scores are the masked, scaled q.k written out
+    by hand."""
     calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
@@ -516,6 +518,15 @@ def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path_bit_for_bit(
     plain = run([])
     assert calls == []
     hooked = run([("blocks.1.attn.hook_pattern", lambda x, hook: x)])
+    for ours, explicit in zip(plain, hooked, strict=True):
+        torch.testing.assert_close(ours, explicit, atol=1e-6 * explicit.abs().max().item(),
+                                   rtol=1e-5)
+    native.set_enabled(False, "attention")
+    try:
+        plain = run([])
+        hooked = run([("blocks.1.attn.hook_pattern", lambda x, hook: x)])
+    finally:
+        native.set_enabled(True)
     assert torch.equal(plain[0], hooked[0]) and torch.equal(plain[1], hooked[1])
     monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 8)  # 9 keys: SDPA again
     fused = run([])

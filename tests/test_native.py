@@ -192,17 +192,18 @@ def test_applies_only_where_it_pays() -> None:
     assert not native.norm_applies(big.bfloat16(), w.bfloat16())
     assert not native.norm_applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
     assert not native.norm_applies(torch.tensor(1.0), torch.ones(1))
-    assert native.describe().startswith("on: norm, rope, attn, gelu (")
+    assert native.describe().startswith("on: norm, rope, attn, attention, gelu (")
     native.set_enabled(False, "norm")
     try:
         assert not native.norm_applies(big, w)
-        assert native.describe().startswith("on: rope, attn, gelu; norm off (")
+        assert native.describe().startswith("on: rope, attn, attention, gelu; norm off (")
         native.set_enabled(False)
         assert native.describe() == "off (torch's kernels)"
     finally:
         native.set_enabled(True)
-    assert native.describe().startswith("on: norm, rope, attn, gelu (")
-    with pytest.raises(ValueError, match="kernel: expected one of norm, rope, attn, gelu"):
+    assert native.describe().startswith("on: norm, rope, attn, attention, gelu (")
+    with pytest.raises(ValueError,
+                       match="kernel: expected one of norm, rope, attn, attention, gelu"):
         native.set_enabled(False, "softmax")
 
 
@@ -382,16 +383,16 @@ def test_env_switch_turns_a_kernel_off_in_a_new_process(off: str) -> None:
         "import torch\n"
         "from normlab import ModelConfig, build_model\n"
         "from normlab.model import native\n"
-        "calls = {'norm': 0, 'rope': 0, 'attn': 0, 'gelu': 0}\n"
+        "calls = {'norm': 0, 'rope': 0, 'attn': 0, 'attention': 0, 'gelu': 0}\n"
         "def count(kernel, fn):\n"
         "    def counted(*a, **k):\n"
         "        calls[kernel] += 1\n"
         "        calls['rope'] += k.get('rope') is not None\n"
         "        return fn(*a, **k)\n"
         "    return counted\n"
-        "native.norm, native.rope, native.attend, native.linear_gelu = (\n"
+        "native.norm, native.rope, native.attend, native.attention, native.linear_gelu = (\n"
         "    count(k, getattr(native, f)) for k, f in (('norm', 'norm'), ('rope', 'rope'),\n"
-        "    ('attn', 'attend'), ('gelu', 'linear_gelu')))\n"
+        "    ('attn', 'attend'), ('attention', 'attention'), ('gelu', 'linear_gelu')))\n"
         f"assert native.describe().startswith('on: {', '.join(on)}; {off} off ('), "
         "native.describe()\n"
         "cfg = ModelConfig(d_model=64, n_heads=4, norm_placement='qkv', pos_encoding='rope')\n"
@@ -455,7 +456,7 @@ def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "built_with", None)
     built = native.describe()
-    assert built.startswith("on: norm, rope, attn, gelu (-O3, "), built
+    assert built.startswith("on: norm, rope, attn, attention, gelu (-O3, "), built
     torch.manual_seed(0)
     x = torch.randn(1031, 16, requires_grad=True)
     w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
@@ -1518,8 +1519,9 @@ def test_linear_gelu_in_a_training_step_matches_torchs() -> None:
                                    rtol=1e-4, msg=name)
 
 
-def test_gelu_portable_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """Built without -march=native (and without OpenMP): the same GELU to float32 rounding."""
+def test_gelu_and_attention_portable_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Built without -march=native (and without OpenMP): the same GELU, and the same attention
+    (its rows copied one float at a time, no AVX2 transposes), to float32 rounding."""
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "FLAG_SETS", (("-O3",),))
     monkeypatch.setattr(native, "_tried", False)
@@ -1530,3 +1532,248 @@ def test_gelu_portable_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     y, d = gelu_kernel(h)
     ty, td = gelu_truth(h)
     assert (y.double() - ty).abs().max() < 5e-7 * 12 and (d.double() - td).abs().max() < 1e-6
+    for shape in ((5, 4, 16, 16, 16), (2, 3, 7, 4, 6)):
+        q, k, v, scale, m = attention_inputs(*shape, "causal")
+        gz = torch.randn_like(q)
+        ours = attention_grads(native.attention, q, k, v, scale, m, gz)
+        ref = attention_grads(lambda *a: native.torch_attention(*a).transpose(1, 2),
+                              q, k, v, scale, m, gz)
+        for o, r in zip(ours, ref, strict=True):
+            torch.testing.assert_close(o, r, atol=1e-5 * r.abs().max().item(), rtol=1e-4)
+
+
+# --------------------------------------------------------------------- attention of short rows
+
+
+def attention_inputs(b: int, h: int, t: int, s: int, d: int, mask: str, seed: int = 0):
+    """q [B, H, T, D] as attention hands it (a head-major view of [B, T, H, D]), k, v [B, H,
+    S, D] (k contiguous, v strided), a scale per head, and a mask of the given kind."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)
+    k = torch.randn(b, h, s, d, generator=g)
+    v = torch.randn(b, s, h, d, generator=g).transpose(1, 2)
+    scale = torch.rand(h, generator=g) + 0.1
+    causal = torch.ones(t, s, dtype=torch.bool).tril(max(s - t, 0))  # key 0 for every query
+    masks = {"none": None,
+             "causal": causal[None, None],
+             "keys per row": torch.rand(b, 1, 1, s, generator=g) > 0.3,
+             "per row and head": (torch.rand(b, h, t, s, generator=g) > 0.3) | causal}
+    m = masks[mask]
+    if m is not None and mask == "keys per row":
+        m[..., -1] = True  # every query sees at least one key (an empty row is NaN: below)
+    return q, k, v, scale, m
+
+
+def attention_grads(fn, q, k, v, scale, m, gz, dtype=torch.float32):
+    """z and the gradients of q, k, v and scale from `fn`, in `dtype`."""
+    ins = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, scale)]
+    z = fn(*ins, m)
+    return [z.detach(), *torch.autograd.grad(z, ins, gz.to(dtype))]
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("mask", ["none", "causal", "keys per row", "per row and head"])
+@pytest.mark.parametrize(("b", "h", "t", "s", "d"), [
+    (128, 4, 17, 17, 16),  # a training step's: d_head 16, its own copy
+    (5, 4, 16, 16, 64),  # 20 rows: two full groups of eight and a partial one
+    (3, 2, 5, 9, 24),  # fewer queries than keys (cross-attention, a cached prompt)
+    (2, 3, 7, 4, 6),  # d_head 6: no eight-float block, one float at a time
+    (1, 1, 1, 1, 8),  # one query, one key
+])
+def test_attention_matches_float64(b: int, h: int, t: int, s: int, d: int, mask: str,
+                                   n_threads: int, threads: None) -> None:
+    """z and the gradients of q, k, v and the scale against torch's ops in float64, within
+    twice what torch's own float32 ops get (plus rounding of the largest value). The scale's
+    gradient, a sum over every (b, t, s) of terms that cancel (each query's ds sums to 0), is
+    summed in another order than torch's (query by query, row by row): it gets 1e-5 of its
+    largest value (4e-6 seen: ~40 float32 ulps)."""
+    torch.set_num_threads(n_threads)
+    q, k, v, scale, m = attention_inputs(b, h, t, s, d, mask)
+    gz = torch.randn(b, t, h, d, generator=torch.Generator().manual_seed(1)).transpose(1, 2)
+    assert native.attention_applies(q, k, v, scale, m)
+    ours = attention_grads(native.attention, q, k, v, scale, m, gz)
+    assert ours[0].shape == (b, h, t, d) and ours[0].transpose(1, 2).is_contiguous()
+
+    def by_torch(*a):
+        return native.torch_attention(*a).transpose(1, 2)
+
+    aten = attention_grads(by_torch, q, k, v, scale, m, gz)
+    truth = attention_grads(by_torch, q, k, v, scale, m, gz, torch.float64)
+    for name, o, a, tr in zip(("z", "q", "k", "v", "scale"), ours, aten, truth, strict=True):
+        err, aten_err = ((x.double() - tr).abs().max() for x in (o, a))
+        slack = 1e-5 if name == "scale" else 2e-7
+        assert err <= 2 * aten_err + slack * tr.abs().max(), (name, err, aten_err)
+
+
+def test_attention_by_hand() -> None:
+    """One head, two queries, two keys, causal: query 0 sees key 0 alone, so z_0 = v_0; query
+    1's scores (1, 2) . k = 1 and 3, scaled by 0.5, weigh v = 10 and 20 by 1 / (1 + e) and
+    e / (1 + e). The scale's gradient is sum ds * (q . k) by hand."""
+    q = torch.tensor([[1.0, 2.0], [1.0, 2.0]]).view(1, 1, 2, 2)
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.5]]).view(1, 1, 2, 2)
+    v = torch.tensor([[10.0, 0.0], [20.0, 0.0]]).view(1, 1, 2, 2)
+    scale = torch.tensor([0.5], requires_grad=True)
+    causal = torch.ones(2, 2, dtype=torch.bool).tril()[None, None]
+    z = native.attention(q, k, v, scale, causal)
+    e = torch.tensor(1.0).exp()
+    torch.testing.assert_close(z[0, 0, :, 0], torch.stack([torch.tensor(10.0),
+                                                           (10 + 20 * e) / (1 + e)]))
+    assert z[0, 0, :, 1].abs().max() == 0
+    z[0, 0, 1, 0].backward()
+    p1 = e / (1 + e)  # query 1's weight of key 1; dz/ds_1 = p1 (1 - p1) (20 - 10), raw q.k 3 - 1
+    torch.testing.assert_close(scale.grad[0], p1 * (1 - p1) * 10 * 2)
+
+
+def test_attention_every_key_masked_is_nan_as_torch() -> None:
+    """A query with no key to attend to is NaN, as softmax of all -inf makes it (SDPA's CPU
+    kernel gives 0), its row's other queries and the other rows untouched."""
+    q, k, v, scale, _ = attention_inputs(3, 2, 4, 5, 16, "none")
+    m = torch.ones(3, 1, 4, 5, dtype=torch.bool)
+    m[1, 0, 2] = False  # row 1's query 2
+    z = native.attention(q, k, v, scale, m)
+    want = native.torch_attention(q, k, v, scale, m).transpose(1, 2)
+    assert z[1, :, 2].isnan().all() and want[1, :, 2].isnan().all()
+    z[1, :, 2], want[1, :, 2] = 0.0, 0.0
+    torch.testing.assert_close(z, want, atol=2e-6, rtol=1e-5)
+
+
+def test_attention_nan_and_extreme_scores() -> None:
+    """A NaN score makes its query's row NaN, as torch's softmax does; scores hundreds apart
+    (most weights underflow to 0) come out as close to float64 as torch's float32 path."""
+    q, k, v, scale, _ = attention_inputs(2, 2, 6, 6, 16, "none")
+    k = k.clone()
+    k[1, 0, 3, 0] = float("nan")
+    z = native.attention(q, k, v, scale)
+    assert z[1, 0].isnan().all() and not z[0].isnan().any() and not z[1, 1].isnan().any()
+    q, k, v, _, _ = attention_inputs(2, 2, 6, 30, 16, "none")
+    for scale in (torch.full((2,), 50.0), torch.zeros(2)):
+        truth = native.torch_attention(*as_double(q, k, v, scale), None).transpose(1, 2)
+        ours = (native.attention(q, k, v, scale).double() - truth).abs().max()
+        torchs = (native.torch_attention(q, k, v, scale, None).transpose(1, 2).double()
+                  - truth).abs().max()
+        assert ours <= 2 * torchs + 2e-6, (ours, torchs)
+
+
+def test_attention_second_order_and_batched_gradients() -> None:
+    """create_graph=True and batched gradients (`is_grads_batched`) go through torch's ops: a
+    gradient penalty's gradient, and a batch of backward passes, equal torch's path's."""
+    q, k, v, scale, m = attention_inputs(4, 2, 9, 9, 16, "causal")
+    gz = torch.randn(4, 2, 9, 16, generator=torch.Generator().manual_seed(2))
+    got = []
+    for on in (True, False):
+        with switched(on, "attention"):
+            ins = [x.detach().clone().requires_grad_() for x in (q, k, v, scale)]
+            fn = native.attention if on else (
+                lambda *a: native.torch_attention(*a).transpose(1, 2))
+            z = fn(*ins, m)
+            (gq,) = torch.autograd.grad((z * gz).sum(), ins[0], create_graph=True)
+            second = torch.autograd.grad(gq.pow(2).sum(), ins)
+            batched = torch.autograd.grad(fn(*ins, m), ins, torch.stack([gz, -2 * gz]),
+                                          is_grads_batched=True)
+            got.append([*second, *batched])
+    for ours, ref in zip(*got, strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_attention_bitwise_deterministic(n_threads: int, threads: None) -> None:
+    """Same inputs, same threads, same bits: training resumes exactly."""
+    torch.set_num_threads(n_threads)
+    q, k, v, scale, m = attention_inputs(64, 4, 17, 17, 16, "causal")
+    gz = torch.randn(64, 4, 17, 16)
+    runs = [attention_grads(native.attention, q, k, v, scale, m, gz) for _ in range(3)]
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again, strict=True))
+
+
+def test_attention_applies_only_to_what_it_can_read() -> None:
+    q, k, v, scale, m = attention_inputs(2, 4, 5, 5, 16, "per row and head")
+    assert native.attention_applies(q, k, v, scale, m)
+    assert native.attention_applies(q, k, v, scale.clone().requires_grad_(), m)
+    refused = {
+        "float64": (q.double(), k.double(), v.double(), scale.double(), m),
+        "grouped heads (repeated first)": (q, k[:, :2], v[:, :2], scale, m),
+        "k and v shapes differ": (q, k, v[:, :, :4], scale, m),
+        "no keys": (q, k[:, :, :0], v[:, :, :0], scale, m[..., :0]),
+        "d not contiguous": (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, scale,
+                             m),
+        "scale per head missing": (q, k, v, torch.ones(1), m),
+        "float mask": (q, k, v, scale, m.float()),
+        "mask of other keys": (q, k, v, scale, m[..., :3]),
+        "mask not 4-d": (q, k, v, scale, m[0]),
+        "q not 4-d": (q[0], k, v, scale, m),
+        "wrong batch": (torch.randn(3, 4, 5, 16), k, v, scale, None),
+    }
+    for why, args in refused.items():
+        assert not native.attention_applies(*args), why
+        with pytest.raises(ValueError, match=r"^native\.attention: expected float32 CPU q"):
+            native.attention(*args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the explicit path's would be bfloat16
+        assert not native.attention_applies(q, k, v, scale, m)
+    with switched(False, "attention"):
+        assert not native.attention_applies(q, k, v, scale, m)
+
+
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
+    placement: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's short CPU rows take the kernel in training and evaluation (QKV-Norm's learned
+    scale gets its gradient), with its loss and every gradient torch's to float32 rounding;
+    never where a hook reads the scores or the pattern, nor with dropout in training, nor
+    where SDPA runs (longer rows)."""
+    from normlab.model import attention as attention_mod
+
+    calls = []
+    fn = native.attention
+    monkeypatch.setattr(native, "attention", lambda *a: calls.append(1) or fn(*a))
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement=placement,
+                      pos_encoding="rope")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (16, 17))
+    grads = []
+    for on in (True, False):
+        with switched(on, "attention"):
+            model.zero_grad()
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert len(calls) == cfg.n_layers
+    if placement == "qkv":
+        assert "blocks.0.attn.scale" in grads[0]
+    for name, ref in grads[1].items():
+        torch.testing.assert_close(grads[0][name], ref, atol=1e-6 * ref.abs().max().item(),
+                                   rtol=1e-4, msg=name)
+    with torch.no_grad():
+        model.eval()(tokens)
+    assert len(calls) == 2 * cfg.n_layers
+    with model.hooks([("blocks.0.attn.hook_pattern", lambda x, hook: x)]):
+        model(tokens)
+    assert len(calls) == 3 * cfg.n_layers - 1
+    dropped = build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, dropout=0.1))
+    dropped.train()(tokens)
+    assert len(calls) == 3 * cfg.n_layers - 1
+    monkeypatch.setattr(attention_mod, "EXPLICIT_MAX_KEYS_CPU", 8)  # 17 keys: SDPA
+    model(tokens)
+    assert len(calls) == 3 * cfg.n_layers - 1
+
+
+def test_attention_under_torch_func() -> None:
+    """Under a `torch.func` transform the kernel steps aside (its Function has no
+    `setup_context`): the gradient of QKV-Norm's learned scale equals the kernel off's."""
+    from torch.func import functional_call, grad
+
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=1, norm_placement="qkv")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (8, 17))
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, {"blocks.0.attn.scale": t}, (tokens,)).pow(2).mean()
+
+    got = []
+    for on in (True, False):
+        with switched(on, "attention"):
+            got.append(grad(loss)(model.blocks[0].attn.scale.detach()))
+    torch.testing.assert_close(got[0], got[1])

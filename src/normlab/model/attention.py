@@ -34,9 +34,10 @@ EXPLICIT_MAX_KEYS_CPU = 64
 hook reads it, because there it beats SDPA's CPU flash kernel: forward+backward 1.4-1.7x
 (one thread) and 2.2-3.4x (two threads) faster at the 17-24 keys of training. The measured
 crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
-(`benchmarks/probes/attn_path.py`). The price is memory: the backward keeps the
-[batch, head, T, T] scores and pattern, at most 64 x 64 floats per row. Longer rows, and every
-GPU, use SDPA."""
+(`benchmarks/probes/attn_path.py`). With no hook reading it, that path's arithmetic runs in
+normlab's kernel (`native.attention`, 2.4-2.7x faster again), whose backward keeps the
+[batch, head, T, T] pattern, at most 64 x 64 floats per row (the explicit path keeps the
+scores too). Longer rows, and every GPU, use SDPA."""
 
 SOFTMAX_MIN_KEYS_CPU = 16
 """On CPU, `softmax_rows` pads rows shorter than this with -inf keys. ATen's CPU softmax over
@@ -247,6 +248,10 @@ class Attention(nn.Module):
             z = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p_drop, scale=sdpa_scale
             )
+        elif not hooked and not p_drop and native.attention_applies(q, k, v, scale, mask):
+            # the explicit path's short CPU rows, no hook reading them: its eight ops forward
+            # and back in one kernel pass each, eight rows side by side (`native.attention`)
+            return self._out(native.attention(q, k, v, scale, mask))
         else:
             scores = q @ k.transpose(-1, -2)
             if autocast_half(scores):  # mixed precision: scale, mask, softmax in float32

@@ -1,8 +1,8 @@
 /* normlab's native CPU kernels, behind normlab.model.native (see its docstring for why):
  * LayerNorm / RMSNorm over the last dim of a contiguous float32 [N, D] tensor, forward and
  * backward (y written and gy read through row strides: `rowmap`); RoPE's rotation; the
- * attention of one query a row; and the GELU of a training step with its derivative (the last
- * three further down this file).
+ * attention of one query a row; the GELU of a training step with its derivative; and the
+ * attention of short rows, forward and backward (the last four further down this file).
  *
  * Norms. ATen's CPU kernel reduces one row at a time, so on QKV-Norm's 16-float rows it is
  * bound by each row's chain of adds (~22 ns a row). Here, with AVX2, eight rows are reduced at
@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -671,4 +672,362 @@ void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
       d[i] = c + xi * g * 0.39894228040143268f;
     }
   }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Attention of T queries over S keys a (b, h) row (a training step's, a
+ * prompt's, a sweep's), forward and backward:
+ *   s_ts = (q_t . k_s) * scale[h], -inf where mask is 0;  p_t = softmax(s_t);  z_t = sum_s p_ts v_s
+ * and back, with g_t = dL/dz_t:
+ *   dp_ts = g_t . v_s;  ds_ts = p_ts (dp_ts - sum_s' p_ts' dp_ts');  dv_s = sum_t p_ts g_t;
+ *   dq_t = scale sum_s ds_ts k_s;  dk_s = scale sum_t ds_ts q_t;  dscale = sum_ts ds_ts (q_t . k_s)
+ * ATen's explicit path is eight ops forward (two batched matmuls, a bias, a scale, a softmax,
+ * layout copies) and as many back, each a pass over [B, H, T, S] or [B, H, T, D] tensors in
+ * memory, with per-op costs on rows of ~17 keys and 16-float heads. Here eight (b, h) rows go
+ * through together, one in each lane of an eight-float vector: every product, exponential and
+ * sum is a lane-wise vector operation, with no lane idle on a row shorter than a vector and no
+ * sum across lanes. The rows are copied into lane-major scratch ([t][d][lane], a few KB: L1)
+ * and z and the gradients copied back. A mask the same for every (b, h) (a causal one) is read
+ * once per (t, s): masked keys are skipped, and a query's keys past its last visible one never
+ * looked at, as flash attention skips a causal mask's upper blocks; a mask that differs by row
+ * is applied lane by lane. q, k, v, z and g are read and written through their strides (d
+ * contiguous); the mask through four strides (0 where it broadcasts), or NULL for every key.
+ * The weights p are saved for the backward in the kernel's own layout, [B*H/8 up][T][S][lane].
+ * A query whose keys are all masked gives NaN, as torch's softmax does.
+ */
+typedef float v8 __attribute__((vector_size(32), aligned(4))); /* at any address */
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define SPLAT(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
+#define SEL(m, a, b) ((v8)(((v8i)(a) & (m)) | ((v8i)(b) & ~(m)))) /* m ? a : b, lane-wise */
+
+/* exp_nonpos on eight lanes: e^v for v <= 0, 0 below -80 (-inf included), NaN stays NaN */
+static inline v8 exp8v(v8 v) {
+  const v8i lo = v < SPLAT(-80.f); /* false for NaN: it runs through, and stays NaN */
+  const v8 u = SEL(lo, SPLAT(-80.f), v);
+  const v8 big = u * 1.44269504088896341f + 12582912.f;
+  const v8 n = big - 12582912.f;
+  const v8 r = u - n * 0.693359375f + n * 2.12194440e-4f;
+  v8 p = SPLAT(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v8i e = ((v8i)big - 0x4B400000 + 127) << 23;
+  return (v8)((v8i)(p * (v8)e) & ~lo);
+}
+
+#if HAVE_ROWS8
+/* the 8 x 8 block r[0..7] (row u: eight floats) transposed into c[0..7] (c[j] lane u = r[u][j]) */
+static inline void tr8(const __m256 *r, __m256 *c) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  c[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  c[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  c[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  c[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  c[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  c[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  c[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  c[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+#endif
+
+/* x's rows [N, D] (strides xb, xh, xn per row's b, h and position) into X [N][D][lane]: with
+ * AVX2, eight rows' eight floats at a time by one 8 x 8 transpose */
+static inline void tattn_gather(const float *x, const int64_t *xs, const int64_t *b,
+                                const int64_t *h, float *restrict X, int64_t N, int64_t D) {
+  const float *xr[8];
+  for (int u = 0; u < 8; ++u) xr[u] = x + b[u] * xs[0] + h[u] * xs[1];
+  int64_t d0 = 0;
+#if HAVE_ROWS8
+  for (; d0 + 8 <= D; d0 += 8)
+    for (int64_t n = 0; n < N; ++n) {
+      __m256 r[8], c[8];
+      for (int u = 0; u < 8; ++u) r[u] = _mm256_loadu_ps(xr[u] + n * xs[2] + d0);
+      tr8(r, c);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(X + (n * D + d0 + j) * 8, c[j]);
+    }
+  if (D % 8 == 0)
+    return;
+#endif
+  /* widths not a multiple of 8, or no AVX2: one float at a time */
+  for (int u = 0; u < 8; ++u)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t d = d0; d < D; ++d) X[(n * D + d) * 8 + u] = xr[u][n * xs[2] + d];
+}
+
+/* X [N][D][lane] into the rows of x, lanes [0, nu) */
+static inline void tattn_scatter(const float *restrict X, float *x, const int64_t *xs,
+                                 const int64_t *b, const int64_t *h, int nu, int64_t N,
+                                 int64_t D) {
+  float *xr[8];
+  for (int u = 0; u < 8; ++u) xr[u] = x + b[u] * xs[0] + h[u] * xs[1];
+  int64_t d0 = 0;
+#if HAVE_ROWS8
+  for (; d0 + 8 <= D; d0 += 8)
+    for (int64_t n = 0; n < N; ++n) {
+      __m256 r[8], c[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(X + (n * D + d0 + j) * 8);
+      tr8(r, c);
+      for (int u = 0; u < nu; ++u) _mm256_storeu_ps(xr[u] + n * xs[2] + d0, c[u]);
+    }
+  if (D % 8 == 0)
+    return;
+#endif
+  /* widths not a multiple of 8, or no AVX2: one float at a time */
+  for (int u = 0; u < nu; ++u)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t d = d0; d < D; ++d) xr[u][n * xs[2] + d] = X[(n * D + d) * 8 + u];
+}
+
+/* group g's rows: lane u holds row min(8g + u, R - 1) (the last group's spare lanes repeat
+ * its last row; their results are dropped); its (b, h), its head's scale, and its q, k and v
+ * gathered into Q [T][D][8], K, V [S][D][8]; returns how many lanes hold rows of their own */
+static inline int tattn_load(int64_t g, int64_t R, int64_t H, const float *scale,
+                             const float *q, const int64_t *qs, const float *k,
+                             const int64_t *ks, const float *v, const int64_t *vs, int64_t *b,
+                             int64_t *h, v8 *sc, float *Q, float *K, float *V, int64_t T,
+                             int64_t S, int64_t D) {
+  for (int u = 0; u < 8; ++u) {
+    const int64_t r = 8 * g + u < R ? 8 * g + u : R - 1;
+    b[u] = r / H;
+    h[u] = r % H;
+    (*sc)[u] = scale[h[u]];
+  }
+  tattn_gather(q, qs, b, h, Q, T, D);
+  tattn_gather(k, ks, b, h, K, S, D);
+  tattn_gather(v, vs, b, h, V, S, D);
+  return R - 8 * g < 8 ? (int)(R - 8 * g) : 8;
+}
+
+/* Whether the mask is the same for every (b, h) (strides 0 there): then it is read once per
+ * (t, s), and keys past a query's last visible one are skipped */
+#define UNIFORM(mst) ((mst)[0] == 0 && (mst)[1] == 0)
+
+/* keys [0, lim) hold every key query t may see, under a uniform mask (S otherwise) */
+static inline int64_t tattn_limit(const uint8_t *mask, const int64_t *mst, int64_t t,
+                                  int64_t S) {
+  int64_t l = S;
+  if (mask && UNIFORM(mst))
+    while (l > 0 && !mask[t * mst[2] + (l - 1) * mst[3]]) --l;
+  return l;
+}
+
+/* lane-wise -1 where the lanes' rows may see key s of query t (uniform masks are tested by the
+ * caller) */
+static inline v8i tattn_visible(const uint8_t *mask, const int64_t *mst, const int64_t *b,
+                                const int64_t *h, int64_t t, int64_t s) {
+  v8i m;
+  for (int u = 0; u < 8; ++u)
+    m[u] = mask[b[u] * mst[0] + h[u] * mst[1] + t * mst[2] + s * mst[3]] ? -1 : 0;
+  return m;
+}
+
+/* one group of eight rows, forward. Q [T][D][8], K, V [S][D][8] (gathered), P [T][S][8] out,
+ * Z [T][D][8] scratch */
+static inline void tattn_fwd_group(const float *restrict Q, const float *restrict K,
+                                   const float *restrict V, v8 scale, const uint8_t *mask,
+                                   const int64_t *mst, const int64_t *b, const int64_t *h,
+                                   float *restrict P, float *restrict Z, float *z,
+                                   const int64_t *zs, int nu, int64_t T, int64_t S, int64_t D) {
+  const int uniform = mask && UNIFORM(mst);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t lim = tattn_limit(mask, mst, t, S);
+    v8 *pt = (v8 *)(P + t * S * 8);
+    const v8 *qt = (const v8 *)(Q + t * D * 8);
+    v8 m = SPLAT(-INFINITY);
+    for (int64_t s = 0; s < lim; ++s) {
+      if (uniform && !mask[t * mst[2] + s * mst[3]]) {
+        pt[s] = SPLAT(-INFINITY);
+        continue;
+      }
+      const v8 *ks = (const v8 *)(K + s * D * 8);
+      v8 a0 = {0}, a1 = {0}; /* two chains of adds */
+      int64_t d = 0;
+      for (; d + 2 <= D; d += 2) {
+        a0 += qt[d] * ks[d];
+        a1 += qt[d + 1] * ks[d + 1];
+      }
+      if (d < D) a0 += qt[d] * ks[d];
+      v8 x = (a0 + a1) * scale;
+      if (mask && !uniform) x = SEL(tattn_visible(mask, mst, b, h, t, s), x, SPLAT(-INFINITY));
+      pt[s] = x;
+      m = SEL(x > m, x, m);
+    }
+    /* every key masked: -inf - -inf is NaN, and so the row, as torch's softmax */
+    v8 sum = {0};
+    for (int64_t s = 0; s < lim; ++s) {
+      pt[s] = exp8v(pt[s] - m);
+      sum += pt[s];
+    }
+    const v8 inv = 1.f / sum;
+    for (int64_t s = 0; s < lim; ++s) pt[s] *= inv;
+    for (int64_t s = lim; s < S; ++s) pt[s] = lim ? SPLAT(0.f) : SPLAT(NAN);
+    v8 *zt = (v8 *)(Z + t * D * 8);
+    for (int64_t d = 0; d < D; ++d) zt[d] = lim ? SPLAT(0.f) : SPLAT(NAN);
+    for (int64_t s = 0; s < lim; ++s) {
+      const v8 ps = pt[s];
+      const v8 *vs = (const v8 *)(V + s * D * 8);
+      for (int64_t d = 0; d < D; ++d) zt[d] += ps * vs[d];
+    }
+  }
+  tattn_scatter(Z, z, zs, b, h, nu, T, D);
+}
+
+static void *tattn_scratch(int64_t floats) {
+  return aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+}
+
+/* strides: q, k, v, z [b, h, position] (d contiguous), mask [b, h, t, s]; p [ceil(B*H/8)][T][S][8]
+ * written for the backward, or NULL; returns 0, or 1 if scratch could not be had */
+int nl_tattn_fwd(const float *q, const int64_t *qs, const float *k, const int64_t *ks,
+                 const float *v, const int64_t *vs, const float *scale, const uint8_t *mask,
+                 const int64_t *mst, float *z, const int64_t *zs, float *p, int64_t B, int64_t H,
+                 int64_t T, int64_t S, int64_t D, int nthreads) {
+  const int64_t R = B * H, G = (R + 7) / 8;
+  int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : failed)
+  {
+    int64_t g0, g1;
+    my_rows(G, &g0, &g1);
+    float *Q = tattn_scratch(T * D * 8), *K = tattn_scratch(S * D * 8),
+          *V = tattn_scratch(S * D * 8), *Z = tattn_scratch(T * D * 8),
+          *Pw = p ? NULL : tattn_scratch(T * S * 8);
+    if (!Q || !K || !V || !Z || (!p && !Pw)) {
+      failed = 1;
+    } else {
+      for (int64_t g = g0; g < g1; ++g) {
+        int64_t b[8], h[8];
+        v8 sc;
+        const int nu =
+            tattn_load(g, R, H, scale, q, qs, k, ks, v, vs, b, h, &sc, Q, K, V, T, S, D);
+        float *P = p ? p + g * T * S * 8 : Pw;
+        if (D == 16) /* d_head 16 gets its own copy, with D known to the compiler */
+          tattn_fwd_group(Q, K, V, sc, mask, mst, b, h, P, Z, z, zs, nu, T, S, 16);
+        else
+          tattn_fwd_group(Q, K, V, sc, mask, mst, b, h, P, Z, z, zs, nu, T, S, D);
+      }
+    }
+    free(Q), free(K), free(V), free(Z), free(Pw);
+  }
+  return failed;
+}
+
+/* one group of eight rows, backward: Q, G [T][D][8], K, V [S][D][8], P [T][S][8] (the forward's);
+ * dQ [T][D][8], dK, dV [S][D][8] out (dK without its factor scale), DSf [T][S][8] (ds) and lims [T]
+ * scratch; returns the lanes' dscale. dq query by query; dk and dv key by key afterwards, each
+ * summed over the queries in registers (query by query they were read and written back at
+ * every query: 20% slower) */
+static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict K,
+                                 const float *restrict V, const float *restrict G,
+                                 const float *restrict P, v8 scale, const uint8_t *mask,
+                                 const int64_t *mst, float *restrict dQ, float *restrict dK,
+                                 float *restrict dV, float *restrict DSf, int64_t *lims,
+                                 int64_t T, int64_t S, int64_t D) {
+  const int uniform = mask && UNIFORM(mst);
+  v8 dscale = {0};
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t lim = lims[t] = tattn_limit(mask, mst, t, S);
+    const v8 *pt = (const v8 *)(P + t * S * 8), *qt = (const v8 *)(Q + t * D * 8),
+             *gt = (const v8 *)(G + t * D * 8);
+    v8 *ds = (v8 *)(DSf + t * S * 8);
+    v8 dot = {0};
+    for (int64_t s = 0; s < lim; ++s) { /* dp_ts = g_t . v_s */
+      if (uniform && !mask[t * mst[2] + s * mst[3]]) {
+        ds[s] = SPLAT(0.f);
+        continue;
+      }
+      const v8 *vs = (const v8 *)(V + s * D * 8);
+      v8 a0 = {0}, a1 = {0};
+      int64_t d = 0;
+      for (; d + 2 <= D; d += 2) {
+        a0 += gt[d] * vs[d];
+        a1 += gt[d + 1] * vs[d + 1];
+      }
+      if (d < D) a0 += gt[d] * vs[d];
+      ds[s] = a0 + a1;
+      dot += pt[s] * ds[s];
+    }
+    for (int64_t s = lim; s < S; ++s) ds[s] = SPLAT(0.f);
+    v8 *dq = (v8 *)(dQ + t * D * 8);
+    for (int64_t d = 0; d < D; ++d) dq[d] = SPLAT(0.f);
+    for (int64_t s = 0; s < lim; ++s) {
+      const v8 dss = pt[s] * (ds[s] - dot);
+      ds[s] = dss;
+      const v8 *kv = (const v8 *)(K + s * D * 8);
+      for (int64_t d = 0; d < D; ++d) dq[d] += dss * kv[d];
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      dscale += qt[d] * dq[d];
+      dq[d] *= scale;
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) { /* dk_s = sum_t ds_ts q_t, dv_s = sum_t p_ts g_t */
+    v8 *dks = (v8 *)(dK + s * D * 8), *dvs = (v8 *)(dV + s * D * 8);
+    for (int64_t d = 0; d < D; ++d) dks[d] = dvs[d] = SPLAT(0.f);
+    for (int64_t t = 0; t < T; ++t) {
+      if (s >= lims[t]) continue;
+      const v8 dss = ((const v8 *)(DSf + t * S * 8))[s], ps = ((const v8 *)(P + t * S * 8))[s];
+      const v8 *qt = (const v8 *)(Q + t * D * 8), *gt = (const v8 *)(G + t * D * 8);
+      for (int64_t d = 0; d < D; ++d) {
+        dks[d] += dss * qt[d];
+        dvs[d] += ps * gt[d];
+      }
+    }
+  }
+  return dscale;
+}
+
+/* dq [B, H, T, D], dk, dv [B, H, S, D] contiguous; dscale [B, H], each row's part; p as the
+ * forward wrote it; returns 0, or 1 if scratch could not be had */
+int nl_tattn_bwd(const float *q, const int64_t *qs, const float *k, const int64_t *ks,
+                 const float *v, const int64_t *vs, const float *p, const float *g,
+                 const int64_t *gs, const float *scale, const uint8_t *mask, const int64_t *mst,
+                 float *dq, float *dk, float *dv, float *dscale, int64_t B, int64_t H, int64_t T,
+                 int64_t S, int64_t D, int nthreads) {
+  const int64_t R = B * H, NG = (R + 7) / 8;
+  const int64_t qo[3] = {H * T * D, T * D, D}, ko[3] = {H * S * D, S * D, D};
+  int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : failed)
+  {
+    int64_t g0, g1;
+    my_rows(NG, &g0, &g1);
+    float *Q = tattn_scratch(T * D * 8), *G = tattn_scratch(T * D * 8),
+          *K = tattn_scratch(S * D * 8), *V = tattn_scratch(S * D * 8),
+          *dQ = tattn_scratch(T * D * 8), *dK = tattn_scratch(S * D * 8),
+          *dV = tattn_scratch(S * D * 8), *DS = tattn_scratch(T * S * 8);
+    int64_t *L = malloc(T * sizeof(int64_t));
+    if (!Q || !G || !K || !V || !dQ || !dK || !dV || !DS || !L) {
+      failed = 1;
+    } else {
+      for (int64_t gi = g0; gi < g1; ++gi) {
+        int64_t b[8], h[8];
+        v8 sc;
+        const int nu =
+            tattn_load(gi, R, H, scale, q, qs, k, ks, v, vs, b, h, &sc, Q, K, V, T, S, D);
+        tattn_gather(g, gs, b, h, G, T, D);
+        const float *P = p + gi * T * S * 8;
+        v8 ds;
+        if (D == 16)
+          ds = tattn_bwd_group(Q, K, V, G, P, sc, mask, mst, dQ, dK, dV, DS, L, T, S, 16);
+        else
+          ds = tattn_bwd_group(Q, K, V, G, P, sc, mask, mst, dQ, dK, dV, DS, L, T, S, D);
+        tattn_scatter(dQ, dq, qo, b, h, nu, T, D);
+        for (int64_t i = 0; i < S * D; ++i) ((v8 *)dK)[i] *= sc; /* dk = scale sum_t ds_ts q_t */
+        tattn_scatter(dK, dk, ko, b, h, nu, S, D);
+        tattn_scatter(dV, dv, ko, b, h, nu, S, D);
+        for (int u = 0; u < nu; ++u) dscale[8 * gi + u] = ds[u];
+      }
+    }
+    free(Q), free(G), free(K), free(V), free(dQ), free(dK), free(dV), free(DS), free(L);
+  }
+  return failed;
 }

@@ -1,6 +1,6 @@
 """normlab's native CPU kernels, compiled on first use: LayerNorm / RMSNorm for `Norm`, RoPE's
-rotation for `Rope`, the attention of a decoding step for `Attention`, and the GELU of a
-training step for `MLP`.
+rotation for `Rope`, the attention of a decoding step and of short rows for `Attention`, and
+the GELU of a training step for `MLP`.
 
 Norms. ATen's CPU `layer_norm` reduces one row at a time, so on QK/QKV-Norm's 16-float head
 rows it is bound by each row's chain of adds (~22 ns a row, 2.6x its cost per float on
@@ -34,6 +34,20 @@ buffers in place, equal to torch's attention to float32 rounding (tests against 
 `Attention` takes it whenever `attend_applies` and no hook reads the scores or the pattern
 (docs/performance.md, eighteenth session).
 
+Attention of short rows. On CPU, rows of at most 64 keys (a training step's 17, a prompt's,
+a collapse sweep's) run the explicit path, faster there than SDPA's kernel
+(`attention.EXPLICIT_MAX_KEYS_CPU`); that is eight ATen ops forward and as many back, each a
+pass over [B, H, T, S] or [B, H, T, D] tensors paying per-op costs on 16-float heads: 2.0 ms
+a layer, forward and backward, at a training step's shape on AMD EPYC (one thread), a tenth
+of the step. `attention` runs it in one call each way, eight (b, h) rows side by side in the
+lanes of an eight-float vector (no lane idle on a 17-key row, no sum across lanes), skipping
+the keys a causal mask hides, and saves the weights for the backward: 2.4-2.7x faster at
+that shape, a `pre` or `qkv` training step 6-8% faster (docs/performance.md, twenty-seventh
+session). Equal to torch's to float32 rounding (tests against float64). `Attention` takes it
+whenever `attention_applies`, with no hook on the scores or the pattern and no dropout; a
+hook on either sends that layer back to the explicit path, whose numbers then differ from
+the kernel's by float32 rounding.
+
 GELU in training. ATen's GELU backward recomputes erf and two exponentials from the saved
 pre-activation: in a profiled `pre` step on AMD EPYC, one thread, 0.82 ms a call on [2176, 256]
 (~1.5 ns a float), 1.45x its forward (benchmarks/results_session26/before/
@@ -49,8 +63,9 @@ The kernels are compiled with the system C compiler (`$CC`, else `cc`) the first
 process needs them, and cached under `$NORMLAB_CACHE` (default `~/.cache/normlab`) in a file
 keyed by the source, the flags, the compiler and the CPU (it is built for this CPU,
 `-march=native`). Without a compiler, or with `NORMLAB_NATIVE_NORM=0` / `NORMLAB_NATIVE_ROPE=0`
-/ `NORMLAB_NATIVE_ATTN=0` / `NORMLAB_NATIVE_GELU=0`, torch's ops run instead: the same numbers
-to float32 rounding for the norms, attention and GELU, bit for bit for RoPE.
+/ `NORMLAB_NATIVE_ATTN=0` (decoding attention) / `NORMLAB_NATIVE_ATTENTION=0` (short rows) /
+`NORMLAB_NATIVE_GELU=0`, torch's ops run instead: the same numbers to float32 rounding for the
+norms, attention and GELU, bit for bit for RoPE.
 """
 
 from __future__ import annotations
@@ -104,12 +119,12 @@ FUSE_MAX_ROW = 1024
 # Function is at least as fast as torch's matmul and GELU under autograd (see `linear_gelu`).
 GELU_MIN_ELEMENTS = 16384
 
-KERNELS = ("norm", "rope", "attn", "gelu")
+KERNELS = ("norm", "rope", "attn", "attention", "gelu")
 
 
 def _enabled_by_env(kernel: str) -> bool:
-    """`NORMLAB_NATIVE_NORM` / `_ROPE` / `_ATTN` / `_GELU`: 0, false or no switch that kernel
-    off."""
+    """`NORMLAB_NATIVE_NORM` / `_ROPE` / `_ATTN` / `_ATTENTION` / `_GELU`: 0, false or no
+    switch that kernel off."""
     value = os.environ.get(f"NORMLAB_NATIVE_{kernel.upper()}", "1")
     return value.strip().lower() not in ("0", "false", "no")
 
@@ -122,8 +137,8 @@ built_with: tuple[str, ...] | None = None  # the flags of the loaded build, for 
 
 
 def set_enabled(on: bool, kernel: str | None = None) -> None:
-    """Switch one kernel (`norm`, `rope`, `attn`, `gelu`), or all, on or off for this process
-    (benchmarks A/B them; tests compare)."""
+    """Switch one kernel (`norm`, `rope`, `attn` (decoding attention), `attention` (short
+    rows), `gelu`), or all, on or off for this process (benchmarks A/B them; tests compare)."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {', '.join(KERNELS)} or None; got {kernel!r}")
     for k in KERNELS if kernel is None else (kernel,):
@@ -239,6 +254,9 @@ def _load() -> ctypes.CDLL | None:
         lib.nl_norm_rope_bwd.argtypes = [p, *[i64] * 4, p, p, p, p, p, p, p, *[i64] * 4, i32,
                                          p, p, i32]
         lib.nl_gelu_fwd.argtypes = [p, p, p, i64, i32]
+        lib.nl_tattn_fwd.argtypes = [*[p] * 12, *[i64] * 5, i32]
+        lib.nl_tattn_bwd.argtypes = [*[p] * 16, *[i64] * 5, i32]
+        lib.nl_tattn_fwd.restype = lib.nl_tattn_bwd.restype = ctypes.c_int
         lib.nl_gelu_fwd.restype = None
         lib.nl_norm_fwd.restype = lib.nl_norm_bwd.restype = lib.nl_rope.restype = None
         lib.nl_attn1.restype = lib.nl_norm_rope_fwd.restype = lib.nl_norm_rope_bwd.restype = None
@@ -248,9 +266,10 @@ def _load() -> ctypes.CDLL | None:
         return _lib
     warnings.warn(
         f"normlab: could not compile {SOURCE.name} with {' '.join(cc)!r} into {_cache_dir()}; "
-        "norms, RoPE, decoding attention and GELU use torch's ops (set CC to a C compiler and "
+        "norms, RoPE, attention and GELU use torch's ops (set CC to a C compiler and "
         "NORMLAB_CACHE to a writable folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0, "
-        "NORMLAB_NATIVE_ROPE=0, NORMLAB_NATIVE_ATTN=0 and NORMLAB_NATIVE_GELU=0 to silence this)",
+        "NORMLAB_NATIVE_ROPE=0, NORMLAB_NATIVE_ATTN=0, NORMLAB_NATIVE_ATTENTION=0 and "
+        "NORMLAB_NATIVE_GELU=0 to silence this)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -760,3 +779,160 @@ def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
             f"b {None if b is None else tuple(b.shape)}"
         )
     return _LinearGeluFn.apply(x, w, b)
+
+
+# ------------------------------------------------------------------ attention of short rows
+
+def attention_applies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> bool:
+    """Whether `attention` can take `softmax(q k^T * scale, masked) v`: q [B, H, T, D], k, v
+    [B, H, S, D] (as many heads: grouped ones are repeated first), d contiguous and the other
+    strides free, scale [H], mask None or bool broadcastable to [B, H, T, S]; float32 CPU
+    tensors, eager, no autocast, the kernel built. With or without autograd (q, k, v and
+    scale may want gradients; the mask is data). Any number of keys: `Attention` asks only
+    where the explicit path would run (`attention.explicit_by_default`: at most 64 keys on
+    CPU), because past that SDPA's flash kernel is faster."""
+    if (not _enabled["attention"] or not isinstance(q, torch.Tensor) or q.ndim != 4
+            or not isinstance(k, torch.Tensor) or k.ndim != 4):
+        return False
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    if not (t and b and h and d and s):
+        return False
+    if k.shape != (b, h, s, d) or v.shape != k.shape or scale.shape != (h,):
+        return False
+    if _tracing() or not all(_plain(x) for x in (q, k, v, scale)):
+        return False
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or scale.stride(0) != 1:
+        return False
+    if torch.is_autocast_enabled("cpu"):  # the explicit path's matmuls would be bfloat16
+        return False
+    if mask is not None and not (
+        type(mask) is torch.Tensor and mask.dtype is torch.bool and mask.is_cpu and mask.ndim == 4
+        and all(m in (1, n) for m, n in zip(mask.shape, (b, h, t, s), strict=True))
+    ):
+        return False
+    return load() is not None
+
+
+def _i64s(*xs: int) -> ctypes.Array:
+    return (ctypes.c_int64 * len(xs))(*xs)
+
+
+def _mask_strides(mask: torch.Tensor | None, shape: tuple[int, ...]) -> ctypes.Array:
+    """The mask's strides over [B, H, T, S], 0 where it broadcasts."""
+    return _i64s(*((0, 0, 0, 0) if mask is None else mask.expand(*shape).stride()))
+
+
+def _attention_threads(b: int, h: int, t: int, s: int) -> int:
+    """Threads split the groups of eight (b, h) rows; a query of s keys counts as s / 8 norm
+    rows toward ROWS_PER_THREAD."""
+    return min(_threads(b * h * t * -(-s // 8)), -(-b * h // 8))
+
+
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+    mask: torch.Tensor | None, save_p: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """z as [B, T, H, D] (contiguous: `_out`'s flatten is then free) and, if `save_p`, the
+    weights in the kernel's layout ([B*H/8 rounded up, T, S, 8]: eight rows side by side)."""
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    z = q.new_empty(b, t, h, d)
+    p = q.new_empty(-(-b * h // 8), t, s, 8) if save_p else None
+    failed = _kernel().nl_tattn_fwd(
+        q.data_ptr(), _i64s(*q.stride()[:3]), k.data_ptr(), _i64s(*k.stride()[:3]),
+        v.data_ptr(), _i64s(*v.stride()[:3]), scale.data_ptr(),
+        None if mask is None else mask.data_ptr(), _mask_strides(mask, (b, h, t, s)),
+        z.data_ptr(), _i64s(*z.transpose(1, 2).stride()[:3]),
+        None if p is None else p.data_ptr(), b, h, t, s, d, _attention_threads(b, h, t, s),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native.attention: no memory for the kernel's scratch")
+    return z, p
+
+
+def torch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The same attention by torch's ops (differentiable to any order): z [B, T, H, D]."""
+    scores = (q @ k.transpose(-1, -2)) * scale[:, None, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+class _AttentionFn(torch.autograd.Function):
+    """Returns z [B, T, H, D] contiguous; `attention` makes the [B, H, T, D] view outside (a
+    view made inside a Function could not be changed in place by a hook)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        z, p = _attention_forward(q, k, v, scale, mask, save_p=True)
+        ctx.save_for_backward(q, k, v, scale, mask, p)
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, gz: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, scale, mask, p = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if torch.is_grad_enabled() or not _plain(gz) or gz.stride(3) != 1:
+            # create_graph=True, or a batched gradient C cannot read: torch's ops
+            gs = _grads_by_torch(lambda q, k, v, scale: torch_attention(q, k, v, scale, mask),
+                                 (q, k, v, scale), need[:4], gz)
+            return (*gs, None)
+        b, h, t, d = q.shape
+        s = k.shape[2]
+        dq, dk, dv = q.new_empty(b, h, t, d), k.new_empty(b, h, s, d), v.new_empty(b, h, s, d)
+        dscale = q.new_empty(b, h)
+        g = gz.transpose(1, 2)  # [B, H, T, D] through its strides
+        failed = _kernel().nl_tattn_bwd(
+            q.data_ptr(), _i64s(*q.stride()[:3]), k.data_ptr(), _i64s(*k.stride()[:3]),
+            v.data_ptr(), _i64s(*v.stride()[:3]), p.data_ptr(), g.data_ptr(),
+            _i64s(*g.stride()[:3]), scale.data_ptr(), None if mask is None else mask.data_ptr(),
+            _mask_strides(mask, (b, h, t, s)), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+            dscale.data_ptr(), b, h, t, s, d, _attention_threads(b, h, t, s),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("native.attention: no memory for the kernel's scratch")
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                dscale.sum(0) if need[3] else None, None)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`softmax(q @ k.T * scale[h], -inf where not mask) @ v`: q [B, H, T, D], k, v [B, H, S,
+    D], scale [H] -> z [B, H, T, D] (a view of contiguous [B, T, H, D] memory, the layout the
+    output projection reads).
+
+    Explicit attention's eight ops in one kernel pass each way; differentiable in q, k, v
+    and scale (to any order: a second-order gradient goes through torch's ops). Equal to
+    torch's to float32 rounding (tests against float64); a query whose keys are all masked is
+    NaN, as torch's softmax makes it. Callers check `attention_applies` (`Attention` does, and
+    runs torch's ops otherwise).
+    """
+    if not attention_applies(q, k, v, scale, mask):
+        raise ValueError(
+            "native.attention: expected float32 CPU q [B, H, T, D], k and v [B, H, S, D] (d "
+            "contiguous), scale [H], mask None or bool broadcastable to [B, H, T, S], and the "
+            "kernel built; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, scale "
+            f"{tuple(scale.shape)}, mask {None if mask is None else tuple(mask.shape)}"
+        )
+    if _needs_grad(q, k, v, scale):
+        z = _AttentionFn.apply(q, k, v, scale, mask)
+    else:
+        z = _attention_forward(q, k, v, scale, mask, save_p=False)[0]
+    return z.transpose(1, 2)
