@@ -501,10 +501,11 @@ def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path(
     gradients are a hooked forward's to float32 rounding, or with the kernel off the explicit
     path itself, bitwise a hooked forward's; its scores are the masked, scaled q.k written out
     by hand."""
-    calls = []
-    sdpa = F.scaled_dot_product_attention
+    calls, kernel = [], []
+    sdpa, ours = F.scaled_dot_product_attention, native.attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
     model = build_model(cfg(norm_placement=placement, pos_encoding="rope", n_layers=2))
     tokens = torch.randint(0, 16, (3, 9))
 
@@ -516,8 +517,9 @@ def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path(
         return out.detach(), model.blocks[0].attn.W_Q.grad.clone()
 
     plain = run([])
-    assert calls == []
+    assert calls == [] and len(kernel) == 2
     hooked = run([("blocks.1.attn.hook_pattern", lambda x, hook: x)])
+    assert len(kernel) == 3  # block 0's: block 1's hook sends it to the explicit path
     for ours, explicit in zip(plain, hooked, strict=True):
         torch.testing.assert_close(ours, explicit, atol=1e-6 * explicit.abs().max().item(),
                                    rtol=1e-5)

@@ -1554,8 +1554,12 @@ def attention_inputs(b: int, h: int, t: int, s: int, d: int, mask: str, seed: in
     v = torch.randn(b, s, h, d, generator=g).transpose(1, 2)
     scale = torch.rand(h, generator=g) + 0.1
     causal = torch.ones(t, s, dtype=torch.bool).tril(max(s - t, 0))  # key 0 for every query
+    holes = causal.clone()
+    holes[min(2, t - 1):, :: 3] = False  # keys hidden before a query's last visible one
+    holes[:, max(s - t, 0)] = True  # every query still sees a key
     masks = {"none": None,
              "causal": causal[None, None],
+             "causal with holes": holes[None, None],  # the same for every (b, h): keys skipped
              "keys per row": torch.rand(b, 1, 1, s, generator=g) > 0.3,
              "per row and head": (torch.rand(b, h, t, s, generator=g) > 0.3) | causal}
     m = masks[mask]
@@ -1572,7 +1576,8 @@ def attention_grads(fn, q, k, v, scale, m, gz, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-@pytest.mark.parametrize("mask", ["none", "causal", "keys per row", "per row and head"])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal with holes", "keys per row",
+                                  "per row and head"])
 @pytest.mark.parametrize(("b", "h", "t", "s", "d"), [
     (128, 4, 17, 17, 16),  # a training step's: d_head 16, its own copy
     (5, 4, 16, 16, 64),  # 20 rows: two full groups of eight and a partial one
@@ -1624,17 +1629,56 @@ def test_attention_by_hand() -> None:
     torch.testing.assert_close(scale.grad[0], p1 * (1 - p1) * 10 * 2)
 
 
-def test_attention_every_key_masked_is_nan_as_torch() -> None:
+@pytest.mark.parametrize("uniform", [False, True], ids=["per row", "same for every row"])
+def test_attention_every_key_masked_is_nan_as_torch(uniform: bool) -> None:
     """A query with no key to attend to is NaN, as softmax of all -inf makes it (SDPA's CPU
-    kernel gives 0), its row's other queries and the other rows untouched."""
+    kernel gives 0), the other queries untouched: with a mask per row (applied lane by lane),
+    and with one mask for every (b, h) (the query's keys are never read)."""
     q, k, v, scale, _ = attention_inputs(3, 2, 4, 5, 16, "none")
-    m = torch.ones(3, 1, 4, 5, dtype=torch.bool)
-    m[1, 0, 2] = False  # row 1's query 2
+    m = torch.ones(1 if uniform else 3, 1, 4, 5, dtype=torch.bool)
+    m[0 if uniform else 1, 0, 2] = False  # query 2 (of row 1, or of every row)
     z = native.attention(q, k, v, scale, m)
     want = native.torch_attention(q, k, v, scale, m).transpose(1, 2)
-    assert z[1, :, 2].isnan().all() and want[1, :, 2].isnan().all()
-    z[1, :, 2], want[1, :, 2] = 0.0, 0.0
+    rows = slice(None) if uniform else 1
+    assert z[rows, :, 2].isnan().all() and want[rows, :, 2].isnan().all()
+    z[rows, :, 2], want[rows, :, 2] = 0.0, 0.0
     torch.testing.assert_close(z, want, atol=2e-6, rtol=1e-5)
+
+
+def test_attention_one_tensor_as_q_k_v_and_any_incoming_gradient() -> None:
+    """One tensor passed as q, k and v gets the sum of its three slots' gradients, once, on C's
+    path and on torch's (create_graph=True); an incoming gradient of any layout (`.sum()`'s is
+    one value, expanded) gives torch's gradients."""
+    x = torch.randn(2, 4, 9, 16, generator=torch.Generator().manual_seed(3))
+    scale = torch.rand(4) + 0.1
+    m = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    w = torch.randn(2, 4, 9, 16)
+
+    def loss(fn, a: torch.Tensor, weighted: bool) -> torch.Tensor:
+        z = fn(a, a, a, scale, m)
+        return (z * w).sum() if weighted else z.sum()
+
+    def by_torch(*a):
+        return native.torch_attention(*a).transpose(1, 2)
+
+    for weighted in (True, False):
+        want = torch.autograd.grad(loss(by_torch, x.clone().requires_grad_(), weighted), x)
+        xs = x.clone().requires_grad_()
+        (ours,) = torch.autograd.grad(loss(native.attention, xs, weighted), xs)
+        torch.testing.assert_close(ours, want[0], atol=1e-5, rtol=1e-4)
+        xs = x.clone().requires_grad_()
+        (graph,) = torch.autograd.grad(loss(native.attention, xs, weighted), xs,
+                                       create_graph=True)
+        torch.testing.assert_close(graph, want[0], atol=1e-5, rtol=1e-4)
+
+
+def test_attention_mask_the_same_for_every_row_reads_so_at_batch_one() -> None:
+    """A causal [1, 1, T, S] mask gives strides 0 over b and h also where B or H is 1 (expand
+    keeps a size-1 dim's stride), so the kernel skips its hidden keys at batch 1 too."""
+    causal = torch.ones(17, 17, dtype=torch.bool).tril()[None, None]
+    assert list(native._mask_strides(causal, (1, 4, 17, 17))) == [0, 0, 17, 1]
+    per_row = torch.ones(3, 1, 1, 17, dtype=torch.bool)
+    assert list(native._mask_strides(per_row, (3, 4, 17, 17))) == [17, 0, 0, 1]
 
 
 def test_attention_nan_and_extreme_scores() -> None:
@@ -1701,6 +1745,7 @@ def test_attention_applies_only_to_what_it_can_read() -> None:
         "float mask": (q, k, v, scale, m.float()),
         "mask of other keys": (q, k, v, scale, m[..., :3]),
         "mask not 4-d": (q, k, v, scale, m[0]),
+        "sparse mask": (q, k, v, scale, m.to_sparse()),
         "q not 4-d": (q[0], k, v, scale, m),
         "wrong batch": (torch.randn(3, 4, 5, 16), k, v, scale, None),
     }
@@ -1732,14 +1777,16 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
     torch.manual_seed(0)
     model = build_model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (16, 17))
-    grads = []
+    grads, losses = [], []
     for on in (True, False):
         with switched(on, "attention"):
             model.zero_grad()
             loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
             loss.backward()
+            losses.append(loss.detach())
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert len(calls) == cfg.n_layers
+    torch.testing.assert_close(losses[0], losses[1], atol=0, rtol=1e-6)
     if placement == "qkv":
         assert "blocks.0.attn.scale" in grads[0]
     for name, ref in grads[1].items():
@@ -1757,6 +1804,24 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
     monkeypatch.setattr(attention_mod, "EXPLICIT_MAX_KEYS_CPU", 8)  # 17 keys: SDPA
     model(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
+
+
+def test_attention_output_changed_in_place_by_a_hook() -> None:
+    """A hook on `hook_z` may change the kernel's output in place (a view made outside its
+    Function): the loss and gradients are those with the kernel off."""
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, pos_encoding="rope")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (16, 17))
+    got = []
+    for on in (True, False):
+        with switched(on, "attention"), model.hooks([("blocks.0.attn.hook_z",
+                                                      lambda z, hook: z.mul_(0.5))]):
+            model.zero_grad()
+            model(tokens).logsumexp(-1).mean().backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6 * b.abs().max().item(), rtol=1e-4)
 
 
 def test_attention_under_torch_func() -> None:

@@ -688,15 +688,17 @@ void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
  * sum is a lane-wise vector operation, with no lane idle on a row shorter than a vector and no
  * sum across lanes. The rows are copied into lane-major scratch ([t][d][lane], a few KB: L1)
  * and z and the gradients copied back. A mask the same for every (b, h) (a causal one) is read
- * once per (t, s): masked keys are skipped, and a query's keys past its last visible one never
- * looked at, as flash attention skips a causal mask's upper blocks; a mask that differs by row
- * is applied lane by lane. q, k, v, z and g are read and written through their strides (d
+ * once per (t, s) (strides 0, or sizes 1, over b and h): masked keys are skipped, and a
+ * query's keys past its last visible one never looked at, as flash attention skips a causal
+ * mask's upper blocks (so an inf or NaN in such a key's value, which torch's 0 * v spreads,
+ * stays out); a mask that differs by row is applied lane by lane. q, k, v, z and g are read and written through their strides (d
  * contiguous); the mask through four strides (0 where it broadcasts), or NULL for every key.
  * The weights p are saved for the backward in the kernel's own layout, [B*H/8 up][T][S][lane].
  * A query whose keys are all masked gives NaN, as torch's softmax does.
  */
 typedef float v8 __attribute__((vector_size(32), aligned(4))); /* at any address */
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
 #define SPLAT(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
 #define SEL(m, a, b) ((v8)(((v8i)(a) & (m)) | ((v8i)(b) & ~(m)))) /* m ? a : b, lane-wise */
 
@@ -714,7 +716,7 @@ static inline v8 exp8v(v8 v) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const v8i e = ((v8i)big - 0x4B400000 + 127) << 23;
+  const v8i e = (v8i)(((v8u)big - 0x4B400000u + 127u) << 23); /* unsigned: NaN's sign bit */
   return (v8)((v8i)(p * (v8)e) & ~lo);
 }
 

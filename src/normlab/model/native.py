@@ -38,15 +38,15 @@ Attention of short rows. On CPU, rows of at most 64 keys (a training step's 17, 
 a collapse sweep's) run the explicit path, faster there than SDPA's kernel
 (`attention.EXPLICIT_MAX_KEYS_CPU`); that is eight ATen ops forward and as many back, each a
 pass over [B, H, T, S] or [B, H, T, D] tensors paying per-op costs on 16-float heads: 2.0 ms
-a layer, forward and backward, at a training step's shape on AMD EPYC (one thread), a tenth
-of the step. `attention` runs it in one call each way, eight (b, h) rows side by side in the
-lanes of an eight-float vector (no lane idle on a 17-key row, no sum across lanes), skipping
-the keys a causal mask hides, and saves the weights for the backward: 2.4-2.7x faster at
-that shape, a `pre` or `qkv` training step 6-8% faster (docs/performance.md, twenty-seventh
-session). Equal to torch's to float32 rounding (tests against float64). `Attention` takes it
-whenever `attention_applies`, with no hook on the scores or the pattern and no dropout; a
-hook on either sends that layer back to the explicit path, whose numbers then differ from
-the kernel's by float32 rounding.
+a layer, forward and backward, at a training step's shape on AMD EPYC (one thread), 8 ms of
+a 50-61 ms step over four layers. `attention` runs it in one call each way, eight (b, h) rows
+side by side in the lanes of an eight-float vector (no lane idle on a 17-key row, no sum
+across lanes), skipping the keys a causal mask hides, and saves the weights for the
+backward: 2.6x faster at that shape, a `pre` or `qkv` training step 7% faster on one thread
+(docs/performance.md, twenty-seventh session). Equal to torch's to float32 rounding (tests
+against float64). `Attention` takes it whenever `attention_applies`, with no hook on the
+scores or the pattern and no dropout; a hook on either sends that layer back to the explicit
+path, whose numbers then differ from the kernel's by float32 rounding.
 
 GELU in training. ATen's GELU backward recomputes erf and two exponentials from the saved
 pre-activation: in a profiled `pre` step on AMD EPYC, one thread, 0.82 ms a call on [2176, 256]
@@ -460,11 +460,14 @@ def _grads_by_torch(
     """A Function's backward taken again through torch's ops (`fn`, differentiable and
     batching) where C cannot serve it: create_graph=True, or a batched gradient. Only the inputs
     that want a gradient are asked for: a frozen gain or bias, or an input that is data, is no
-    leaf of this graph, and asking for it would raise."""
+    leaf of this graph, and asking for it would raise. Each input goes in through a view of its
+    own, so that one tensor passed twice (attention's q, k and v) gets each slot's gradient,
+    not the sum over its slots in every one."""
     want = [i for i, t in enumerate(inputs) if t is not None and needs[i]]
     with torch.enable_grad():
-        y = fn(*inputs)
-        gs = torch.autograd.grad(y, [inputs[i] for i in want], gy, create_graph=True,
+        slots = [t if t is None or i not in want else t.view_as(t) for i, t in enumerate(inputs)]
+        y = fn(*slots)
+        gs = torch.autograd.grad(y, [slots[i] for i in want], gy, create_graph=True,
                                  allow_unused=True)
     out: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(want, gs, strict=True):
@@ -789,8 +792,8 @@ def attention_applies(
 ) -> bool:
     """Whether `attention` can take `softmax(q k^T * scale, masked) v`: q [B, H, T, D], k, v
     [B, H, S, D] (as many heads: grouped ones are repeated first), d contiguous and the other
-    strides free, scale [H], mask None or bool broadcastable to [B, H, T, S]; float32 CPU
-    tensors, eager, no autocast, the kernel built. With or without autograd (q, k, v and
+    strides free, scale [H], mask None or a 4-d bool tensor of sizes 1 or [B, H, T, S]'s;
+    float32 CPU tensors, eager, no autocast, the kernel built. With or without autograd (q, k, v and
     scale may want gradients; the mask is data). Any number of keys: `Attention` asks only
     where the explicit path would run (`attention.explicit_by_default`: at most 64 keys on
     CPU), because past that SDPA's flash kernel is faster."""
@@ -811,6 +814,7 @@ def attention_applies(
         return False
     if mask is not None and not (
         type(mask) is torch.Tensor and mask.dtype is torch.bool and mask.is_cpu and mask.ndim == 4
+        and mask.layout is torch.strided and torch._C._has_storage(mask)
         and all(m in (1, n) for m, n in zip(mask.shape, (b, h, t, s), strict=True))
     ):
         return False
@@ -822,8 +826,12 @@ def _i64s(*xs: int) -> ctypes.Array:
 
 
 def _mask_strides(mask: torch.Tensor | None, shape: tuple[int, ...]) -> ctypes.Array:
-    """The mask's strides over [B, H, T, S], 0 where it broadcasts."""
-    return _i64s(*((0, 0, 0, 0) if mask is None else mask.expand(*shape).stride()))
+    """The mask's strides over [B, H, T, S], 0 where it broadcasts or the size is 1 (so that a
+    causal [1, 1, T, S] mask reads as the same for every (b, h) at batch 1 too)."""
+    if mask is None:
+        return _i64s(0, 0, 0, 0)
+    return _i64s(*(0 if n == 1 else st for n, st in
+                   zip(shape, mask.expand(*shape).stride(), strict=True)))
 
 
 def _attention_threads(b: int, h: int, t: int, s: int) -> int:
@@ -886,11 +894,13 @@ class _AttentionFn(torch.autograd.Function):
     def backward(ctx: Any, gz: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, scale, mask, p = ctx.saved_tensors
         need = ctx.needs_input_grad
-        if torch.is_grad_enabled() or not _plain(gz) or gz.stride(3) != 1:
+        if torch.is_grad_enabled() or not _plain(gz):
             # create_graph=True, or a batched gradient C cannot read: torch's ops
             gs = _grads_by_torch(lambda q, k, v, scale: torch_attention(q, k, v, scale, mask),
                                  (q, k, v, scale), need[:4], gz)
             return (*gs, None)
+        if gz.stride(3) != 1:  # C reads d contiguous (`.sum()`'s gradient is one expanded value)
+            gz = gz.contiguous()
         b, h, t, d = q.shape
         s = k.shape[2]
         dq, dk, dv = q.new_empty(b, h, t, d), k.new_empty(b, h, s, d), v.new_empty(b, h, s, d)
@@ -919,15 +929,19 @@ def attention(
 
     Explicit attention's eight ops in one kernel pass each way; differentiable in q, k, v
     and scale (to any order: a second-order gradient goes through torch's ops). Equal to
-    torch's to float32 rounding (tests against float64); a query whose keys are all masked is
-    NaN, as torch's softmax makes it. Callers check `attention_applies` (`Attention` does, and
-    runs torch's ops otherwise).
+    torch's to float32 rounding for finite inputs (tests against float64). A query whose keys
+    are all masked is NaN, as torch's softmax makes it (its gradients are NaN too, though not
+    in every entry torch's are). Where the mask is the same for every (b, h), keys past a
+    query's last visible one (a causal mask's upper triangle) are never read, so an inf or NaN
+    in their values, which torch's `0 * v` would spread, stays out. Made for short rows:
+    each thread's scratch is about 8 (2 T S + 4 (T + S) D) floats. Callers check
+    `attention_applies` (`Attention` does, and runs torch's ops otherwise).
     """
     if not attention_applies(q, k, v, scale, mask):
         raise ValueError(
             "native.attention: expected float32 CPU q [B, H, T, D], k and v [B, H, S, D] (d "
-            "contiguous), scale [H], mask None or bool broadcastable to [B, H, T, S], and the "
-            "kernel built; got q "
+            "contiguous), scale [H], mask None or 4-d bool of sizes 1 or [B, H, T, S]'s, and "
+            "the kernel built; got q "
             f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, scale "
             f"{tuple(scale.shape)}, mask {None if mask is None else tuple(mask.shape)}"
         )
