@@ -1662,7 +1662,8 @@ def test_attention_one_tensor_as_q_k_v_and_any_incoming_gradient() -> None:
         return native.torch_attention(*a).transpose(1, 2)
 
     for weighted in (True, False):
-        want = torch.autograd.grad(loss(by_torch, x.clone().requires_grad_(), weighted), x)
+        xs = x.clone().requires_grad_()
+        want = torch.autograd.grad(loss(by_torch, xs, weighted), xs)
         xs = x.clone().requires_grad_()
         (ours,) = torch.autograd.grad(loss(native.attention, xs, weighted), xs)
         torch.testing.assert_close(ours, want[0], atol=1e-5, rtol=1e-4)
