@@ -2,8 +2,9 @@
 
 `native.attention` (explicit attention's ops in one kernel pass each way, for rows of at most
 64 keys) on and off, A/B in one process: bench_train_step's normlab `pre` and `qkv` steps (the
-benchmark's batch, 3 steps a call), and the attention alone, forward and backward, at the
-step's shape.
+benchmark's batch, 3 steps a call), the attention alone, forward and backward, at the step's
+shape, and bench_decode's n5d1 cell decoded with and without the cache (`pre`). Each line
+prints the medians and off / on as median [min, max] over the rounds.
 
     .venv/bin/python benchmarks/probes/attention_ab.py [THREADS]
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from abtime import ab, probe_header, threads_from_argv
+from abtime import N5d1Decoder, ab, probe_header, threads_from_argv
 
 from bench_train_step import base_config, build_contender, model_config, real_batch
 from normlab import allocator
@@ -62,3 +63,10 @@ def fwd_bwd() -> None:
 for _ in range(3):
     fwd_bwd()
 ab("fwd + bwd", switch, fwd_bwd, 10, rounds=9, names=names)
+
+print("greedy decoding, bench_decode's n5d1 cell, pre (ms per call):")
+cell = N5d1Decoder(run)
+for cached in (True, False):
+    cell.decode(cached)
+    ab(f"{'cached' if cached else 'uncached'} decode", switch,
+       lambda cached=cached: cell.decode(cached), 1, rounds=15, names=names)
