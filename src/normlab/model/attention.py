@@ -34,8 +34,10 @@ EXPLICIT_MAX_KEYS_CPU = 64
 hook reads it, because there it beats SDPA's CPU flash kernel: forward+backward 1.4-1.7x
 (one thread) and 2.2-3.4x (two threads) faster at the 17-24 keys of training. The measured
 crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
-(`benchmarks/probes/attn_path.py`). With no hook reading it, that path's arithmetic runs in
-normlab's kernel (`native.attention`, 2.6x faster again), whose backward keeps the
+(`benchmarks/probes/attn_path.py`, Intel; on AMD EPYC the explicit path was faster at 17 keys
+and slower from 32 on one thread, `benchmarks/probes/attention_keys.py`). With no hook reading
+it, that path's arithmetic runs in normlab's kernel (`native.attention`, 2.6-2.7x faster again
+and faster than SDPA up to 256 keys there), whose backward keeps the
 [batch, head, T, T] pattern, at most 64 x 64 floats per row (the explicit path keeps the
 scores too). Longer rows, and every GPU, use SDPA."""
 

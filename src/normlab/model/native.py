@@ -42,9 +42,9 @@ a layer, forward and backward, at a training step's shape on AMD EPYC (one threa
 a 50-61 ms step over four layers. `attention` runs it in one call each way, eight (b, h) rows
 side by side in the lanes of an eight-float vector (no lane idle on a 17-key row, no sum
 across lanes), skipping the keys a causal mask hides, and saves the weights for the
-backward: 2.6x faster at that shape, a `pre` or `qkv` training step 7% faster on one thread
-(docs/performance.md, twenty-seventh session). Equal to torch's to float32 rounding (tests
-against float64). `Attention` takes it whenever `attention_applies`, with no hook on the
+backward: 2.6-2.7x faster at that shape, a `pre` or `qkv` training step 7-8% faster on one
+thread (docs/performance.md, twenty-seventh session). Equal to torch's to float32 rounding
+(tests against float64). `Attention` takes it whenever `attention_applies`, with no hook on the
 scores or the pattern and no dropout; a hook on either sends that layer back to the explicit
 path, whose numbers then differ from the kernel's by float32 rounding.
 
