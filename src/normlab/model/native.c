@@ -687,12 +687,13 @@ void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
  * through together, one in each lane of an eight-float vector: every product, exponential and
  * sum is a lane-wise vector operation, with no lane idle on a row shorter than a vector and no
  * sum across lanes. The rows are copied into lane-major scratch ([t][d][lane], a few KB: L1)
- * and z and the gradients copied back. A mask the same for every (b, h) (a causal one) is read
- * once per (t, s) (strides 0, or sizes 1, over b and h): masked keys are skipped, and a
- * query's keys past its last visible one never looked at, as flash attention skips a causal
- * mask's upper blocks (so an inf or NaN in such a key's value, which torch's 0 * v spreads,
- * stays out); a mask that differs by row is applied lane by lane. q, k, v, z and g are read and written through their strides (d
- * contiguous); the mask through four strides (0 where it broadcasts), or NULL for every key.
+ * and z and the gradients copied back. A mask the same for every (b, h) (a causal one;
+ * strides 0, or sizes 1, over b and h) is one byte per (t, s) for all eight lanes: masked keys
+ * are skipped, and a query's keys past its last visible one (found once a call) never looked
+ * at, as flash attention skips a causal mask's upper blocks (so an inf or NaN in such a key's
+ * value, which torch's 0 * v spreads, stays out); a mask that differs by row is applied lane
+ * by lane. q, k, v, z and g are read and written through their strides (d contiguous); the
+ * mask through four strides (0 where it broadcasts), or NULL for every key.
  * The weights p are saved for the backward in the kernel's own layout, [B*H/8 up][T][S][lane].
  * A query whose keys are all masked gives NaN, as torch's softmax does.
  */
@@ -814,13 +815,18 @@ static inline int tattn_load(int64_t g, int64_t R, int64_t H, const float *scale
  * (t, s), and keys past a query's last visible one are skipped */
 #define UNIFORM(mst) ((mst)[0] == 0 && (mst)[1] == 0)
 
-/* keys [0, lim) hold every key query t may see, under a uniform mask (S otherwise) */
-static inline int64_t tattn_limit(const uint8_t *mask, const int64_t *mst, int64_t t,
-                                  int64_t S) {
-  int64_t l = S;
-  if (mask && UNIFORM(mst))
-    while (l > 0 && !mask[t * mst[2] + (l - 1) * mst[3]]) --l;
-  return l;
+/* lims[t]: keys [0, lims[t]) hold every key query t may see, under a uniform mask (S
+ * otherwise); the same for every group of rows, so read once a call */
+static int64_t *tattn_limits(const uint8_t *mask, const int64_t *mst, int64_t T, int64_t S) {
+  int64_t *lims = malloc((T > 0 ? T : 1) * sizeof(int64_t));
+  if (lims)
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t l = S;
+      if (mask && UNIFORM(mst))
+        while (l > 0 && !mask[t * mst[2] + (l - 1) * mst[3]]) --l;
+      lims[t] = l;
+    }
+  return lims;
 }
 
 /* lane-wise -1 where the lanes' rows may see key s of query t (uniform masks are tested by the
@@ -837,12 +843,13 @@ static inline v8i tattn_visible(const uint8_t *mask, const int64_t *mst, const i
  * Z [T][D][8] scratch */
 static inline void tattn_fwd_group(const float *restrict Q, const float *restrict K,
                                    const float *restrict V, v8 scale, const uint8_t *mask,
-                                   const int64_t *mst, const int64_t *b, const int64_t *h,
-                                   float *restrict P, float *restrict Z, float *z,
-                                   const int64_t *zs, int nu, int64_t T, int64_t S, int64_t D) {
+                                   const int64_t *mst, const int64_t *lims, const int64_t *b,
+                                   const int64_t *h, float *restrict P, float *restrict Z,
+                                   float *z, const int64_t *zs, int nu, int64_t T, int64_t S,
+                                   int64_t D) {
   const int uniform = mask && UNIFORM(mst);
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t lim = tattn_limit(mask, mst, t, S);
+    const int64_t lim = lims[t];
     v8 *pt = (v8 *)(P + t * S * 8);
     const v8 *qt = (const v8 *)(Q + t * D * 8);
     v8 m = SPLAT(-INFINITY);
@@ -895,6 +902,9 @@ int nl_tattn_fwd(const float *q, const int64_t *qs, const float *k, const int64_
                  const int64_t *mst, float *z, const int64_t *zs, float *p, int64_t B, int64_t H,
                  int64_t T, int64_t S, int64_t D, int nthreads) {
   const int64_t R = B * H, G = (R + 7) / 8;
+  int64_t *lims = tattn_limits(mask, mst, T, S);
+  if (!lims)
+    return 1;
   int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : failed)
   {
@@ -913,31 +923,32 @@ int nl_tattn_fwd(const float *q, const int64_t *qs, const float *k, const int64_
             tattn_load(g, R, H, scale, q, qs, k, ks, v, vs, b, h, &sc, Q, K, V, T, S, D);
         float *P = p ? p + g * T * S * 8 : Pw;
         if (D == 16) /* d_head 16 gets its own copy, with D known to the compiler */
-          tattn_fwd_group(Q, K, V, sc, mask, mst, b, h, P, Z, z, zs, nu, T, S, 16);
+          tattn_fwd_group(Q, K, V, sc, mask, mst, lims, b, h, P, Z, z, zs, nu, T, S, 16);
         else
-          tattn_fwd_group(Q, K, V, sc, mask, mst, b, h, P, Z, z, zs, nu, T, S, D);
+          tattn_fwd_group(Q, K, V, sc, mask, mst, lims, b, h, P, Z, z, zs, nu, T, S, D);
       }
     }
     free(Q), free(K), free(V), free(Z), free(Pw);
   }
+  free(lims);
   return failed;
 }
 
 /* one group of eight rows, backward: Q, G [T][D][8], K, V [S][D][8], P [T][S][8] (the forward's);
- * dQ [T][D][8], dK, dV [S][D][8] out (dK without its factor scale), DSf [T][S][8] (ds) and lims [T]
- * scratch; returns the lanes' dscale. dq query by query; dk and dv key by key afterwards, each
+ * dQ [T][D][8], dK, dV [S][D][8] out (dK without its factor scale), DSf [T][S][8] (ds) scratch;
+ * returns the lanes' dscale. dq query by query; dk and dv key by key afterwards, each
  * summed over the queries in registers (query by query they were read and written back at
  * every query: 20% slower) */
 static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict K,
                                  const float *restrict V, const float *restrict G,
                                  const float *restrict P, v8 scale, const uint8_t *mask,
                                  const int64_t *mst, float *restrict dQ, float *restrict dK,
-                                 float *restrict dV, float *restrict DSf, int64_t *lims,
-                                 int64_t T, int64_t S, int64_t D) {
+                                 float *restrict dV, float *restrict DSf,
+                                 const int64_t *lims, int64_t T, int64_t S, int64_t D) {
   const int uniform = mask && UNIFORM(mst);
   v8 dscale = {0};
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t lim = lims[t] = tattn_limit(mask, mst, t, S);
+    const int64_t lim = lims[t];
     const v8 *pt = (const v8 *)(P + t * S * 8), *qt = (const v8 *)(Q + t * D * 8),
              *gt = (const v8 *)(G + t * D * 8);
     v8 *ds = (v8 *)(DSf + t * S * 8);
@@ -997,6 +1008,9 @@ int nl_tattn_bwd(const float *q, const int64_t *qs, const float *k, const int64_
                  int64_t S, int64_t D, int nthreads) {
   const int64_t R = B * H, NG = (R + 7) / 8;
   const int64_t qo[3] = {H * T * D, T * D, D}, ko[3] = {H * S * D, S * D, D};
+  int64_t *L = tattn_limits(mask, mst, T, S);
+  if (!L)
+    return 1;
   int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(| : failed)
   {
@@ -1006,8 +1020,7 @@ int nl_tattn_bwd(const float *q, const int64_t *qs, const float *k, const int64_
           *K = tattn_scratch(S * D * 8), *V = tattn_scratch(S * D * 8),
           *dQ = tattn_scratch(T * D * 8), *dK = tattn_scratch(S * D * 8),
           *dV = tattn_scratch(S * D * 8), *DS = tattn_scratch(T * S * 8);
-    int64_t *L = malloc(T * sizeof(int64_t));
-    if (!Q || !G || !K || !V || !dQ || !dK || !dV || !DS || !L) {
+    if (!Q || !G || !K || !V || !dQ || !dK || !dV || !DS) {
       failed = 1;
     } else {
       for (int64_t gi = g0; gi < g1; ++gi) {
@@ -1029,7 +1042,8 @@ int nl_tattn_bwd(const float *q, const int64_t *qs, const float *k, const int64_
         for (int u = 0; u < nu; ++u) dscale[8 * gi + u] = ds[u];
       }
     }
-    free(Q), free(G), free(K), free(V), free(dQ), free(dK), free(dV), free(DS), free(L);
+    free(Q), free(G), free(K), free(V), free(dQ), free(dK), free(dV), free(DS);
   }
+  free(L);
   return failed;
 }
