@@ -473,6 +473,7 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
 
     if reader == "q_k":
         monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)
+        monkeypatch.setattr(attention, "KERNEL_MAX_KEY_FLOATS_CPU", 0)
     model = small(arch, **({"norm_placement": "pre"} | kw))
     with torch.no_grad():
         for m in model.modules():

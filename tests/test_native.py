@@ -1561,7 +1561,13 @@ def attention_inputs(b: int, h: int, t: int, s: int, d: int, mask: str, seed: in
              "causal": causal[None, None],
              "causal with holes": holes[None, None],  # the same for every (b, h): keys skipped
              "keys per row": torch.rand(b, 1, 1, s, generator=g) > 0.3,
-             "per row and head": (torch.rand(b, h, t, s, generator=g) > 0.3) | causal}
+             "per row and head": (torch.rand(b, h, t, s, generator=g) > 0.3) | causal,
+             # prompts padded on the left, each row its own padding (the first 0 to s/2 keys),
+             # causal, each query seeing its own key: keys hidden from all eight rows of a
+             # group are skipped (a decode's prompt forward)
+             "left padded": (causal & (torch.arange(s) >= torch.arange(b)[:, None]
+                                       % (s // 2 + 1))[:, None, None, :])
+                            | (causal & ~causal.roll(1, 1))[None, None]}
     m = masks[mask]
     if m is not None and mask == "keys per row":
         m[..., -1] = True  # every query sees at least one key (an empty row is NaN: below)
@@ -1577,7 +1583,7 @@ def attention_grads(fn, q, k, v, scale, m, gz, dtype=torch.float32):
 
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal with holes", "keys per row",
-                                  "per row and head"])
+                                  "per row and head", "left padded"])
 @pytest.mark.parametrize(("b", "h", "t", "s", "d"), [
     (128, 4, 17, 17, 16),  # a training step's: d_head 16, its own copy
     (5, 4, 16, 16, 64),  # 20 rows: two full groups of eight and a partial one
@@ -1643,6 +1649,38 @@ def test_attention_every_key_masked_is_nan_as_torch(uniform: bool) -> None:
     assert z[rows, :, 2].isnan().all() and want[rows, :, 2].isnan().all()
     z[rows, :, 2], want[rows, :, 2] = 0.0, 0.0
     torch.testing.assert_close(z, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_attention_keys_no_row_of_a_group_may_see_are_never_read(n_threads: int,
+                                                                  threads: None) -> None:
+    """Under a mask per row, keys that none of a group's eight (b, h) rows may see are skipped
+    forward and backward. Batch rows 0 and 1 (rows 0-7, one group) hide keys 0-2 from every
+    query (row 1 key 3 too), batch row 2 sees every key: with NaN in batch rows 0 and 1's keys
+    0-2, which torch's `0 * NaN` spreads to their whole output, z and every gradient are
+    bitwise the kernel's with those keys finite, and torch's to float32 rounding (the scale's
+    gradient, summed in another order, to 1e-5 of its largest value)."""
+    torch.set_num_threads(n_threads)
+    b, h, t, s, d = 3, 4, 6, 9, 16
+    q, k, v, scale, _ = attention_inputs(b, h, t, s, d, "none")
+    m = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    m[0, ..., :3] = m[1, ..., :4] = False
+    clean = [k.clone(), v.contiguous()]
+    k, v = [x.clone() for x in clean]
+    k[:2, :, :3], v[:2, :, :3] = float("nan"), float("nan")
+    assert native.torch_attention(q, k, v, scale, m)[:2].isnan().all()  # torch spreads them
+    gz = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(2))
+
+    def by_torch(*a):
+        return native.torch_attention(*a).transpose(1, 2)
+
+    ours = attention_grads(native.attention, q, k, v, scale, m, gz)
+    finite = attention_grads(native.attention, q, *clean, scale, m, gz)
+    want = attention_grads(by_torch, q, *clean, scale, m, gz)
+    for name, o, f, w in zip(("z", "q", "k", "v", "scale"), ours, finite, want, strict=True):
+        assert torch.equal(o, f), name
+        atol = 1e-5 * w.abs().max().item() if name == "scale" else 2e-6
+        torch.testing.assert_close(o, w, atol=atol, rtol=1e-5, msg=name)
 
 
 def test_attention_one_tensor_as_q_k_v_and_any_incoming_gradient() -> None:
@@ -1803,8 +1841,51 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
     dropped.train()(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
     monkeypatch.setattr(attention_mod, "EXPLICIT_MAX_KEYS_CPU", 8)  # 17 keys: SDPA
+    monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 0)  # causal ones too
     model(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
+
+
+def test_attention_kernel_past_64_keys_on_causal_rows_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows take the kernel while keys x d_head is at most
+    `KERNEL_MAX_KEY_FLOATS_CPU` (80 keys of d_head 16), with SDPA's output to float32
+    rounding; SDPA takes the same rows padded per row, with d_head 64, with the limit at 0,
+    and an encoder's unmasked rows."""
+    from normlab.model import attention as attention_mod
+
+    kernel, sdpa = [], []
+    ours, theirs = native.attention, F.scaled_dot_product_attention
+    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, max_len=96, pos_encoding="rope")
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (3, 80))
+    with torch.no_grad():
+        fast = model(tokens)
+        assert (len(kernel), len(sdpa)) == (2, 0)
+        padded = torch.ones(3, 80, dtype=torch.bool)
+        padded[1, :5] = False
+        model(tokens, attention_mask=padded)
+        assert (len(kernel), len(sdpa)) == (2, 2)
+        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 0)
+        torch.testing.assert_close(model(tokens), fast, atol=1e-5, rtol=1e-5)
+        assert (len(kernel), len(sdpa)) == (2, 4)
+        monkeypatch.undo()
+        monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
+        monkeypatch.setattr(F, "scaled_dot_product_attention",
+                            lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
+        wide = build_model(ModelConfig(d_model=64, n_heads=1, n_layers=1, max_len=96)).eval()
+        wide(tokens)  # d_head 64: 80 x 64 floats of keys
+        assert (len(kernel), len(sdpa)) == (2, 5)
+        encdec = build_model(ModelConfig(d_model=64, n_heads=4, arch="encoder_decoder",
+                                         n_encoder_layers=1, n_decoder_layers=1,
+                                         max_len=96)).eval()
+        encdec(tokens, tokens[:, :8])  # encoder and cross-attention: 80 keys, no mask
+        assert (len(kernel), len(sdpa)) == (3, 7)  # the decoder's 8 causal keys: the kernel
 
 
 def test_attention_output_changed_in_place_by_a_hook() -> None:

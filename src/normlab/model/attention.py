@@ -36,11 +36,21 @@ hook reads it, because there it beats SDPA's CPU flash kernel: forward+backward 
 crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
 (`benchmarks/probes/attn_path.py`, Intel; on AMD EPYC the explicit path was faster at 17 keys
 and slower from 32 on one thread, `benchmarks/probes/attention_keys.py`). With no hook reading
-it, that path's arithmetic runs in normlab's kernel (`native.attention`, 2.6-2.7x faster again
-and faster than SDPA up to 256 keys there), whose backward keeps the
-[batch, head, T, T] pattern, at most 64 x 64 floats per row (the explicit path keeps the
-scores too). Longer rows, and every GPU, use SDPA."""
+it, that path's arithmetic runs in normlab's kernel (`native.attention`, 2.6-2.7x faster
+again), whose backward keeps the [batch, head, T, S] pattern (the explicit path keeps the
+scores too). Longer rows take SDPA, but causal ones that the kernel still takes
+(`KERNEL_MAX_KEY_FLOATS_CPU`); every GPU takes SDPA."""
 
+KERNEL_MAX_KEY_FLOATS_CPU = 4096
+"""Past `EXPLICIT_MAX_KEYS_CPU` keys, rows under a mask that is the same for every (batch,
+head) (a causal one, whose hidden keys the kernel never reads) still take `native.attention`
+while keys x d_head is at most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There it was
+faster than SDPA's CPU kernel forward and forward+backward, one thread and two, causal
+(`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md, twenty-eighth
+section); with no mask or one per row (padding), which the kernel cannot skip, SDPA was as
+fast or faster past 64 keys, so those rows stop at `EXPLICIT_MAX_KEYS_CPU`. The kernel's
+backward keeps the weights, T x S floats a (batch, head) row (256 KiB at 256 keys), where
+SDPA keeps one float a query."""
 SOFTMAX_MIN_KEYS_CPU = 16
 """On CPU, `softmax_rows` pads rows shorter than this with -inf keys. ATen's CPU softmax over
 the last dim runs 12-15 ns per element (one thread) on rows shorter than one AVX-512 vector
@@ -66,6 +76,19 @@ def softmax_rows(scores: torch.Tensor) -> torch.Tensor:
 def explicit_by_default(device: torch.device, n_keys: int) -> bool:
     """Whether rows of `n_keys` keys take the explicit path even when no hook reads it."""
     return device.type == "cpu" and n_keys <= EXPLICIT_MAX_KEYS_CPU
+
+
+def kernel_by_default(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether q [batch, head, T, d_head] over k [batch, head, S, d_head] under `mask` takes
+    `native.attention` when no hook reads the scores or pattern (and the kernel applies):
+    wherever the explicit path would run, and past it causal rows up to
+    `KERNEL_MAX_KEY_FLOATS_CPU`."""
+    n_keys = k.shape[-2]
+    if n_keys <= EXPLICIT_MAX_KEYS_CPU:
+        return True
+    return (n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU and mask is not None
+            and mask.ndim == 4 and all(n == 1 or st == 0 for n, st in
+                                       zip(mask.shape[:2], mask.stride()[:2], strict=True)))
 
 
 class HeadNorm(Norm):
@@ -242,6 +265,12 @@ class Attention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if (not hooked and not p_drop and kernel_by_default(q, k, mask)
+                and native.attention_applies(q, k, v, scale, mask)):
+            # the explicit path's short CPU rows (and longer causal ones), no hook reading
+            # them: its eight ops forward and back in one kernel pass each, eight rows side
+            # by side (`native.attention`)
+            return self._out(native.attention(q, k, v, scale, mask))
         if not (hooked or explicit_by_default(q.device, k.shape[-2])):
             if isinstance(self.scale, nn.Parameter):  # a scale per head: fold it into q
                 q, sdpa_scale = q * scale[:, None, None], 1.0
@@ -250,10 +279,6 @@ class Attention(nn.Module):
             z = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p_drop, scale=sdpa_scale
             )
-        elif not hooked and not p_drop and native.attention_applies(q, k, v, scale, mask):
-            # the explicit path's short CPU rows, no hook reading them: its eight ops forward
-            # and back in one kernel pass each, eight rows side by side (`native.attention`)
-            return self._out(native.attention(q, k, v, scale, mask))
         else:
             scores = q @ k.transpose(-1, -2)
             if autocast_half(scores):  # mixed precision: scale, mask, softmax in float32

@@ -690,10 +690,13 @@ void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
  * and z and the gradients copied back. A mask the same for every (b, h) (a causal one;
  * strides 0, or sizes 1, over b and h) is one byte per (t, s) for all eight lanes: masked keys
  * are skipped, and a query's keys past its last visible one (found once a call) never looked
- * at, as flash attention skips a causal mask's upper blocks (so an inf or NaN in such a key's
- * value, which torch's 0 * v spreads, stays out); a mask that differs by row is applied lane
- * by lane. q, k, v, z and g are read and written through their strides (d contiguous); the
- * mask through four strides (0 where it broadcasts), or NULL for every key.
+ * at, as flash attention skips a causal mask's upper blocks. A mask that differs by row (a
+ * batch's padding) is copied lane-major for each group of rows, eight bytes a key, and keys
+ * none of the eight rows may see are skipped in the same way. The k and v of keys past a
+ * query's last visible one, and of keys no row of the group may see under a mask per row,
+ * are never read (so an inf or NaN there, which torch's 0 * v spreads, stays out). q, k, v,
+ * z and g are read and written through their strides (d contiguous); the mask through four
+ * strides (0 where it broadcasts), or NULL for every key.
  * The weights p are saved for the backward in the kernel's own layout, [B*H/8 up][T][S][lane].
  * A query whose keys are all masked gives NaN, as torch's softmax does.
  */
@@ -829,24 +832,61 @@ static int64_t *tattn_limits(const uint8_t *mask, const int64_t *mst, int64_t T,
   return lims;
 }
 
-/* lane-wise -1 where the lanes' rows may see key s of query t (uniform masks are tested by the
- * caller) */
-static inline v8i tattn_visible(const uint8_t *mask, const int64_t *mst, const int64_t *b,
-                                const int64_t *h, int64_t t, int64_t s) {
-  v8i m;
-  for (int u = 0; u < 8; ++u)
-    m[u] = mask[b[u] * mst[0] + h[u] * mst[1] + t * mst[2] + s * mst[3]] ? -1 : 0;
-  return m;
+/* A mask that differs by row, for one group: M [T][S][lane], -1 where the lane's row may see
+ * key s of query t, 0 where not (eight bytes a key, read as one vector), and lims[t], one past
+ * the last key any lane's query t may see (a causal mask's upper triangle and the padding the
+ * eight rows share are then skipped, as under a uniform mask); copied once a group, so that
+ * the loops over keys read eight bytes in a row, not one byte a lane through four strides */
+static inline void tattn_mask_group(const uint8_t *mask, const int64_t *mst, const int64_t *b,
+                                    const int64_t *h, int8_t *restrict M, int64_t *lims,
+                                    int64_t T, int64_t S) {
+  for (int64_t t = 0; t < T; ++t) lims[t] = 0;
+  for (int u = 0; u < 8; ++u) {
+    const uint8_t *row = mask + b[u] * mst[0] + h[u] * mst[1];
+    for (int64_t t = 0; t < T; ++t, row += mst[2]) {
+      int8_t *mt = M + t * S * 8 + u;
+      for (int64_t s = 0; s < S; ++s) mt[s * 8] = row[s * mst[3]] ? -1 : 0;
+      int64_t l = S;
+      while (l > lims[t] && !mt[(l - 1) * 8]) --l;
+      lims[t] = l;
+    }
+  }
+}
+
+typedef int8_t v8c __attribute__((vector_size(8), aligned(1)));
+
+/* M's eight lanes of key s of query t: -1 where visible (see tattn_mask_group) */
+#define MASK_LANES(M, S, t, s) (__builtin_convertvector(*(const v8c *)((M) + ((t) * (S) + (s)) * 8), v8i))
+/* whether none of the group's rows may see key s of query t, by its mask M per row
+ * (tattn_mask_group): its k and v are then never read */
+static inline int tattn_unseen(const int8_t *M, int64_t S, int64_t t, int64_t s) {
+  uint64_t bits;
+  memcpy(&bits, M + (t * S + s) * 8, 8);
+  return !bits;
+}
+
+/* acc[d] += sum over keys s < lim of w[s] X[s][d], X [S][D][8]; with `skip` (a constant at
+ * each call, so that the loop without it keeps its code), keys no row of the group may see by
+ * M are left out */
+static inline void tattn_acc(v8 *restrict acc, const v8 *w, const float *restrict X,
+                             const int8_t *M, int64_t S, int64_t t, int64_t lim, int64_t D,
+                             const int skip) {
+  for (int64_t s = 0; s < lim; ++s) {
+    if (skip && tattn_unseen(M, S, t, s)) continue;
+    const v8 ws = w[s], *xs = (const v8 *)(X + s * D * 8);
+    for (int64_t d = 0; d < D; ++d) acc[d] += ws * xs[d];
+  }
 }
 
 /* one group of eight rows, forward. Q [T][D][8], K, V [S][D][8] (gathered), P [T][S][8] out,
- * Z [T][D][8] scratch */
+ * Z [T][D][8] scratch; M the group's mask when it differs by row (tattn_mask_group), else NULL,
+ * and lims[t] from tattn_limits or tattn_mask_group */
 static inline void tattn_fwd_group(const float *restrict Q, const float *restrict K,
                                    const float *restrict V, v8 scale, const uint8_t *mask,
-                                   const int64_t *mst, const int64_t *lims, const int64_t *b,
-                                   const int64_t *h, float *restrict P, float *restrict Z,
-                                   float *z, const int64_t *zs, int nu, int64_t T, int64_t S,
-                                   int64_t D) {
+                                   const int64_t *mst, const int8_t *M, const int64_t *lims,
+                                   const int64_t *b, const int64_t *h, float *restrict P,
+                                   float *restrict Z, float *z, const int64_t *zs, int nu,
+                                   int64_t T, int64_t S, int64_t D) {
   const int uniform = mask && UNIFORM(mst);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t lim = lims[t];
@@ -854,7 +894,7 @@ static inline void tattn_fwd_group(const float *restrict Q, const float *restric
     const v8 *qt = (const v8 *)(Q + t * D * 8);
     v8 m = SPLAT(-INFINITY);
     for (int64_t s = 0; s < lim; ++s) {
-      if (uniform && !mask[t * mst[2] + s * mst[3]]) {
+      if (uniform ? !mask[t * mst[2] + s * mst[3]] : M && tattn_unseen(M, S, t, s)) {
         pt[s] = SPLAT(-INFINITY);
         continue;
       }
@@ -867,7 +907,7 @@ static inline void tattn_fwd_group(const float *restrict Q, const float *restric
       }
       if (d < D) a0 += qt[d] * ks[d];
       v8 x = (a0 + a1) * scale;
-      if (mask && !uniform) x = SEL(tattn_visible(mask, mst, b, h, t, s), x, SPLAT(-INFINITY));
+      if (M) x = SEL(MASK_LANES(M, S, t, s), x, SPLAT(-INFINITY));
       pt[s] = x;
       m = SEL(x > m, x, m);
     }
@@ -882,17 +922,27 @@ static inline void tattn_fwd_group(const float *restrict Q, const float *restric
     for (int64_t s = lim; s < S; ++s) pt[s] = lim ? SPLAT(0.f) : SPLAT(NAN);
     v8 *zt = (v8 *)(Z + t * D * 8);
     for (int64_t d = 0; d < D; ++d) zt[d] = lim ? SPLAT(0.f) : SPLAT(NAN);
-    for (int64_t s = 0; s < lim; ++s) {
-      const v8 ps = pt[s];
-      const v8 *vs = (const v8 *)(V + s * D * 8);
-      for (int64_t d = 0; d < D; ++d) zt[d] += ps * vs[d];
-    }
+    if (M) /* keys no row sees: p 0, v never read */
+      tattn_acc(zt, pt, V, M, S, t, lim, D, 1);
+    else
+      tattn_acc(zt, pt, V, M, S, t, lim, D, 0);
   }
   tattn_scatter(Z, z, zs, b, h, nu, T, D);
 }
 
 static void *tattn_scratch(int64_t floats) {
   return aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+}
+
+/* a thread's M and lims for tattn_mask_group where the mask differs by row (both NULL
+ * otherwise); returns 1 if they could not be had */
+static int tattn_mask_scratch(const uint8_t *mask, const int64_t *mst, int64_t T, int64_t S,
+                              int8_t **M, int64_t **lims) {
+  if (!mask || UNIFORM(mst))
+    return 0;
+  *M = tattn_scratch(2 * T * S); /* T * S * 8 bytes */
+  *lims = malloc((T > 0 ? T : 1) * sizeof(int64_t));
+  return !*M || !*lims;
 }
 
 /* strides: q, k, v, z [b, h, position] (d contiguous), mask [b, h, t, s]; p [ceil(B*H/8)][T][S][8]
@@ -913,7 +963,9 @@ int nl_tattn_fwd(const float *q, const int64_t *qs, const float *k, const int64_
     float *Q = tattn_scratch(T * D * 8), *K = tattn_scratch(S * D * 8),
           *V = tattn_scratch(S * D * 8), *Z = tattn_scratch(T * D * 8),
           *Pw = p ? NULL : tattn_scratch(T * S * 8);
-    if (!Q || !K || !V || !Z || (!p && !Pw)) {
+    int8_t *M = NULL;
+    int64_t *gl = NULL;
+    if (!Q || !K || !V || !Z || (!p && !Pw) || tattn_mask_scratch(mask, mst, T, S, &M, &gl)) {
       failed = 1;
     } else {
       for (int64_t g = g0; g < g1; ++g) {
@@ -922,13 +974,15 @@ int nl_tattn_fwd(const float *q, const int64_t *qs, const float *k, const int64_
         const int nu =
             tattn_load(g, R, H, scale, q, qs, k, ks, v, vs, b, h, &sc, Q, K, V, T, S, D);
         float *P = p ? p + g * T * S * 8 : Pw;
+        if (M) tattn_mask_group(mask, mst, b, h, M, gl, T, S);
+        const int64_t *lg = M ? gl : lims;
         if (D == 16) /* d_head 16 gets its own copy, with D known to the compiler */
-          tattn_fwd_group(Q, K, V, sc, mask, mst, lims, b, h, P, Z, z, zs, nu, T, S, 16);
+          tattn_fwd_group(Q, K, V, sc, mask, mst, M, lg, b, h, P, Z, z, zs, nu, T, S, 16);
         else
-          tattn_fwd_group(Q, K, V, sc, mask, mst, lims, b, h, P, Z, z, zs, nu, T, S, D);
+          tattn_fwd_group(Q, K, V, sc, mask, mst, M, lg, b, h, P, Z, z, zs, nu, T, S, D);
       }
     }
-    free(Q), free(K), free(V), free(Z), free(Pw);
+    free(Q), free(K), free(V), free(Z), free(Pw), free(M), free(gl);
   }
   free(lims);
   return failed;
@@ -936,14 +990,14 @@ int nl_tattn_fwd(const float *q, const int64_t *qs, const float *k, const int64_
 
 /* one group of eight rows, backward: Q, G [T][D][8], K, V [S][D][8], P [T][S][8] (the forward's);
  * dQ [T][D][8], dK, dV [S][D][8] out (dK without its factor scale), DSf [T][S][8] (ds) scratch;
- * returns the lanes' dscale. dq query by query; dk and dv key by key afterwards, each
+ * M and lims as the forward's; returns the lanes' dscale. dq query by query; dk and dv key by key afterwards, each
  * summed over the queries in registers (query by query they were read and written back at
  * every query: 20% slower) */
 static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict K,
                                  const float *restrict V, const float *restrict G,
                                  const float *restrict P, v8 scale, const uint8_t *mask,
-                                 const int64_t *mst, float *restrict dQ, float *restrict dK,
-                                 float *restrict dV, float *restrict DSf,
+                                 const int64_t *mst, const int8_t *M, float *restrict dQ,
+                                 float *restrict dK, float *restrict dV, float *restrict DSf,
                                  const int64_t *lims, int64_t T, int64_t S, int64_t D) {
   const int uniform = mask && UNIFORM(mst);
   v8 dscale = {0};
@@ -954,7 +1008,7 @@ static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict 
     v8 *ds = (v8 *)(DSf + t * S * 8);
     v8 dot = {0};
     for (int64_t s = 0; s < lim; ++s) { /* dp_ts = g_t . v_s */
-      if (uniform && !mask[t * mst[2] + s * mst[3]]) {
+      if (uniform ? !mask[t * mst[2] + s * mst[3]] : M && tattn_unseen(M, S, t, s)) {
         ds[s] = SPLAT(0.f);
         continue;
       }
@@ -972,12 +1026,11 @@ static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict 
     for (int64_t s = lim; s < S; ++s) ds[s] = SPLAT(0.f);
     v8 *dq = (v8 *)(dQ + t * D * 8);
     for (int64_t d = 0; d < D; ++d) dq[d] = SPLAT(0.f);
-    for (int64_t s = 0; s < lim; ++s) {
-      const v8 dss = pt[s] * (ds[s] - dot);
-      ds[s] = dss;
-      const v8 *kv = (const v8 *)(K + s * D * 8);
-      for (int64_t d = 0; d < D; ++d) dq[d] += dss * kv[d];
-    }
+    for (int64_t s = 0; s < lim; ++s) ds[s] = pt[s] * (ds[s] - dot);
+    if (M) /* keys no row sees: ds 0, k never read */
+      tattn_acc(dq, ds, K, M, S, t, lim, D, 1);
+    else
+      tattn_acc(dq, ds, K, M, S, t, lim, D, 0);
     for (int64_t d = 0; d < D; ++d) {
       dscale += qt[d] * dq[d];
       dq[d] *= scale;
@@ -1020,7 +1073,10 @@ int nl_tattn_bwd(const float *q, const int64_t *qs, const float *k, const int64_
           *K = tattn_scratch(S * D * 8), *V = tattn_scratch(S * D * 8),
           *dQ = tattn_scratch(T * D * 8), *dK = tattn_scratch(S * D * 8),
           *dV = tattn_scratch(S * D * 8), *DS = tattn_scratch(T * S * 8);
-    if (!Q || !G || !K || !V || !dQ || !dK || !dV || !DS) {
+    int8_t *M = NULL;
+    int64_t *gl = NULL;
+    if (!Q || !G || !K || !V || !dQ || !dK || !dV || !DS ||
+        tattn_mask_scratch(mask, mst, T, S, &M, &gl)) {
       failed = 1;
     } else {
       for (int64_t gi = g0; gi < g1; ++gi) {
@@ -1030,11 +1086,13 @@ int nl_tattn_bwd(const float *q, const int64_t *qs, const float *k, const int64_
             tattn_load(gi, R, H, scale, q, qs, k, ks, v, vs, b, h, &sc, Q, K, V, T, S, D);
         tattn_gather(g, gs, b, h, G, T, D);
         const float *P = p + gi * T * S * 8;
+        if (M) tattn_mask_group(mask, mst, b, h, M, gl, T, S);
+        const int64_t *lg = M ? gl : L;
         v8 ds;
         if (D == 16)
-          ds = tattn_bwd_group(Q, K, V, G, P, sc, mask, mst, dQ, dK, dV, DS, L, T, S, 16);
+          ds = tattn_bwd_group(Q, K, V, G, P, sc, mask, mst, M, dQ, dK, dV, DS, lg, T, S, 16);
         else
-          ds = tattn_bwd_group(Q, K, V, G, P, sc, mask, mst, dQ, dK, dV, DS, L, T, S, D);
+          ds = tattn_bwd_group(Q, K, V, G, P, sc, mask, mst, M, dQ, dK, dV, DS, lg, T, S, D);
         tattn_scatter(dQ, dq, qo, b, h, nu, T, D);
         for (int64_t i = 0; i < S * D; ++i) ((v8 *)dK)[i] *= sc; /* dk = scale sum_t ds_ts q_t */
         tattn_scatter(dK, dk, ko, b, h, nu, S, D);
@@ -1042,7 +1100,7 @@ int nl_tattn_bwd(const float *q, const int64_t *qs, const float *k, const int64_
         for (int u = 0; u < nu; ++u) dscale[8 * gi + u] = ds[u];
       }
     }
-    free(Q), free(G), free(K), free(V), free(dQ), free(dK), free(dV), free(DS);
+    free(Q), free(G), free(K), free(V), free(dQ), free(dK), free(dV), free(DS), free(M), free(gl);
   }
   free(L);
   return failed;

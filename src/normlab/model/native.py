@@ -43,10 +43,13 @@ a 50-61 ms step over four layers. `attention` runs it in one call each way, eigh
 side by side in the lanes of an eight-float vector (no lane idle on a 17-key row, no sum
 across lanes), skipping the keys a causal mask hides, and saves the weights for the
 backward: 2.6-2.7x faster at that shape, a `pre` or `qkv` training step 7-8% faster on one
-thread (docs/performance.md, twenty-seventh session). Equal to torch's to float32 rounding
-(tests against float64). `Attention` takes it whenever `attention_applies`, with no hook on the
-scores or the pattern and no dropout; a hook on either sends that layer back to the explicit
-path, whose numbers then differ from the kernel's by float32 rounding.
+thread (docs/performance.md, twenty-seventh session). A mask that differs by row (a batch's
+padding) is copied lane-major once for each eight rows, and keys none of them may see are
+skipped too (twenty-eighth). Equal to torch's to float32 rounding (tests against float64).
+`Attention` takes it whenever `attention_applies`, with no hook on the scores or the pattern
+and no dropout, on the explicit path's rows and on longer causal ones
+(`attention.kernel_by_default`); a hook on either sends that layer back to the explicit path,
+whose numbers then differ from the kernel's by float32 rounding.
 
 GELU in training. ATen's GELU backward recomputes erf and two exponentials from the saved
 pre-activation: in a profiled `pre` step on AMD EPYC, one thread, 0.82 ms a call on [2176, 256]
@@ -795,8 +798,8 @@ def attention_applies(
     strides free, scale [H], mask None or a 4-d bool tensor of sizes 1 or [B, H, T, S]'s;
     float32 CPU tensors, eager, no autocast, the kernel built. With or without autograd (q, k, v and
     scale may want gradients; the mask is data). Any number of keys: `Attention` asks only
-    where the explicit path would run (`attention.explicit_by_default`: at most 64 keys on
-    CPU), because past that SDPA's flash kernel is faster."""
+    where the kernel is faster than SDPA's flash kernel (`attention.kernel_by_default`: at
+    most 64 keys on CPU, or causal rows of up to 4096 floats of keys)."""
     if (not _enabled["attention"] or not isinstance(q, torch.Tensor) or q.ndim != 4
             or not isinstance(k, torch.Tensor) or k.ndim != 4):
         return False
@@ -933,9 +936,11 @@ def attention(
     are all masked is NaN, as torch's softmax makes it (its gradients are NaN too, though not
     in every entry torch's are). Where the mask is the same for every (b, h), keys past a
     query's last visible one (a causal mask's upper triangle) are never read, so an inf or NaN
-    in their values, which torch's `0 * v` would spread, stays out. Made for short rows:
-    each thread's scratch is about 8 (2 T S + 4 (T + S) D) floats. Callers check
-    `attention_applies` (`Attention` does, and runs torch's ops otherwise).
+    in their values, which torch's `0 * v` would spread, stays out; under a mask per row, so
+    are keys that none of a group of eight (b, h) rows may see (padding they share). Made for
+    short rows: each thread's scratch is about 8 (2 T S + 4 (T + S) D) floats, and 8 T S bytes
+    under a mask per row. Callers check `attention_applies` (`Attention` does, and runs
+    torch's ops otherwise).
     """
     if not attention_applies(q, k, v, scale, mask):
         raise ValueError(
