@@ -1567,7 +1567,7 @@ def attention_inputs(b: int, h: int, t: int, s: int, d: int, mask: str, seed: in
              # group are skipped (a decode's prompt forward)
              "left padded": (causal & (torch.arange(s) >= torch.arange(b)[:, None]
                                        % (s // 2 + 1))[:, None, None, :])
-                            | (causal & ~causal.roll(1, 1))[None, None]}
+                            | (causal & ~causal.tril(max(s - t, 0) - 1))[None, None]}
     m = masks[mask]
     if m is not None and mask == "keys per row":
         m[..., -1] = True  # every query sees at least one key (an empty row is NaN: below)
@@ -1590,11 +1590,14 @@ def attention_grads(fn, q, k, v, scale, m, gz, dtype=torch.float32):
     (3, 2, 5, 9, 24),  # fewer queries than keys (cross-attention, a cached prompt)
     (2, 3, 7, 4, 6),  # d_head 6: no eight-float block, one float at a time
     (1, 1, 1, 1, 8),  # one query, one key
+    (2, 4, 130, 130, 16),  # past 64 keys, where causal rows take the kernel too
 ])
 def test_attention_matches_float64(b: int, h: int, t: int, s: int, d: int, mask: str,
                                    n_threads: int, threads: None) -> None:
     """z and the gradients of q, k, v and the scale against torch's ops in float64, within
-    twice what torch's own float32 ops get (plus rounding of the largest value). The scale's
+    twice what torch's own float32 ops get (plus rounding of the largest value); past 64 keys
+    within four times (the kernel sums a row's keys in one chain, torch's matmuls in blocks:
+    up to 3.5x seen at 130 and 256 keys; the error grows with the keys). The scale's
     gradient, a sum over every (b, t, s) of terms that cancel (each query's ds sums to 0), is
     summed in another order than torch's (query by query, row by row): it gets 1e-5 of its
     largest value (4e-6 seen: ~40 float32 ulps)."""
@@ -1613,7 +1616,8 @@ def test_attention_matches_float64(b: int, h: int, t: int, s: int, d: int, mask:
     for name, o, a, tr in zip(("z", "q", "k", "v", "scale"), ours, aten, truth, strict=True):
         err, aten_err = ((x.double() - tr).abs().max() for x in (o, a))
         slack = 1e-5 if name == "scale" else 2e-7
-        assert err <= 2 * aten_err + slack * tr.abs().max(), (name, err, aten_err)
+        factor = 2 if s <= 64 else 4
+        assert err <= factor * aten_err + slack * tr.abs().max(), (name, err, aten_err)
 
 
 def test_attention_by_hand() -> None:
@@ -1849,10 +1853,10 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
 def test_attention_kernel_past_64_keys_on_causal_rows_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows take the kernel while keys x d_head is at most
-    `KERNEL_MAX_KEY_FLOATS_CPU` (80 keys of d_head 16), with SDPA's output to float32
-    rounding; SDPA takes the same rows padded per row, with d_head 64, with the limit at 0,
-    and an encoder's unmasked rows."""
+    """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel while
+    keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU` (80 keys of d_head 16), with SDPA's
+    output to float32 rounding; SDPA takes the same rows with d_head 64, with the limit at 0,
+    an encoder's unmasked rows and its source padding (not causal)."""
     from normlab.model import attention as attention_mod
 
     kernel, sdpa = [], []
@@ -1869,23 +1873,29 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         assert (len(kernel), len(sdpa)) == (2, 0)
         padded = torch.ones(3, 80, dtype=torch.bool)
         padded[1, :5] = False
-        model(tokens, attention_mask=padded)
-        assert (len(kernel), len(sdpa)) == (2, 2)
+        padded_out = model(tokens, attention_mask=padded)
+        assert (len(kernel), len(sdpa)) == (4, 0)
         monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 0)
         torch.testing.assert_close(model(tokens), fast, atol=1e-5, rtol=1e-5)
-        assert (len(kernel), len(sdpa)) == (2, 4)
+        torch.testing.assert_close(model(tokens, attention_mask=padded), padded_out,
+                                   atol=1e-5, rtol=1e-5)
+        assert (len(kernel), len(sdpa)) == (4, 4)
         monkeypatch.undo()
         monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
         monkeypatch.setattr(F, "scaled_dot_product_attention",
                             lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
         wide = build_model(ModelConfig(d_model=64, n_heads=1, n_layers=1, max_len=96)).eval()
         wide(tokens)  # d_head 64: 80 x 64 floats of keys
-        assert (len(kernel), len(sdpa)) == (2, 5)
+        assert (len(kernel), len(sdpa)) == (4, 5)
         encdec = build_model(ModelConfig(d_model=64, n_heads=4, arch="encoder_decoder",
                                          n_encoder_layers=1, n_decoder_layers=1,
                                          max_len=96)).eval()
         encdec(tokens, tokens[:, :8])  # encoder and cross-attention: 80 keys, no mask
-        assert (len(kernel), len(sdpa)) == (3, 7)  # the decoder's 8 causal keys: the kernel
+        assert (len(kernel), len(sdpa)) == (5, 7)  # the decoder's 8 causal keys: the kernel
+        src_mask = torch.ones(3, 80, dtype=torch.bool)
+        src_mask[0, -1] = False  # the first row's last key hidden, but from every query
+        encdec(tokens, tokens[:, :8], src_mask=src_mask)  # padding, not causal: SDPA
+        assert (len(kernel), len(sdpa)) == (6, 9)
 
 
 def test_attention_output_changed_in_place_by_a_hook() -> None:

@@ -1,14 +1,15 @@
 """One-off probe behind a twenty-eighth-session number in docs/performance.md; not make bench.
 
 How far past 64 keys `native.attention` stays faster than SDPA's CPU kernel, and so how far
-`Attention` lets it run (`attention.KERNEL_MAX_KEYS_CPU`): T = S keys from 64 to 512, 4 heads,
+`Attention` lets it run (`attention.KERNEL_MAX_KEY_FLOATS_CPU`): T = S keys from 64 to 512, 4 heads,
 about 2176 positions a call (the training batch's, 128 x 17), for six cases:
 
 - `train causal d16` / `d64`: forward and backward, a causal mask, d_head 16 (the configs') or
   64 (GPT-2's);
 - `infer causal d16` / `d64`: the forward alone, no autograd (evaluation, a prompt's forward);
 - `infer padded d16`: the forward alone under a mask that differs by row (causal and a left
-  padding of 0 to S/4 keys, as a batch of prompts has), which the kernel applies lane by lane;
+  padding of 0 to S/4 keys, as a batch of prompts has), which the kernel copies lane-major for
+  each eight rows;
 - `infer unmasked d16`: the forward alone with no mask (an encoder's).
 
 Each contender's median time over 9 rounds, alternating in one process; printed as the

@@ -25,7 +25,8 @@ from normlab import allocator
 from normlab.model import native
 
 USAGE = "usage: native_rev_ab.py REV [THREADS], THREADS >= 1"
-if not 2 <= len(sys.argv) <= 3 or (len(sys.argv) == 3 and not sys.argv[2].isdigit()):
+if not 2 <= len(sys.argv) <= 3 or (len(sys.argv) == 3 and not (sys.argv[2].isdigit()
+                                                                  and int(sys.argv[2]) >= 1)):
     sys.exit(USAGE)
 rev = sys.argv[1]
 root = Path(__file__).resolve().parents[2]
@@ -38,7 +39,9 @@ except subprocess.CalledProcessError as e:
 allocator.keep_freed_memory()
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 now_lib = native.load()
-here = Path(__file__).resolve().parent / f"native_rev_{rev}.c"
+print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
+safe = "".join(c if c.isalnum() else "_" for c in rev)  # a REV such as origin/main
+here = Path(__file__).resolve().parent / f"native_rev_{safe}.c"
 here.write_bytes(old_src)  # native builds what SOURCE names (and caches the build by content)
 try:
     native.SOURCE, native._lib, native._tried = here, None, False
@@ -48,7 +51,6 @@ finally:
     native.SOURCE = Path(native.__file__).with_name("native.c")
 if now_lib is None or old_lib is None:
     sys.exit("native_rev_ab.py: a build of native.c failed")
-print(f"{torch.get_num_threads()} thread(s); kernels: {native.describe()}")
 probe_header("native_rev_ab.py", f"native.c at {rev} (the 'before') against the working tree")
 names = (rev[:9], "now")
 

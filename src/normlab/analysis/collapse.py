@@ -386,7 +386,8 @@ def _winners(
     attendable: torch.Tensor,
 ) -> _PatternWinners | _RowWinners:
     """The cheaper reader for this site at this group's width: the pattern where the model
-    computes it anyway, else the rows' q and k (so the model keeps SDPA)."""
+    computes it anyway, else the rows' q and k (so the model keeps SDPA, or the kernel on
+    longer causal rows: `attention.kernel_by_default`)."""
     device = site.module.W_Q.device
     if explicit_by_default(device, part.lengths[site.kv_stream]):
         return _PatternWinners(site, example, head, qpos)

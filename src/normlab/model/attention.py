@@ -42,15 +42,19 @@ scores too). Longer rows take SDPA, but causal ones that the kernel still takes
 (`KERNEL_MAX_KEY_FLOATS_CPU`); every GPU takes SDPA."""
 
 KERNEL_MAX_KEY_FLOATS_CPU = 4096
-"""Past `EXPLICIT_MAX_KEYS_CPU` keys, rows under a mask that is the same for every (batch,
-head) (a causal one, whose hidden keys the kernel never reads) still take `native.attention`
-while keys x d_head is at most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There it was
-faster than SDPA's CPU kernel forward and forward+backward, one thread and two, causal
-(`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md, twenty-eighth
-section); with no mask or one per row (padding), which the kernel cannot skip, SDPA was as
-fast or faster past 64 keys, so those rows stop at `EXPLICIT_MAX_KEYS_CPU`. The kernel's
-backward keeps the weights, T x S floats a (batch, head) row (256 KiB at 256 keys), where
-SDPA keeps one float a query."""
+"""Past `EXPLICIT_MAX_KEYS_CPU` keys, causal rows (the first query cannot see the last key, as
+under a causal mask, with or without each row's padding) still take `native.attention` while
+keys x d_head is at most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There the kernel,
+which skips the keys a causal mask hides, was faster than SDPA's CPU kernel: forward and
+backward 1.26-1.70x (one thread) and 1.53-2.28x (two) at d_head 16 from 64 to 256 keys,
+forward under a left padding per row 1.13-1.33x / 2.01-2.96x up to 128 keys and level or
+faster at 192-256 (`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md,
+twenty-eighth section). Rows with no mask, or one that hides nothing causally (an encoder's
+padding), stop at 64 keys: the kernel skips nothing there, and SDPA was as fast at 64 keys
+and faster beyond on one thread. The kernel's backward keeps the weights, T x S floats a
+(batch, head) row (256 KiB at 256 keys), where SDPA keeps one float a query."""
+
+
 SOFTMAX_MIN_KEYS_CPU = 16
 """On CPU, `softmax_rows` pads rows shorter than this with -inf keys. ATen's CPU softmax over
 the last dim runs 12-15 ns per element (one thread) on rows shorter than one AVX-512 vector
@@ -80,15 +84,19 @@ def explicit_by_default(device: torch.device, n_keys: int) -> bool:
 
 def kernel_by_default(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether q [batch, head, T, d_head] over k [batch, head, S, d_head] under `mask` takes
-    `native.attention` when no hook reads the scores or pattern (and the kernel applies):
-    wherever the explicit path would run, and past it causal rows up to
-    `KERNEL_MAX_KEY_FLOATS_CPU`."""
+    `native.attention` on CPU when no hook reads the scores or pattern (and the kernel
+    applies): wherever the explicit path would run, and past it causal rows up to
+    `KERNEL_MAX_KEY_FLOATS_CPU`. Causal: a mask [batch|1, head|1, T, S] under which the first
+    row's first query cannot see the last key (one byte read on the CPU), as under a causal
+    mask, padded or not, and not under an encoder's padding or no mask."""
     n_keys = k.shape[-2]
+    if q.device.type != "cpu":
+        return False
     if n_keys <= EXPLICIT_MAX_KEYS_CPU:
         return True
     return (n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU and mask is not None
-            and mask.ndim == 4 and all(n == 1 or st == 0 for n, st in
-                                       zip(mask.shape[:2], mask.stride()[:2], strict=True)))
+            and mask.ndim == 4 and mask.shape[-2] > 1 and mask.device.type == "cpu"
+            and not bool(mask[0, 0, 0, -1]))
 
 
 class HeadNorm(Norm):
