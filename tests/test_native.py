@@ -1896,6 +1896,10 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         src_mask[0, -1] = False  # the first row's last key hidden, but from every query
         encdec(tokens, tokens[:, :8], src_mask=src_mask)  # padding, not causal: SDPA
         assert (len(kernel), len(sdpa)) == (6, 9)
+        attn = model.blocks[0].attn  # the rule reads the module's causal flag, not the mask
+        x = torch.randn(3, 80, cfg.d_model)
+        attn(x)
+        assert (len(kernel), len(sdpa)) == (7, 9)
 
 
 def test_attention_output_changed_in_place_by_a_hook() -> None:

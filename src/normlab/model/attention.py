@@ -42,16 +42,16 @@ scores too). Longer rows take SDPA, but causal ones that the kernel still takes
 (`KERNEL_MAX_KEY_FLOATS_CPU`); every GPU takes SDPA."""
 
 KERNEL_MAX_KEY_FLOATS_CPU = 4096
-"""Past `EXPLICIT_MAX_KEYS_CPU` keys, causal rows (the first query cannot see the last key, as
-under a causal mask, with or without each row's padding) still take `native.attention` while
+"""Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention,
+with or without each row's padding) still take `native.attention` while
 keys x d_head is at most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There the kernel,
 which skips the keys a causal mask hides, was faster than SDPA's CPU kernel: forward and
 backward 1.26-1.70x (one thread) and 1.53-2.28x (two) at d_head 16 from 64 to 256 keys,
 forward under a left padding per row 1.13-1.33x / 2.01-2.96x up to 128 keys and level or
 faster at 192-256 (`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md,
-twenty-eighth section). Rows with no mask, or one that hides nothing causally (an encoder's
-padding), stop at 64 keys: the kernel skips nothing there, and SDPA was as fast at 64 keys
-and faster beyond on one thread. The kernel's backward keeps the weights, T x S floats a
+twenty-eighth section). An encoder's rows and cross-attention's, unmasked or padded, stop at
+64 keys: the kernel skips nothing there, and SDPA was as fast at 64 keys and faster beyond on
+one thread. The kernel's backward keeps the weights, T x S floats a
 (batch, head) row (256 KiB at 256 keys), where SDPA keeps one float a query."""
 
 
@@ -82,21 +82,17 @@ def explicit_by_default(device: torch.device, n_keys: int) -> bool:
     return device.type == "cpu" and n_keys <= EXPLICIT_MAX_KEYS_CPU
 
 
-def kernel_by_default(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether q [batch, head, T, d_head] over k [batch, head, S, d_head] under `mask` takes
+def kernel_by_default(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether q [batch, head, T, d_head] over k [batch, head, S, d_head] takes
     `native.attention` on CPU when no hook reads the scores or pattern (and the kernel
-    applies): wherever the explicit path would run, and past it causal rows up to
-    `KERNEL_MAX_KEY_FLOATS_CPU`. Causal: a mask [batch|1, head|1, T, S] under which the first
-    row's first query cannot see the last key (one byte read on the CPU), as under a causal
-    mask, padded or not, and not under an encoder's padding or no mask."""
-    n_keys = k.shape[-2]
+    applies): wherever the explicit path would run, and past it a causal attention's rows
+    (`Attention.causal` self-attention: a decoder's, padded or not) up to
+    `KERNEL_MAX_KEY_FLOATS_CPU`."""
     if q.device.type != "cpu":
         return False
-    if n_keys <= EXPLICIT_MAX_KEYS_CPU:
-        return True
-    return (n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU and mask is not None
-            and mask.ndim == 4 and mask.shape[-2] > 1 and mask.device.type == "cpu"
-            and not bool(mask[0, 0, 0, -1]))
+    n_keys = k.shape[-2]
+    return n_keys <= EXPLICIT_MAX_KEYS_CPU or (
+        causal and n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU)
 
 
 class HeadNorm(Norm):
@@ -273,7 +269,7 @@ class Attention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if (not hooked and not p_drop and kernel_by_default(q, k, mask)
+        if (not hooked and not p_drop and kernel_by_default(q, k, self.causal and memory is None)
                 and native.attention_applies(q, k, v, scale, mask)):
             # the explicit path's short CPU rows (and longer causal ones), no hook reading
             # them: its eight ops forward and back in one kernel pass each, eight rows side
