@@ -46,9 +46,9 @@ KERNEL_MAX_KEY_FLOATS_CPU = 4096
 with or without each row's padding) still take `native.attention` while
 keys x d_head is at most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There the kernel,
 which skips the keys a causal mask hides, was faster than SDPA's CPU kernel: forward and
-backward 1.26-1.70x (one thread) and 1.53-2.28x (two) at d_head 16 from 64 to 256 keys,
-forward under a left padding per row 1.13-1.33x / 2.01-2.96x up to 128 keys and level or
-faster at 192-256 (`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md,
+backward 1.33-1.57x (one thread) and 1.41-2.17x (two) at d_head 16 from 64 to 256 keys,
+forward under a left padding per row 1.17-1.35x / 1.75-2.08x up to 128 keys and 1.02-1.17x
+at 192-256 (`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md,
 twenty-eighth section). An encoder's rows and cross-attention's, unmasked or padded, stop at
 64 keys: the kernel skips nothing there, and SDPA was as fast at 64 keys and faster beyond on
 one thread. The kernel's backward keeps the weights, T x S floats a

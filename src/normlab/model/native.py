@@ -934,7 +934,7 @@ def attention(
     and scale (to any order: a second-order gradient goes through torch's ops). Equal to
     torch's to float32 rounding for finite inputs (tests against float64: within twice torch's
     own float32 error up to 64 keys; past them, its sums over a row's keys running in one
-    chain, within four times, up to 3.5x seen at 130-256 keys). A query whose keys
+    chain, within four times). A query whose keys
     are all masked is NaN, as torch's softmax makes it (its gradients are NaN too, though not
     in every entry torch's are). Where the mask is the same for every (b, h), keys past a
     query's last visible one (a causal mask's upper triangle) are never read, so an inf or NaN
