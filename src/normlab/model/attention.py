@@ -38,21 +38,21 @@ crossovers are ~48 keys (one thread) and ~96 (two); 64 sits between them
 and slower from 32 on one thread, `benchmarks/probes/attention_keys.py`). With no hook reading
 it, that path's arithmetic runs in normlab's kernel (`native.attention`, 2.6-2.7x faster
 again), whose backward keeps the [batch, head, T, S] pattern (the explicit path keeps the
-scores too). Longer rows take SDPA, but causal ones that the kernel still takes
+scores too). Longer rows take SDPA, but for the causal ones the kernel still takes
 (`KERNEL_MAX_KEY_FLOATS_CPU`); every GPU takes SDPA."""
 
 KERNEL_MAX_KEY_FLOATS_CPU = 4096
 """Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention,
-with or without each row's padding) still take `native.attention` while
-keys x d_head is at most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There the kernel,
-which skips the keys a causal mask hides, was faster than SDPA's CPU kernel: forward and
-backward 1.33-1.57x (one thread) and 1.41-2.17x (two) at d_head 16 from 64 to 256 keys,
-forward under a left padding per row 1.17-1.35x / 1.75-2.08x up to 128 keys and 1.02-1.17x
-at 192-256 (`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md,
-twenty-eighth section). An encoder's rows and cross-attention's, unmasked or padded, stop at
-64 keys: the kernel skips nothing there, and SDPA was as fast at 64 keys and faster beyond on
-one thread. The kernel's backward keeps the weights, T x S floats a
-(batch, head) row (256 KiB at 256 keys), where SDPA keeps one float a query."""
+with or without each row's padding) still take `native.attention` while keys x d_head is at
+most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There the kernel, which skips the keys
+a causal mask hides, was faster than SDPA's CPU kernel: forward and backward 1.33-1.57x (one
+thread) and 1.41-2.17x (two) at d_head 16 from 64 to 256 keys; forward under a left padding
+per row 1.17-1.35x / 1.75-2.08x up to 128 keys and 1.02-1.06x / 1.05-1.17x at 192-256
+(`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md, twenty-eighth
+section). An encoder's rows and cross-attention's stop at 64 keys: no causal mask hides keys
+there for the kernel to skip, and with no mask SDPA was as fast at 64 keys and faster beyond
+on one thread. The kernel's backward keeps the weights, T x S floats a (batch, head) row
+(256 KiB at 256 keys), where SDPA keeps one float a query."""
 
 
 SOFTMAX_MIN_KEYS_CPU = 16
