@@ -227,6 +227,40 @@ static void my_rows(int64_t N, int64_t *s, int64_t *e) {
 /* 1 when widths that are multiples of 8 take the eight-rows-at-once path */
 int nl_has_rows8(void) { return HAVE_ROWS8; }
 
+/* Eight floats as one value (GCC/clang vector extensions: lane-wise arithmetic that builds with
+ * or without AVX2, and casts to and from __m256 where AVX2 intrinsics take over). */
+typedef float v8 __attribute__((vector_size(32), aligned(4))); /* at any address */
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+#define SPLAT(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
+#define SEL(m, a, b) ((v8)(((v8i)(a) & (m)) | ((v8i)(b) & ~(m)))) /* m ? a : b, lane-wise */
+
+/* e^v on eight lanes for v <= 0 (a score minus its row's max, GELU's -x^2/2), the one
+ * exponential of this file: v = n ln2 + r, |r| <= ln2 / 2, n by a round-to-nearest through the
+ * 1.5 * 2^23 trick, e^r by Cephes expf's degree-6 polynomial (~1 ulp), times 2^n through the
+ * exponent bits. No libm call and no branch: a scalar expf per key or per element was most of
+ * a kernel's time. Below -80 it is exactly 0 (-inf included): GELU's tails are then exactly 0
+ * and 1 (the terms dropped are below 1e-34), no product goes subnormal, and at huge |x|
+ * (x * x = inf) the derivative's x * e^(-x^2/2) is 0, not x times a clamped exponential.
+ * NaN stays NaN. */
+static inline v8 exp8v(v8 v) {
+  const v8i lo = v < SPLAT(-80.f); /* false for NaN: it runs through, and stays NaN */
+  const v8 u = SEL(lo, SPLAT(-80.f), v);
+  const v8 big = u * 1.44269504088896341f + 12582912.f; /* 1.5 * 2^23 + round(u / ln 2) */
+  const v8 n = big - 12582912.f;
+  const v8 r = u - n * 0.693359375f + n * 2.12194440e-4f; /* u - n ln 2, ln 2 in two parts */
+  v8 p = SPLAT(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  /* 2^n: n sits in big's low mantissa bits; unsigned, for NaN's sign bit */
+  const v8i e = (v8i)(((v8u)big - 0x4B400000u + 127u) << 23);
+  return (v8)((v8i)(p * (v8)e) & ~lo);
+}
+
 /* rows [s, e) of the forward, by width; `strided` is a constant at each call, so contiguous
  * rows (the common case) keep plain row arithmetic and pay nothing for the walk */
 static inline void fwd_part(const float *x, const float *w, const float *b, float *y,
@@ -505,31 +539,6 @@ static inline void attn1_row(const float *qr, const float *kr, int64_t kt, const
 }
 
 #if HAVE_ROWS8
-/* e^x on eight lanes for x <= 0 (a score minus its row's max): x = n ln2 + r, |r| <= ln2 / 2,
- * e^r by a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n through the
- * exponent bits; below -87 (a masked key's -inf included) exactly 0, NaN stays NaN. A scalar
- * `expf` per key was most of the kernel's time: one latency chain per key. */
-static inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q); /* a NaN score stays NaN, as expf's */
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts */
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_or_ps(_mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep), nan);
-}
-
 /* one row, D = 8K: eight keys' dot products at once (hsum8 puts their sums in one register),
  * the exponentials eight at a time, z in K registers. sc has room for T rounded up to 8. */
 static inline void attn1_row8(const float *qr, const float *kr, int64_t kt, const float *vr,
@@ -558,7 +567,7 @@ static inline void attn1_row8(const float *qr, const float *kr, int64_t kt, cons
   const __m256 vm = _mm256_set1_ps(m);
   __m256 vsum = _mm256_setzero_ps();
   for (int64_t t = 0; t < T8; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(LOAD(sc + t), vm));
+    const __m256 e = (__m256)exp8v((v8)_mm256_sub_ps(LOAD(sc + t), vm));
     _mm256_storeu_ps(sc + t, e);
     vsum = _mm256_add_ps(vsum, e);
   }
@@ -628,28 +637,22 @@ void nl_attn1(const float *q, int64_t qb, int64_t qh, const float *k, int64_t kb
  * in one pass, so that the backward is one multiply (g * d) where ATen's recomputes erf and
  * two exponentials from x. erf is Abramowitz and Stegun's 7.1.26, as ATen's vectorised erf
  * (absolute error below 1.5e-7), whose e^(-z^2) at z = |x| / sqrt2 is the very e^(-x^2/2) of
- * the pdf: one exponential serves both. The exponential is Cephes expf's polynomial after a
- * round-to-nearest by the 1.5 * 2^23 trick; no libm call and no branch, so the loop
- * vectorises at any -O3 (floorf would vectorise only without trapping math).
+ * the pdf: one exponential serves both (exp8v, above). Eight elements at a time, the last
+ * few through a vector's worth of scratch.
  */
-static inline float exp_nonpos(float v) {
-  /* e^v for v <= 0, and 0 below -80: the GELU's tails are then exactly 0 and 1 (the terms
-   * dropped are below 1e-34), no product goes subnormal, and at huge |x| (x * x = inf) the
-   * derivative's x * e^(-x^2/2) is 0, not x times a clamped exponential */
-  const float u = v < -80.f ? -80.f : v;
-  const float big = u * 1.44269504088896341f + 12582912.f; /* 1.5 * 2^23 + round(u / ln 2) */
-  const float n = big - 12582912.f;
-  const float r = u - n * 0.693359375f + n * 2.12194440e-4f; /* u - n ln 2, ln 2 in two parts */
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  union { float f; uint32_t i; } k = {big}, s;
-  s.i = (k.i - 0x4B400000u + 127u) << 23; /* 2^n: n sits in big's low mantissa bits */
-  return v < -80.f ? 0.f : p * s.f;
+static inline void gelu8(v8 x, v8 *y, v8 *d) {
+  const v8 ax = (v8)((v8i)x & 0x7fffffff); /* |x| */
+  const v8 t = 1.f / (1.f + 0.3275911f * 0.70710678118654752f * ax);
+  v8 r = SPLAT(1.061405429f);
+  r = r * t - 1.453152027f;
+  r = r * t + 1.421413741f;
+  r = r * t - 0.284496736f;
+  r = r * t + 0.254829592f;
+  const v8 g = exp8v(-0.5f * x * x);
+  const v8 q = 0.5f * r * t * g; /* (1 - erf(|x| / sqrt2)) / 2 */
+  const v8 c = SEL(x >= 0.f, 1.f - q, q);
+  *y = x * c;
+  *d = c + x * g * 0.39894228040143268f;
 }
 
 void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
@@ -657,19 +660,15 @@ void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
   {
     int64_t s, e;
     my_rows(N, &s, &e);
-    for (int64_t i = s; i < e; ++i) {
-      const float xi = x[i];
-      const float t = 1.f / (1.f + 0.3275911f * 0.70710678118654752f * fabsf(xi));
-      float r = 1.061405429f;
-      r = r * t - 1.453152027f;
-      r = r * t + 1.421413741f;
-      r = r * t - 0.284496736f;
-      r = r * t + 0.254829592f;
-      const float g = exp_nonpos(-0.5f * xi * xi);
-      const float q = 0.5f * r * t * g; /* (1 - erf(|x| / sqrt2)) / 2 */
-      const float c = xi >= 0.f ? 1.f - q : q;
-      y[i] = xi * c;
-      d[i] = c + xi * g * 0.39894228040143268f;
+    int64_t i = s;
+    for (; i + 8 <= e; i += 8)
+      gelu8(*(const v8 *)(x + i), (v8 *)(y + i), (v8 *)(d + i));
+    if (i < e) { /* the last few, through a vector's worth of scratch */
+      float xs[8] = {0}, ys[8], ds[8];
+      memcpy(xs, x + i, (e - i) * sizeof(float));
+      gelu8(*(const v8 *)xs, (v8 *)ys, (v8 *)ds);
+      memcpy(y + i, ys, (e - i) * sizeof(float));
+      memcpy(d + i, ds, (e - i) * sizeof(float));
     }
   }
 }
@@ -700,30 +699,6 @@ void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
  * The weights p are saved for the backward in the kernel's own layout, [B*H/8 up][T][S][lane].
  * A query whose keys are all masked gives NaN, as torch's softmax does.
  */
-typedef float v8 __attribute__((vector_size(32), aligned(4))); /* at any address */
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-#define SPLAT(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
-#define SEL(m, a, b) ((v8)(((v8i)(a) & (m)) | ((v8i)(b) & ~(m)))) /* m ? a : b, lane-wise */
-
-/* exp_nonpos on eight lanes: e^v for v <= 0, 0 below -80 (-inf included), NaN stays NaN */
-static inline v8 exp8v(v8 v) {
-  const v8i lo = v < SPLAT(-80.f); /* false for NaN: it runs through, and stays NaN */
-  const v8 u = SEL(lo, SPLAT(-80.f), v);
-  const v8 big = u * 1.44269504088896341f + 12582912.f;
-  const v8 n = big - 12582912.f;
-  const v8 r = u - n * 0.693359375f + n * 2.12194440e-4f;
-  v8 p = SPLAT(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const v8i e = (v8i)(((v8u)big - 0x4B400000u + 127u) << 23); /* unsigned: NaN's sign bit */
-  return (v8)((v8i)(p * (v8)e) & ~lo);
-}
-
 #if HAVE_ROWS8
 /* the 8 x 8 block r[0..7] (row u: eight floats) transposed into c[0..7] (c[j] lane u = r[u][j]) */
 static inline void tr8(const __m256 *r, __m256 *c) {
