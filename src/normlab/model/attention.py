@@ -88,11 +88,9 @@ def kernel_by_default(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     applies): wherever the explicit path would run, and past it a causal attention's rows
     (`Attention.causal` self-attention: a decoder's, padded or not) up to
     `KERNEL_MAX_KEY_FLOATS_CPU`."""
-    if q.device.type != "cpu":
-        return False
     n_keys = k.shape[-2]
-    return n_keys <= EXPLICIT_MAX_KEYS_CPU or (
-        causal and n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU)
+    return explicit_by_default(q.device, n_keys) or (
+        q.device.type == "cpu" and causal and n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU)
 
 
 class HeadNorm(Norm):

@@ -849,6 +849,13 @@ static inline int tattn_unseen(const int8_t *M, int64_t S, int64_t t, int64_t s)
   return !bits;
 }
 
+/* whether no row of the group may see key s of query t: by the uniform mask's byte, or by M
+ * under a mask per row (no mask: every key is seen) */
+static inline int tattn_hidden(int uniform, const uint8_t *mask, const int64_t *mst,
+                               const int8_t *M, int64_t S, int64_t t, int64_t s) {
+  return uniform ? !mask[t * mst[2] + s * mst[3]] : M && tattn_unseen(M, S, t, s);
+}
+
 /* acc[d] += sum over keys s < lim of w[s] X[s][d], X [S][D][8]; with `skip` (a constant at
  * each call, so that the loop without it keeps its code), keys no row of the group may see by
  * M are left out */
@@ -878,7 +885,7 @@ static inline void tattn_fwd_group(const float *restrict Q, const float *restric
     const v8 *qt = (const v8 *)(Q + t * D * 8);
     v8 m = SPLAT(-INFINITY);
     for (int64_t s = 0; s < lim; ++s) {
-      if (uniform ? !mask[t * mst[2] + s * mst[3]] : M && tattn_unseen(M, S, t, s)) {
+      if (tattn_hidden(uniform, mask, mst, M, S, t, s)) {
         pt[s] = SPLAT(-INFINITY);
         continue;
       }
@@ -992,7 +999,7 @@ static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict 
     v8 *ds = (v8 *)(DSf + t * S * 8);
     v8 dot = {0};
     for (int64_t s = 0; s < lim; ++s) { /* dp_ts = g_t . v_s */
-      if (uniform ? !mask[t * mst[2] + s * mst[3]] : M && tattn_unseen(M, S, t, s)) {
+      if (tattn_hidden(uniform, mask, mst, M, S, t, s)) {
         ds[s] = SPLAT(0.f);
         continue;
       }

@@ -930,19 +930,18 @@ def attention(
     D], scale [H] -> z [B, H, T, D] (a view of contiguous [B, T, H, D] memory, the layout the
     output projection reads).
 
-    Explicit attention's eight ops in one kernel pass each way; differentiable in q, k, v
-    and scale (to any order: a second-order gradient goes through torch's ops). Equal to
-    torch's to float32 rounding for finite inputs (tests against float64: within twice torch's
-    own float32 error up to 64 keys; past them, its sums over a row's keys running in one
-    chain, within four times). A query whose keys
-    are all masked is NaN, as torch's softmax makes it (its gradients are NaN too, though not
-    in every entry torch's are). Where the mask is the same for every (b, h), keys past a
-    query's last visible one (a causal mask's upper triangle) are never read, so an inf or NaN
-    in their values, which torch's `0 * v` would spread, stays out; under a mask per row, so
-    are keys that none of a group of eight (b, h) rows may see (padding they share). Made for
-    short rows: each thread's scratch is about 8 (2 T S + 4 (T + S) D) floats, and 8 T S bytes
-    under a mask per row. Callers check `attention_applies` (`Attention` does, and runs
-    torch's ops otherwise).
+    Explicit attention's eight ops in one kernel pass each way; differentiable in q, k, v and
+    scale (to any order: a second-order gradient goes through torch's ops). Equal to torch's to
+    float32 rounding for finite inputs (tests against float64: within twice torch's own float32
+    error up to 64 keys; past them, its sums over a row's keys running in one chain, within four
+    times). A query whose keys are all masked is NaN, as torch's softmax makes it (its gradients
+    are NaN too, though not in every entry torch's are). Where the mask is the same for every
+    (b, h), keys past a query's last visible one (a causal mask's upper triangle) are never
+    read, so an inf or NaN in their values, which torch's `0 * v` would spread, stays out; under
+    a mask per row, so are keys that none of a group of eight (b, h) rows may see (padding they
+    share). Made for short rows: each thread's scratch is about 8 (2 T S + 4 (T + S) D) floats,
+    and 8 T S bytes under a mask per row. Callers check `attention_applies` (`Attention` does,
+    and runs torch's ops otherwise).
     """
     if not attention_applies(q, k, v, scale, mask):
         raise ValueError(
