@@ -1591,6 +1591,7 @@ def attention_grads(fn, q, k, v, scale, m, gz, dtype=torch.float32):
     (2, 3, 7, 4, 6),  # d_head 6: no eight-float block, one float at a time
     (1, 1, 1, 1, 8),  # one query, one key
     (2, 4, 130, 130, 16),  # past 64 keys, where causal rows take the kernel too
+    (2, 2, 120, 120, 64),  # and at d_head 64, up to 128 keys
 ])
 def test_attention_matches_float64(b: int, h: int, t: int, s: int, d: int, mask: str,
                                    n_threads: int, threads: None) -> None:
@@ -1853,10 +1854,11 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
 def test_attention_kernel_past_64_keys_on_causal_rows_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel while
-    keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU` (80 keys of d_head 16), with SDPA's
-    output to float32 rounding; SDPA takes the same rows with d_head 64, with the limit at 0,
-    an encoder's unmasked rows and its source padding (not causal)."""
+    """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel up to
+    `KERNEL_MAX_KEYS_CPU` keys while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU` (80
+    keys of d_head 16 or 64), with SDPA's output to float32 rounding; SDPA takes the same rows
+    with d_head 128 (past the key floats), past the key count, with the limit at 0, an
+    encoder's unmasked rows and its source padding (not causal)."""
     from normlab.model import attention as attention_mod
 
     kernel, sdpa = [], []
@@ -1885,21 +1887,32 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         monkeypatch.setattr(F, "scaled_dot_product_attention",
                             lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
         wide = build_model(ModelConfig(d_model=64, n_heads=1, n_layers=1, max_len=96)).eval()
-        wide(tokens)  # d_head 64: 80 x 64 floats of keys
-        assert (len(kernel), len(sdpa)) == (4, 5)
+        wide(tokens)  # d_head 64: 80 x 64 floats of keys, within the bound
+        assert (len(kernel), len(sdpa)) == (5, 4)
+        wider = build_model(ModelConfig(d_model=128, n_heads=1, n_layers=1, max_len=96)).eval()
+        wider(tokens)  # d_head 128: 80 x 128 floats of keys, past it
+        assert (len(kernel), len(sdpa)) == (5, 5)
+        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEYS_CPU", 79)  # 80 keys: past it
+        wide(tokens)
+        assert (len(kernel), len(sdpa)) == (5, 6)
+        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEYS_CPU", 80)
+        wide(tokens)
+        assert (len(kernel), len(sdpa)) == (6, 6)
+        kernel.clear()
+        sdpa.clear()
         encdec = build_model(ModelConfig(d_model=64, n_heads=4, arch="encoder_decoder",
                                          n_encoder_layers=1, n_decoder_layers=1,
                                          max_len=96)).eval()
         encdec(tokens, tokens[:, :8])  # encoder and cross-attention: 80 keys, no mask
-        assert (len(kernel), len(sdpa)) == (5, 7)  # the decoder's 8 causal keys: the kernel
+        assert (len(kernel), len(sdpa)) == (1, 2)  # the decoder's 8 causal keys: the kernel
         src_mask = torch.ones(3, 80, dtype=torch.bool)
         src_mask[0, -1] = False  # the first row's last key hidden, but from every query
         encdec(tokens, tokens[:, :8], src_mask=src_mask)  # padding, not causal: SDPA
-        assert (len(kernel), len(sdpa)) == (6, 9)
+        assert (len(kernel), len(sdpa)) == (2, 4)
         attn = model.blocks[0].attn  # the rule reads the module's causal flag, not the mask
         x = torch.randn(3, 80, cfg.d_model)
         attn(x)
-        assert (len(kernel), len(sdpa)) == (7, 9)
+        assert (len(kernel), len(sdpa)) == (3, 4)
 
 
 def test_attention_output_changed_in_place_by_a_hook() -> None:

@@ -4,9 +4,10 @@ How far past 64 keys `native.attention` stays faster than SDPA's CPU kernel, and
 `Attention` lets it run (`attention.KERNEL_MAX_KEY_FLOATS_CPU`): T = S keys from 64 to 512, 4 heads,
 about 2176 positions a call (the training batch's, 128 x 17), for six cases:
 
-- `train causal d16` / `d64`: forward and backward, a causal mask, d_head 16 (the configs') or
-  64 (GPT-2's);
-- `infer causal d16` / `d64`: the forward alone, no autograd (evaluation, a prompt's forward);
+- `train causal d16` / `d32` / `d64`: forward and backward, a causal mask, d_head 16 (the
+  configs'), 32 or 64 (GPT-2's);
+- `infer causal d16` / `d32` / `d64`: the forward alone, no autograd (evaluation, a prompt's
+  forward);
 - `infer padded d16`: the forward alone under a mask that differs by row (causal and a left
   padding of 0 to S/4 keys, as a batch of prompts has), which the kernel copies lane-major for
   each eight rows;
@@ -37,7 +38,7 @@ threads_from_argv("attention_range.py")
 probe_header("attention_range.py")
 H, POSITIONS = 4, 2176
 CASES = ("train causal d16", "infer causal d16", "infer padded d16", "infer unmasked d16",
-         "train causal d64", "infer causal d64")
+         "train causal d64", "infer causal d64", "train causal d32", "infer causal d32")
 
 
 def mask_for(case: str, b: int, t: int) -> torch.Tensor | None:
@@ -55,7 +56,7 @@ def mask_for(case: str, b: int, t: int) -> torch.Tensor | None:
 
 def contenders(case: str, t: int) -> tuple[int, dict[str, Callable[[], object]]]:
     """The batch for t keys, and the kernel's and SDPA's call for the case."""
-    d = 64 if case.endswith("d64") else 16
+    d = int(case.rsplit("d", 1)[1])
     train = case.startswith("train")
     b = max(1, POSITIONS // t)
     g = torch.Generator().manual_seed(t)

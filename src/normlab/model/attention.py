@@ -39,20 +39,24 @@ and slower from 32 on one thread, `benchmarks/probes/attention_keys.py`). With n
 it, that path's arithmetic runs in normlab's kernel (`native.attention`, 2.6-2.7x faster
 again), whose backward keeps the [batch, head, T, S] pattern (the explicit path keeps the
 scores too). Longer rows take SDPA, but for the causal ones the kernel still takes
-(`KERNEL_MAX_KEY_FLOATS_CPU`); every GPU takes SDPA."""
+(`KERNEL_MAX_KEYS_CPU`); every GPU takes SDPA."""
 
-KERNEL_MAX_KEY_FLOATS_CPU = 4096
+KERNEL_MAX_KEYS_CPU = 256
+KERNEL_MAX_KEY_FLOATS_CPU = 8192
 """Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention,
-with or without each row's padding) still take `native.attention` while keys x d_head is at
-most this: 256 keys of d_head 16, 128 of 32, 64 of 64. There the kernel, which skips the keys
-a causal mask hides, was faster than SDPA's CPU kernel: forward and backward 1.33-1.57x (one
-thread) and 1.41-2.17x (two) at d_head 16 from 64 to 256 keys; forward under a left padding
-per row 1.17-1.35x / 1.75-2.08x up to 128 keys and 1.02-1.06x / 1.05-1.17x at 192-256
-(`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md, twenty-eighth
-section). An encoder's rows and cross-attention's stop at 64 keys: no causal mask hides keys
-there for the kernel to skip, and with no mask SDPA was as fast at 64 keys and faster beyond
-on one thread. The kernel's backward keeps the weights, T x S floats a (batch, head) row
-(256 KiB at 256 keys), where SDPA keeps one float a query."""
+with or without each row's padding) still take `native.attention` up to `KERNEL_MAX_KEYS_CPU`
+keys while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU`: 256 keys of d_head 16 or 32,
+128 of 64, 64 of 128. There the kernel, which skips the keys a causal mask hides, was faster
+than SDPA's CPU kernel, forward and backward and the forward alone, one thread and two
+(`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md, twenty-eighth and
+twenty-ninth sections): at d_head 16 1.17-2.17x from 64 to 256 keys, at 32 1.12-3.01x, at 64
+1.15-1.93x to 128 keys and 0.91-1.34x past it. Past 256 keys a left padding per row was
+slower in the kernel (0.77-0.87x at 384). The key floats bound the eight rows' keys and
+values the kernel holds at once (8 x 8192 x 2 floats, 512 KiB: half an AMD EPYC core's L2).
+An encoder's rows and cross-attention's stop at 64 keys: no causal mask hides keys there for
+the kernel to skip, and with no mask SDPA was as fast at 64 keys and faster beyond on one
+thread. The kernel's backward keeps the weights, T x S floats a (batch, head) row (256 KiB
+at 256 keys), where SDPA keeps one float a query."""
 
 
 SOFTMAX_MIN_KEYS_CPU = 16
@@ -87,10 +91,11 @@ def kernel_by_default(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     `native.attention` on CPU when no hook reads the scores or pattern (and the kernel
     applies): wherever the explicit path would run, and past it a causal attention's rows
     (`Attention.causal` self-attention: a decoder's, padded or not) up to
-    `KERNEL_MAX_KEY_FLOATS_CPU`."""
+    `KERNEL_MAX_KEYS_CPU` keys and `KERNEL_MAX_KEY_FLOATS_CPU` key floats."""
     n_keys = k.shape[-2]
     return explicit_by_default(q.device, n_keys) or (
-        q.device.type == "cpu" and causal and n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU)
+        q.device.type == "cpu" and causal and n_keys <= KERNEL_MAX_KEYS_CPU
+        and n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU)
 
 
 class HeadNorm(Norm):
