@@ -46,16 +46,16 @@ KERNEL_MAX_KEY_FLOATS_CPU = 8192
 """Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention,
 with or without each row's padding) still take `native.attention` up to `KERNEL_MAX_KEYS_CPU`
 keys while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU`: 256 keys of d_head 16 or 32,
-128 of 64, 64 of 128. There the kernel, which skips the keys a causal mask hides, was faster
-than SDPA's CPU kernel, forward and backward and the forward alone, one thread and two
-(`benchmarks/probes/attention_range.py`, AMD EPYC: docs/performance.md, twenty-eighth and
-twenty-ninth sections): at d_head 16 1.17-2.17x from 64 to 256 keys, at 32 1.12-3.01x, at 64
-1.15-1.93x to 128 keys and 0.91-1.34x past it. Past 256 keys a left padding per row was
-slower in the kernel (0.77-0.87x at 384). The key floats bound the eight rows' keys and
-values the kernel holds at once (8 x 8192 x 2 floats, 512 KiB: half an AMD EPYC core's L2).
-An encoder's rows and cross-attention's stop at 64 keys: no causal mask hides keys there for
-the kernel to skip, and with no mask SDPA was as fast at 64 keys and faster beyond on one
-thread. The kernel's backward keeps the weights, T x S floats a (batch, head) row (256 KiB
+128 of 64. There the kernel, which skips the keys a causal mask hides, was faster than SDPA's
+CPU kernel, forward and backward and the forward alone, on one thread and two
+(`benchmarks/probes/attention_range.py` on AMD EPYC, `benchmarks/results_session29/`; docs/
+performance.md, twenty-ninth section): 1.24-3.12x at d_head 16 from 64 to 256 keys, 1.07-1.99x
+at 32, 1.09-1.62x at 64 up to 128 keys and 0.99-1.10x at 192-256. Under a left padding per row
+it was 0.97-2.11x up to 256 keys and 0.67-0.86x at 384. The key floats bound the eight rows'
+keys and values the kernel holds at once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2
+there). An encoder's rows and cross-attention's stop at 64 keys: no causal mask hides keys
+there for the kernel to skip, and with no mask SDPA was as fast at 64 keys and faster beyond on
+one thread. The kernel's backward keeps the weights, T x S floats a (batch, head) row (256 KiB
 at 256 keys), where SDPA keeps one float a query."""
 
 
