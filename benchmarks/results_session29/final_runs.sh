@@ -10,5 +10,7 @@ lscpu > $OUT/machine.txt
 for T in 1 2; do
   $PY benchmarks/probes/attention_range.py $T > $OUT/attention_range_${T}t.txt
   $PY benchmarks/probes/attention_width_rule.py $T > $OUT/attention_width_rule_${T}t.txt
+  $PY benchmarks/probes/collapse_row_winners.py $T > $OUT/collapse_row_winners_${T}t.txt
+  $PY benchmarks/probes/step_matmul_context.py $T > $OUT/step_matmul_context_${T}t.txt
 done
 date -u +"finished %H:%M UTC" >> $OUT/commit.txt
