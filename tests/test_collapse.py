@@ -450,7 +450,7 @@ def pattern_flips(model, data, rows, pert, sigma: float, n_draws: int, seed: int
     return flips
 
 
-@pytest.mark.parametrize("reader", ["pattern", "q_k"])
+@pytest.mark.parametrize("reader", ["pattern", "q_k", "q_k kernel"])
 @pytest.mark.parametrize(("arch", "kw", "mode", "heads"), [
     ("decoder", {}, "token", None),
     ("decoder", {"pos_encoding": "rope", "n_kv_heads": 2, "norm_placement": "qkv"}, "token",
@@ -467,13 +467,25 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     """Packing draws as batch copies (copy-major eps, length groups, per-group copy counts)
     must count exactly what one forward per draw counts, row by row, with RoPE, grouped-query
     heads, learned per-head scales (one negative), a head subset and cross-attention. With
-    `q_k` the rows are treated as long: the sweep then reads q and k and recomputes the rows'
-    scores itself while the model runs SDPA; the reference still reads the model's pattern."""
-    from normlab.model import attention
+    `pattern` the attention kernel is off, so the model forms every pattern and the sweep
+    reads it; with `q_k` the rows are treated as long: the sweep then reads q and k and
+    recomputes the rows' scores itself while the model runs SDPA; with `q_k kernel` it does so
+    while the model runs the kernel on the short rows. The reference reads the model's pattern
+    (its hooks send the layers to the explicit path)."""
+    from normlab.analysis import collapse
+    from normlab.model import attention, native
 
+    if reader == "q_k kernel" and not native.enabled("attention"):
+        pytest.skip("normlab's attention kernel is not built here")
+    if reader == "pattern":
+        monkeypatch.setitem(native._enabled, "attention", False)
     if reader == "q_k":
         monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)
         monkeypatch.setattr(attention, "KERNEL_MAX_KEY_FLOATS_CPU", 0)
+    readers = []
+    winners = collapse._winners
+    monkeypatch.setattr(collapse, "_winners",
+                        lambda *a: readers.append(type(winners(*a)).__name__) or winners(*a))
     model = small(arch, **({"norm_placement": "pre"} | kw))
     with torch.no_grad():
         for m in model.modules():
@@ -488,6 +500,7 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     res = measure_collapse(model, data, sigmas=[sigma], n_draws=n_draws, threshold=0.5,
                            mode=mode, heads=heads, theory_draws=2, max_tokens=10**7)
     assert bool(calls) == (reader == "q_k")
+    assert set(readers) == {"_PatternWinners" if reader == "pattern" else "_RowWinners"}
     rows = find_sparse_rows(model, data, threshold=0.5, heads=heads)
     pert = Perturbation(model, mode=mode, heads=heads)
     want = pattern_flips(model, data, rows, pert, sigma, n_draws)

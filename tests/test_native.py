@@ -193,18 +193,22 @@ def test_applies_only_where_it_pays() -> None:
     assert not native.norm_applies(torch.randn(4096, 0), torch.ones(0))  # empty rows
     assert not native.norm_applies(torch.tensor(1.0), torch.ones(1))
     assert native.describe().startswith("on: norm, rope, attn, attention, gelu (")
+    assert all(native.enabled(k) for k in native.KERNELS)
     native.set_enabled(False, "norm")
     try:
         assert not native.norm_applies(big, w)
         assert native.describe().startswith("on: rope, attn, attention, gelu; norm off (")
+        assert not native.enabled("norm") and native.enabled("attention")
         native.set_enabled(False)
         assert native.describe() == "off (torch's kernels)"
+        assert not any(native.enabled(k) for k in native.KERNELS)
     finally:
         native.set_enabled(True)
     assert native.describe().startswith("on: norm, rope, attn, attention, gelu (")
-    with pytest.raises(ValueError,
-                       match="kernel: expected one of norm, rope, attn, attention, gelu"):
-        native.set_enabled(False, "softmax")
+    for bad in (lambda: native.set_enabled(False, "softmax"), lambda: native.enabled("softmax")):
+        with pytest.raises(ValueError,
+                           match="kernel: expected one of norm, rope, attn, attention, gelu"):
+            bad()
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])

@@ -54,7 +54,7 @@ from normlab.analysis.data import (
 from normlab.analysis.theory import predict_collapse
 from normlab.checks import check_int, check_on_cpu, check_seed
 from normlab.io import save_figure
-from normlab.model import EncoderDecoderLM, Model
+from normlab.model import EncoderDecoderLM, Model, native
 from normlab.model.attention import explicit_by_default
 from normlab.model.generate import greedy_decode
 from normlab.model.hooks import torch_hooked
@@ -317,7 +317,8 @@ class _PatternWinners:
 
     Gathering the few sparse rows before the argmax skips the rest of the pattern: a
     full-pattern argmax over <= 16 keys cost ~7% of a sweep. Used where the model runs the
-    explicit attention path anyway (short rows on CPU), so reading the pattern is free.
+    explicit attention path anyway (short rows on CPU with `native.attention` off or not
+    built), so reading the pattern is free.
     """
 
     def __init__(self, site: Site, example: torch.Tensor, head: torch.Tensor,
@@ -339,15 +340,18 @@ class _PatternWinners:
 class _RowWinners:
     """The argmax key of a site's chosen rows under noise, from its q and k, not its pattern.
 
-    Where the model would run SDPA (long rows, GPUs; `explicit_by_default`), reading
-    `hook_pattern` would force every layer onto the explicit scores/softmax path, which
-    materialises [batch, head, T, T]. Instead the rows' queries and keys are gathered at
+    Where the model would run SDPA (long rows, GPUs; `explicit_by_default`) or normlab's
+    attention kernel (short rows on CPU; `native.attention`), reading `hook_pattern` would
+    force every site's layer onto the explicit scores/softmax path, which materialises
+    [batch, head, T, T]. Instead the rows' queries and keys are gathered at
     `hook_q`/`hook_k` (`hook_rot_*` with RoPE; after the perturbation hooks, so the noisy
     vectors), and the rows' scores are recomputed outside the model, `scale * q.k`, masked with
     the attendable keys of the recorded unperturbed scores (noise never changes which keys a
     row may read). The argmax of the scores is the argmax of the softmax. On 128-key rows this
-    ran the sweep 14-34% faster (`benchmarks/probes/collapse_long_rows.py`); on short rows it
-    was not faster than reading the pattern, hence `_PatternWinners` there.
+    ran the sweep 14-34% faster (`benchmarks/probes/collapse_long_rows.py`); on short rows with
+    the kernel it ran the perturbed forwards 1-8% faster, with the kernel off 4-5% slower than
+    reading the pattern, hence `_PatternWinners` there (`benchmarks/probes/
+    collapse_row_winners.py`; docs/performance.md, twenty-ninth section).
     """
 
     def __init__(
@@ -386,10 +390,12 @@ def _winners(
     attendable: torch.Tensor,
 ) -> _PatternWinners | _RowWinners:
     """The cheaper reader for this site at this group's width: the pattern where the model
-    computes it anyway, else the rows' q and k (so the model keeps SDPA, or the kernel on
-    longer causal rows: `attention.kernel_by_default`)."""
+    computes it anyway (the explicit path, with no attention kernel to take its arithmetic),
+    else the rows' q and k (so the model keeps SDPA or the kernel:
+    `attention.kernel_by_default`)."""
     device = site.module.W_Q.device
-    if explicit_by_default(device, part.lengths[site.kv_stream]):
+    if explicit_by_default(device, part.lengths[site.kv_stream]) and not native.enabled(
+            "attention"):
         return _PatternWinners(site, example, head, qpos)
     return _RowWinners(site, example, head, qpos, attendable)
 

@@ -148,6 +148,14 @@ def set_enabled(on: bool, kernel: str | None = None) -> None:
         _enabled[k] = on
 
 
+def enabled(kernel: str) -> bool:
+    """Whether `kernel` is switched on and built in this process (whether it runs is still each
+    call's `*_applies`: dtype, device, autocast, tracing)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}; got {kernel!r}")
+    return _enabled[kernel] and load() is not None
+
+
 def describe() -> str:
     """Which kernels run in this process, for result files: their build, or why not."""
     on = [k for k in KERNELS if _enabled[k]]
