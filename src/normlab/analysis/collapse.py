@@ -349,7 +349,7 @@ class _RowWinners:
     the attendable keys of the recorded unperturbed scores (noise never changes which keys a
     row may read). The argmax of the scores is the argmax of the softmax. On 128-key rows this
     ran the sweep 14-34% faster (`benchmarks/probes/collapse_long_rows.py`); on short rows with
-    the kernel it ran the perturbed forwards 1-8% faster, with the kernel off 4-5% slower than
+    the kernel it ran the perturbed forwards 5-7% faster, with the kernel off 5-12% slower than
     reading the pattern, hence `_PatternWinners` there (`benchmarks/probes/
     collapse_row_winners.py`; docs/performance.md, twenty-ninth section).
     """
