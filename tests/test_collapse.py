@@ -476,16 +476,17 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     from normlab.model import attention, native
 
     if reader == "q_k kernel" and not native.enabled("attention"):
-        pytest.skip("normlab's attention kernel is not built here")
+        pytest.skip("normlab's attention kernel is off or not built here")
     if reader == "pattern":
         monkeypatch.setitem(native._enabled, "attention", False)
     if reader == "q_k":
         monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)
         monkeypatch.setattr(attention, "KERNEL_MAX_KEY_FLOATS_CPU", 0)
-    readers = []
-    winners = collapse._winners
+    readers, kernel = [], []
+    winners, ours = collapse._winners, native.attention
     monkeypatch.setattr(collapse, "_winners",
-                        lambda *a: readers.append(type(winners(*a)).__name__) or winners(*a))
+                        lambda *a: (r := winners(*a), readers.append(type(r).__name__))[0])
+    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
     model = small(arch, **({"norm_placement": "pre"} | kw))
     with torch.no_grad():
         for m in model.modules():
@@ -500,6 +501,7 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     res = measure_collapse(model, data, sigmas=[sigma], n_draws=n_draws, threshold=0.5,
                            mode=mode, heads=heads, theory_draws=2, max_tokens=10**7)
     assert bool(calls) == (reader == "q_k")
+    assert bool(kernel) == (reader == "q_k kernel")  # the model ran the kernel
     assert set(readers) == {"_PatternWinners" if reader == "pattern" else "_RowWinners"}
     rows = find_sparse_rows(model, data, threshold=0.5, heads=heads)
     pert = Perturbation(model, mode=mode, heads=heads)

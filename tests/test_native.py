@@ -1902,6 +1902,12 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEYS_CPU", 80)
         wide(tokens)
         assert (len(kernel), len(sdpa)) == (6, 6)
+        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 5119)  # 80 x 64: past
+        wide(tokens)
+        assert (len(kernel), len(sdpa)) == (6, 7)
+        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 5120)  # at the bound
+        wide(tokens)
+        assert (len(kernel), len(sdpa)) == (7, 7)
         kernel.clear()
         sdpa.clear()
         encdec = build_model(ModelConfig(d_model=64, n_heads=4, arch="encoder_decoder",
@@ -1917,6 +1923,27 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         x = torch.randn(3, 80, cfg.d_model)
         attn(x)
         assert (len(kernel), len(sdpa)) == (3, 4)
+
+
+def test_pattern_formed_anyway_where_the_kernel_cannot_take_the_rows() -> None:
+    """`attention.pattern_formed_anyway` (the collapse sweep's choice of reader): short CPU rows
+    form the pattern unless the attention kernel takes them, so float32 weights do not; with
+    the kernel off, float64 weights or under CPU autocast they do; rows past 64 keys never
+    (SDPA or the kernel)."""
+    from normlab.model.attention import EXPLICIT_MAX_KEYS_CPU, pattern_formed_anyway
+
+    w, n = torch.randn(4, 16, 8), EXPLICIT_MAX_KEYS_CPU
+    assert not pattern_formed_anyway(w, n)
+    assert pattern_formed_anyway(w.double(), n)
+    assert not pattern_formed_anyway(w.double(), n + 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pattern_formed_anyway(w, 17)
+    native.set_enabled(False, "attention")
+    try:
+        assert pattern_formed_anyway(w, 17) and not pattern_formed_anyway(w, n + 1)
+    finally:
+        native.set_enabled(True, "attention")
+    assert not pattern_formed_anyway(w, 17)
 
 
 def test_attention_output_changed_in_place_by_a_hook() -> None:

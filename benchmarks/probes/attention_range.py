@@ -1,8 +1,10 @@
-"""One-off probe behind a twenty-eighth-session number in docs/performance.md; not make bench.
+"""One-off probe behind twenty-eighth- and twenty-ninth-session numbers in docs/performance.md;
+not make bench.
 
 How far past 64 keys `native.attention` stays faster than SDPA's CPU kernel, and so how far
-`Attention` lets it run (`attention.KERNEL_MAX_KEY_FLOATS_CPU`): T = S keys from 64 to 512, 4 heads,
-about 2176 positions a call (the training batch's, 128 x 17), for six cases:
+`Attention` lets it run (`attention.KERNEL_MAX_KEYS_CPU`, `KERNEL_MAX_KEY_FLOATS_CPU`): T = S
+keys from 64 to 512, 4 heads, about 2176 positions a call (the training batch's, 128 x 17), for
+eight cases (the twenty-eighth session ran the six without d_head 32):
 
 - `train causal d16` / `d32` / `d64`: forward and backward, a causal mask, d_head 16 (the
   configs'), 32 or 64 (GPT-2's);

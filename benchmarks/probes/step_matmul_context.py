@@ -4,10 +4,11 @@ MFU counts a training step's matmuls against the same machine's large-matmul pea
 asks how fast one of those matmuls runs inside the step and alone: the MLP's input projection
 (`x @ W_in`, [128, 17, 64] @ [64, 256], in `native._LinearGeluFn.forward`) of bench_train_step's
 `pre` step on its batch (d64), timed around that one call in 20 steps (80 calls: 4 layers),
-and then the same call on the last step's own x and W_in, 80 times in a row (their data in
-cache), and a third time cycling through 24 copies of x and of the output (66 MB, twice the
-L3, so neither stays in cache between calls). Medians in microseconds; the step's time beside
-them. Garbage collector off, glibc keeping freed memory, as the benchmarks run.
+and then alone on the last step's own x and W_in, 80 times in a row: the same call (its output
+allocated, as in the step), the call into one output buffer (`torch.mm(..., out=)`: x, W_in
+and the output in cache), and that call cycling through 24 copies of x and of the output
+buffer (66 MB, twice the L3, so neither stays in cache between calls). The last two differ
+only in where their data are. Medians in microseconds; the step's time beside them. Garbage collector off, glibc keeping freed memory, as the benchmarks run.
 
     .venv/bin/python benchmarks/probes/step_matmul_context.py [THREADS]
 """
@@ -66,19 +67,20 @@ for _ in range(20):
     step()
 step_ms = (time.perf_counter() - t0) / 20 * 1e3
 x, w = (t.detach() for t in seen[0])
-hot = []
-for _ in range(80):
-    t0 = time.perf_counter()
-    x @ w
-    hot.append(time.perf_counter() - t0)
 xs = [x.reshape(-1, x.shape[-1]).clone() for _ in range(24)]
 outs = [torch.zeros(xs[0].shape[0], w.shape[1]) for _ in range(24)]
-cold = []
-for i in range(80):
-    t0 = time.perf_counter()
-    torch.mm(xs[i % 24], w, out=outs[i % 24])
-    cold.append(time.perf_counter() - t0)
+calls = {"alone": lambda i: x @ w,
+         "alone, out=": lambda i: torch.mm(xs[0], w, out=outs[0]),
+         "alone, out=, cycling 66 MB": lambda i: torch.mm(xs[i % 24], w, out=outs[i % 24])}
+alone: dict[str, list[float]] = {}
+for name, call in calls.items():
+    alone[name] = []
+    for i in range(80):
+        t0 = time.perf_counter()
+        call(i)
+        alone[name].append(time.perf_counter() - t0)
 gc.enable()
-print(f"x {tuple(x.shape)} @ W_in {tuple(w.shape)}: in the step {1e6 * st.median(in_step):.0f} us "
-      f"({len(in_step)} calls), alone {1e6 * st.median(hot):.0f} us, alone cycling 66 MB "
-      f"{1e6 * st.median(cold):.0f} us; the step {step_ms:.2f} ms")
+print(f"x {tuple(x.shape)} @ W_in {tuple(w.shape)}, median us: in the step "
+      f"{1e6 * st.median(in_step):.0f} ({len(in_step)} calls), "
+      + ", ".join(f"{name} {1e6 * st.median(t):.0f}" for name, t in alone.items())
+      + f"; the step {step_ms:.2f} ms")

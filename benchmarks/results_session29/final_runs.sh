@@ -5,6 +5,7 @@
 # worktree beside this one), one after the other per thread count, so both see the same hour.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+git diff --quiet HEAD || { echo "final_runs.sh: commit first (tracked files changed)" >&2; exit 1; }
 OUT=benchmarks/results_session29
 PY=${PY:-.venv/bin/python}
 BEFORE=${BEFORE:-ad0eb1f}

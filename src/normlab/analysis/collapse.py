@@ -54,8 +54,8 @@ from normlab.analysis.data import (
 from normlab.analysis.theory import predict_collapse
 from normlab.checks import check_int, check_on_cpu, check_seed
 from normlab.io import save_figure
-from normlab.model import EncoderDecoderLM, Model, native
-from normlab.model.attention import explicit_by_default
+from normlab.model import EncoderDecoderLM, Model
+from normlab.model.attention import pattern_formed_anyway
 from normlab.model.generate import greedy_decode
 from normlab.model.hooks import torch_hooked
 from normlab.model.norms import Norm
@@ -317,8 +317,8 @@ class _PatternWinners:
 
     Gathering the few sparse rows before the argmax skips the rest of the pattern: a
     full-pattern argmax over <= 16 keys cost ~7% of a sweep. Used where the model runs the
-    explicit attention path anyway (short rows on CPU with `native.attention` off or not
-    built), so reading the pattern is free.
+    explicit attention path anyway (`attention.pattern_formed_anyway`: short rows on CPU with
+    `native.attention` off, not built or not applying), so reading the pattern is free.
     """
 
     def __init__(self, site: Site, example: torch.Tensor, head: torch.Tensor,
@@ -349,8 +349,8 @@ class _RowWinners:
     the attendable keys of the recorded unperturbed scores (noise never changes which keys a
     row may read). The argmax of the scores is the argmax of the softmax. On 128-key rows this
     ran the sweep 14-34% faster (`benchmarks/probes/collapse_long_rows.py`); on short rows with
-    the kernel it ran the perturbed forwards 5-7% faster, with the kernel off 5-12% slower than
-    reading the pattern, hence `_PatternWinners` there (`benchmarks/probes/
+    the kernel the perturbed forwards took 0.93-0.95 of their time reading the pattern, with the
+    kernel off 1.05-1.14 of it, hence `_PatternWinners` there (`benchmarks/probes/
     collapse_row_winners.py`; docs/performance.md, twenty-ninth section).
     """
 
@@ -390,12 +390,9 @@ def _winners(
     attendable: torch.Tensor,
 ) -> _PatternWinners | _RowWinners:
     """The cheaper reader for this site at this group's width: the pattern where the model
-    computes it anyway (the explicit path, with no attention kernel to take its arithmetic),
-    else the rows' q and k (so the model keeps SDPA or the kernel:
-    `attention.kernel_by_default`)."""
-    device = site.module.W_Q.device
-    if explicit_by_default(device, part.lengths[site.kv_stream]) and not native.enabled(
-            "attention"):
+    computes it anyway (`attention.pattern_formed_anyway`), else the rows' q and k (so the
+    model keeps SDPA or the kernel: `attention.kernel_by_default`)."""
+    if pattern_formed_anyway(site.module.W_Q, part.lengths[site.kv_stream]):
         return _PatternWinners(site, example, head, qpos)
     return _RowWinners(site, example, head, qpos, attendable)
 
@@ -442,7 +439,8 @@ def measure_collapse(
     The batch is repeated along the batch dimension, one copy per noise draw, as many copies
     per forward as fit in `max_tokens` positions, each copy getting its own eps; the argmax
     key of every row is read off `hook_pattern` where the model computes the pattern anyway
-    (short rows on CPU), else recomputed from its noisy q and k, so the layers keep SDPA.
+    (short rows on CPU with `native.attention` off or not built), else recomputed from its
+    noisy q and k, so the layers keep SDPA or the kernel.
     With `bucket`, the examples are split into groups of similar length (`length_buckets`)
     and each group runs at its own width (and so with more copies per forward), so short
     problems do not pay for the longest one's padding; the eps of every (draw, example,

@@ -43,19 +43,21 @@ scores too). Longer rows take SDPA, but for the causal ones the kernel still tak
 
 KERNEL_MAX_KEYS_CPU = 256
 KERNEL_MAX_KEY_FLOATS_CPU = 8192
-"""Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention,
-with or without each row's padding) still take `native.attention` up to `KERNEL_MAX_KEYS_CPU`
-keys while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU`: 256 keys of d_head 16 or 32,
-128 of 64. There the kernel, which skips the keys a causal mask hides, was faster than SDPA's
-CPU kernel, forward and backward and the forward alone, on one thread and two
-(`benchmarks/probes/attention_range.py` on AMD EPYC, `benchmarks/results_session29/`; docs/
-performance.md, twenty-ninth section): 1.19-3.66x at d_head 16 from 64 to 256 keys, 1.09-2.49x
-at 32, 1.11-1.95x at 64 up to 128 keys and 0.90-1.15x at 192-256. Under a left padding per row
-it was 0.93-2.77x up to 256 keys; at 384 keys a padded row and d_head 32 were slower on one
-thread (0.86x, 0.93x). The key floats bound the eight rows' keys and values the kernel holds
-at once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there). An encoder's rows and
-cross-attention's stop at 64 keys: no causal mask hides keys there for the kernel to skip, and
-with no mask SDPA was as fast at 64 keys (0.95x) and faster beyond on one thread. The kernel's
+"""Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention, with
+or without each row's padding) still take `native.attention` up to `KERNEL_MAX_KEYS_CPU` keys
+while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU`: 256 keys of d_head 16 or 32, 128 of
+64 (narrower heads stop at 256 keys too, where 4096 key floats had let d_head 8 reach 512; not
+measured past 256). There the kernel, which skips the keys a causal mask hides, was faster than
+SDPA's CPU kernel or level with it, forward and backward and the forward alone, on one thread
+and two (`benchmarks/probes/attention_range.py` on AMD EPYC, `benchmarks/results_session29/`;
+docs/performance.md, twenty-ninth section): 1.19-3.66x at d_head 16 from 64 to 256 keys,
+1.09-2.49x at 32, 1.11-1.95x at 64 up to 128 keys and 0.90-1.15x at 192-256. Under a left
+padding per row it was 0.93-2.77x up to 256 keys (1.00x and 0.93x at 192 and 256 on one
+thread); at 384 keys a padded row, d_head 32 and d_head 16's training were slower on one thread
+(0.86x, 0.93x, 0.97x). The key floats bound the eight rows' keys and values the kernel holds at
+once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there). An encoder's rows and
+cross-attention's stop at 64 keys: no causal mask hides keys there for the kernel to skip, and with
+no mask SDPA was as fast at 64 keys (0.95x) and faster beyond on one thread. The kernel's
 backward keeps the weights, T x S floats a (batch, head) row (256 KiB at 256 keys), where SDPA
 keeps one float a query."""
 
@@ -85,6 +87,16 @@ def softmax_rows(scores: torch.Tensor) -> torch.Tensor:
 def explicit_by_default(device: torch.device, n_keys: int) -> bool:
     """Whether rows of `n_keys` keys take the explicit path even when no hook reads it."""
     return device.type == "cpu" and n_keys <= EXPLICIT_MAX_KEYS_CPU
+
+
+def pattern_formed_anyway(w: torch.Tensor, n_keys: int) -> bool:
+    """Whether a layer with weights `w` forms its [batch, head, T, S] pattern on rows of `n_keys`
+    keys even when no hook reads it: the explicit path, with `native.attention` not there to
+    take its arithmetic (switched off or not built, weights other than float32, CPU autocast).
+    Where it is not, a hook on the pattern sends the layer off SDPA or the kernel."""
+    return explicit_by_default(w.device, n_keys) and not (
+        native.enabled("attention") and w.dtype is torch.float32
+        and not torch.is_autocast_enabled("cpu"))
 
 
 def kernel_by_default(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
