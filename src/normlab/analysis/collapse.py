@@ -349,8 +349,8 @@ class _RowWinners:
     the attendable keys of the recorded unperturbed scores (noise never changes which keys a
     row may read). The argmax of the scores is the argmax of the softmax. On 128-key rows this
     ran the sweep 14-34% faster (`benchmarks/probes/collapse_long_rows.py`); on short rows with
-    the kernel the perturbed forwards took 0.93-0.95 of their time reading the pattern, with the
-    kernel off 1.05-1.14 of it, hence `_PatternWinners` there (`benchmarks/probes/
+    the kernel the perturbed forwards took 0.93-1.00 of their time reading the pattern, with the
+    kernel off 1.02-1.14 of it, hence `_PatternWinners` there (`benchmarks/probes/
     collapse_row_winners.py`; docs/performance.md, twenty-ninth section).
     """
 

@@ -50,16 +50,16 @@ while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU`: 256 keys of d_head 1
 measured past 256). There the kernel, which skips the keys a causal mask hides, was faster than
 SDPA's CPU kernel or level with it, forward and backward and the forward alone, on one thread
 and two (`benchmarks/probes/attention_range.py` on AMD EPYC, `benchmarks/results_session29/`;
-docs/performance.md, twenty-ninth section): 1.19-3.66x at d_head 16 from 64 to 256 keys,
-1.09-2.49x at 32, 1.11-1.95x at 64 up to 128 keys and 0.90-1.15x at 192-256. Under a left
-padding per row it was 0.93-2.77x up to 256 keys (1.00x and 0.93x at 192 and 256 on one
-thread); at 384 keys a padded row, d_head 32 and d_head 16's training were slower on one thread
-(0.86x, 0.93x, 0.97x). The key floats bound the eight rows' keys and values the kernel holds at
+docs/performance.md, twenty-ninth section, two runs): 1.05-3.66x at d_head 16 from 64 to 256
+keys, 1.06-2.74x at 32, 0.97-1.95x at 64 up to 128 keys and 0.86-1.21x at 192-256. Under a left
+padding per row it was 0.93-2.77x up to 256 keys (0.93-1.11x from 128 on one thread); at 384
+keys a padded row, d_head 32 and d_head 16's training were slower on one thread (0.75-0.86x,
+0.88-0.98x, 0.93-0.97x). The key floats bound the eight rows' keys and values the kernel holds at
 once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there). An encoder's rows and
-cross-attention's stop at 64 keys: no causal mask hides keys there for the kernel to skip, and with
-no mask SDPA was as fast at 64 keys (0.95x) and faster beyond on one thread. The kernel's
-backward keeps the weights, T x S floats a (batch, head) row (256 KiB at 256 keys), where SDPA
-keeps one float a query."""
+cross-attention's stop at 64 keys: no causal mask hides keys there for the kernel to skip,
+and with no mask SDPA was as fast or faster at 64 keys (0.89-0.95x) and faster beyond on one
+thread. The kernel's backward keeps the weights, T x S floats a (batch, head) row (256 KiB at
+256 keys), where SDPA keeps one float a query."""
 
 
 SOFTMAX_MIN_KEYS_CPU = 16
