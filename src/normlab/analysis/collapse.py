@@ -439,8 +439,8 @@ def measure_collapse(
     The batch is repeated along the batch dimension, one copy per noise draw, as many copies
     per forward as fit in `max_tokens` positions, each copy getting its own eps; the argmax
     key of every row is read off `hook_pattern` where the model computes the pattern anyway
-    (short rows on CPU with `native.attention` off or not built), else recomputed from its
-    noisy q and k, so the layers keep SDPA or the kernel.
+    (`attention.pattern_formed_anyway`: short rows on CPU that `native.attention` does not
+    take), else recomputed from its noisy q and k, so the layers keep SDPA or the kernel.
     With `bucket`, the examples are split into groups of similar length (`length_buckets`)
     and each group runs at its own width (and so with more copies per forward), so short
     problems do not pay for the longest one's padding; the eps of every (draw, example,
