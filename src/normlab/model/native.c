@@ -243,19 +243,26 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
  * GELU's tails are then exactly 0 and 1 (the terms dropped are below 1e-34), no product goes
  * subnormal, and at huge |x| (x * x = inf) the derivative's x * e^(-x^2/2) is 0, not x times a
  * clamped exponential. NaN stays NaN. */
+/* The arithmetic of both forms, written once for the type T of u (v8 or float), u in [-80, 0]
+ * or NaN: declares `big` (1.5 * 2^23 + n, n = round(u / ln 2)) and `p` (e^r, r = u - n ln 2). */
+#define EXP_REDUCED(T, u, big, p)                                                                \
+  const T big = (u) * 1.44269504088896341f + 12582912.f;                                         \
+  T p;                                                                                           \
+  {                                                                                              \
+    const T n_ = big - 12582912.f;                                                               \
+    const T r_ = (u) - n_ * 0.693359375f + n_ * 2.12194440e-4f; /* ln 2 in two parts */        \
+    p = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                                \
+    p = p * r_ + 8.3334519073e-3f;                                                               \
+    p = p * r_ + 4.1665795894e-2f;                                                               \
+    p = p * r_ + 1.6666665459e-1f;                                                               \
+    p = p * r_ + 5.0000001201e-1f;                                                               \
+    p = p * r_ * r_ + r_ + 1.f;                                                                  \
+  }
+
 static inline v8 exp8v(v8 v) {
   const v8i lo = v < SPLAT(-80.f); /* false for NaN: it runs through, and stays NaN */
   const v8 u = SEL(lo, SPLAT(-80.f), v);
-  const v8 big = u * 1.44269504088896341f + 12582912.f; /* 1.5 * 2^23 + round(u / ln 2) */
-  const v8 n = big - 12582912.f;
-  const v8 r = u - n * 0.693359375f + n * 2.12194440e-4f; /* u - n ln 2, ln 2 in two parts */
-  v8 p = SPLAT(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  EXP_REDUCED(v8, u, big, p);
   /* 2^n: n sits in big's low mantissa bits; unsigned, for NaN's sign bit */
   const v8i e = (v8i)(((v8u)big - 0x4B400000u + 127u) << 23);
   return (v8)((v8i)(p * (v8)e) & ~lo);
@@ -640,21 +647,12 @@ void nl_attn1(const float *q, int64_t qb, int64_t qh, const float *k, int64_t kb
  * the pdf: one exponential serves both. The exponential is exp8v's (above), written for one
  * float: the loop is scalar so that the compiler vectorises it as wide as the machine allows
  * (gcc 12 with AVX-512: sixteen lanes), where the same loop on exp8v's eight lanes ran slower
- * (an A/B in scratch work). Its polynomial and constants are exp8v's, line for line.
+ * (an A/B in scratch work). Its arithmetic is exp8v's, one macro (EXP_REDUCED) for both.
  */
 static inline float exp_nonpos(float v) {
   /* e^v for v <= 0, 0 below -80 (exp8v says why), NaN stays NaN */
   const float u = v < -80.f ? -80.f : v;
-  const float big = u * 1.44269504088896341f + 12582912.f; /* 1.5 * 2^23 + round(u / ln 2) */
-  const float n = big - 12582912.f;
-  const float r = u - n * 0.693359375f + n * 2.12194440e-4f; /* u - n ln 2, ln 2 in two parts */
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  EXP_REDUCED(float, u, big, p);
   union { float f; uint32_t i; } k = {big}, s;
   s.i = (k.i - 0x4B400000u + 127u) << 23; /* 2^n: n sits in big's low mantissa bits */
   return v < -80.f ? 0.f : p * s.f;
