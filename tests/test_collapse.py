@@ -481,7 +481,7 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
         monkeypatch.setitem(native._enabled, "attention", False)
     if reader == "q_k":
         monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)
-        monkeypatch.setattr(attention, "KERNEL_MAX_KEY_FLOATS_CPU", 0)
+        monkeypatch.setattr(attention, "KERNEL_BOUNDS_CPU", ())
     readers, kernel = [], []
     winners, ours = collapse._winners, native.attention
     monkeypatch.setattr(collapse, "_winners",

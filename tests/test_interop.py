@@ -77,7 +77,7 @@ def _check_parity(hf: Any, model: DecoderLM, n_layers: int = 2) -> dict[str, tor
         logits, cache = model.run_with_cache(tokens)  # explicit softmax path
         plain = model(tokens)  # no hook: explicit too at 24 keys on CPU (explicit_by_default)
         with mock.patch.object(attention, "EXPLICIT_MAX_KEYS_CPU", 0), \
-                mock.patch.object(attention, "KERNEL_MAX_KEY_FLOATS_CPU", 0):
+                mock.patch.object(attention, "KERNEL_BOUNDS_CPU", ()):
             fused = model(tokens)  # scaled_dot_product_attention path
     assert ref.logits.abs().max() > 1.0  # a non-trivial reference
     torch.testing.assert_close(logits, ref.logits, atol=LOGIT_ATOL, rtol=0)

@@ -1850,26 +1850,37 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
     dropped.train()(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
     monkeypatch.setattr(attention_mod, "EXPLICIT_MAX_KEYS_CPU", 8)  # 17 keys: SDPA
-    monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 0)  # causal ones too
+    monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())  # causal ones too
     model(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
+
+
+def _count_attention_calls(
+    monkeypatch: pytest.MonkeyPatch, kernel: list[int] | None = None,
+    sdpa: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Count calls of `native.attention` and of SDPA (one entry a call) in the lists returned
+    (or given, to go on counting), each still computing."""
+    kernel = [] if kernel is None else kernel
+    sdpa = [] if sdpa is None else sdpa
+    ours, theirs = native.attention, F.scaled_dot_product_attention
+    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
+    return kernel, sdpa
 
 
 def test_attention_kernel_past_64_keys_on_causal_rows_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel up to
-    `KERNEL_MAX_KEYS_CPU` keys while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU` (80
-    keys of d_head 16 or 64), with SDPA's output to float32 rounding; SDPA takes the same rows
-    with d_head 128 (past the key floats), past the key count, with the limit at 0, an
-    encoder's unmasked rows and its source padding (not causal)."""
+    """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel within
+    a bound of `KERNEL_BOUNDS_CPU` (keys, keys x d_head; 80 keys of d_head 16 or 64), with
+    SDPA's output to float32 rounding; SDPA takes the same rows with d_head 128 (past the key
+    floats), past a bound's key count, with no bounds, an encoder's unmasked rows and its source
+    padding (not causal)."""
     from normlab.model import attention as attention_mod
 
-    kernel, sdpa = [], []
-    ours, theirs = native.attention, F.scaled_dot_product_attention
-    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
+    kernel, sdpa = _count_attention_calls(monkeypatch)
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, max_len=96, pos_encoding="rope")
     model = build_model(cfg).eval()
@@ -1881,33 +1892,37 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         padded[1, :5] = False
         padded_out = model(tokens, attention_mask=padded)
         assert (len(kernel), len(sdpa)) == (4, 0)
-        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 0)
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())
         torch.testing.assert_close(model(tokens), fast, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(model(tokens, attention_mask=padded), padded_out,
                                    atol=1e-5, rtol=1e-5)
         assert (len(kernel), len(sdpa)) == (4, 4)
         monkeypatch.undo()
-        monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
-        monkeypatch.setattr(F, "scaled_dot_product_attention",
-                            lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
+        _count_attention_calls(monkeypatch, kernel, sdpa)
         wide = build_model(ModelConfig(d_model=64, n_heads=1, n_layers=1, max_len=96)).eval()
         wide(tokens)  # d_head 64: 80 x 64 floats of keys, within the bound
         assert (len(kernel), len(sdpa)) == (5, 4)
         wider = build_model(ModelConfig(d_model=128, n_heads=1, n_layers=1, max_len=96)).eval()
         wider(tokens)  # d_head 128: 80 x 128 floats of keys, past it
         assert (len(kernel), len(sdpa)) == (5, 5)
-        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEYS_CPU", 79)  # 80 keys: past it
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ((79, 8192),))  # 80 keys: past
         wide(tokens)
         assert (len(kernel), len(sdpa)) == (5, 6)
-        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEYS_CPU", 80)
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ((80, 8192),))
         wide(tokens)
         assert (len(kernel), len(sdpa)) == (6, 6)
-        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 5119)  # 80 x 64: past
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ((256, 5119),))  # 80 x 64: past
         wide(tokens)
         assert (len(kernel), len(sdpa)) == (6, 7)
-        monkeypatch.setattr(attention_mod, "KERNEL_MAX_KEY_FLOATS_CPU", 5120)  # at the bound
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ((256, 5120),))  # at the bound
         wide(tokens)
         assert (len(kernel), len(sdpa)) == (7, 7)
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ((79, 8192), (256, 5119)))
+        wide(tokens)  # past each bound in one of the two
+        assert (len(kernel), len(sdpa)) == (7, 8)
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ((79, 8192), (256, 5120)))
+        wide(tokens)  # within the second
+        assert (len(kernel), len(sdpa)) == (8, 8)
         kernel.clear()
         sdpa.clear()
         encdec = build_model(ModelConfig(d_model=64, n_heads=4, arch="encoder_decoder",
@@ -1923,6 +1938,45 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         x = torch.randn(3, 80, cfg.d_model)
         attn(x)
         assert (len(kernel), len(sdpa)) == (3, 4)
+
+
+@pytest.mark.parametrize(("d_head", "n_keys", "kernel"), [
+    (16, 256, True), (16, 257, False), (32, 256, True), (64, 128, True), (64, 129, False),
+    (8, 384, True), (8, 512, True), (8, 513, False), (4, 512, True), (4, 513, False),
+    (12, 341, True), (12, 342, False), (16, 384, False),
+])
+def test_shipped_kernel_bounds_by_head_width(d_head: int, n_keys: int, kernel: bool) -> None:
+    """`KERNEL_BOUNDS_CPU` as shipped: causal rows up to 256 keys and 8192 key floats, or up to
+    512 keys and 4096 key floats (heads of d_head 8 or less reach 512 keys, 12 reach 341);
+    never rows that are not causal past 64 keys, nor rows on another device."""
+    from normlab.model.attention import kernel_by_default
+
+    q = torch.empty(1, 1, 1, d_head)
+    k = torch.empty(1, 1, n_keys, d_head)
+    assert kernel_by_default(q, k, causal=True) is kernel
+    assert not kernel_by_default(q, k, causal=False)
+    meta = torch.empty(1, 1, 1, d_head, device="meta")
+    assert not kernel_by_default(meta, k.to("meta"), causal=True)
+
+
+def test_narrow_heads_take_the_kernel_to_512_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder of d_head 8 over 384 causal keys runs `native.attention` in every layer, with
+    SDPA's output (the same model with no bounds) to float32 rounding; d_head 16 there takes
+    SDPA."""
+    from normlab.model import attention as attention_mod
+
+    kernel, sdpa = _count_attention_calls(monkeypatch)
+    torch.manual_seed(0)
+    narrow = build_model(ModelConfig(d_model=32, n_heads=4, n_layers=2, max_len=384)).eval()
+    tokens = torch.randint(0, narrow.cfg.vocab_size, (2, 384))
+    with torch.no_grad():
+        fast = narrow(tokens)
+        assert (len(kernel), len(sdpa)) == (2, 0)
+        build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, max_len=384)).eval()(tokens)
+        assert (len(kernel), len(sdpa)) == (2, 2)
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())
+        torch.testing.assert_close(narrow(tokens), fast, atol=1e-5, rtol=1e-5)
+        assert (len(kernel), len(sdpa)) == (2, 4)
 
 
 def test_pattern_formed_anyway_where_the_kernel_cannot_take_the_rows() -> None:

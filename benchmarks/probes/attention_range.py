@@ -1,16 +1,18 @@
-"""One-off probe behind twenty-eighth- and twenty-ninth-session numbers in docs/performance.md;
-not make bench.
+"""One-off probe behind twenty-eighth- to thirtieth-session numbers in docs/performance.md; not
+make bench.
 
 How far past 64 keys `native.attention` stays faster than SDPA's CPU kernel, and so how far
 `Attention` lets it run (`attention.KERNEL_MAX_KEYS_CPU`, `KERNEL_MAX_KEY_FLOATS_CPU`): T = S
 keys from 64 to 512, 4 heads, about 2176 positions a call (the training batch's, 128 x 17), for
-eight cases (the twenty-eighth session ran the six without d_head 32):
+eleven cases (the twenty-eighth session ran the six without d_head 32 and 8, the twenty-ninth
+the eight without d_head 8):
 
-- `train causal d16` / `d32` / `d64`: forward and backward, a causal mask, d_head 16 (the
-  configs'), 32 or 64 (GPT-2's);
-- `infer causal d16` / `d32` / `d64`: the forward alone, no autograd (evaluation, a prompt's
+- `train causal d16` / `d32` / `d64` / `d8`: forward and backward, a causal mask, d_head 16
+  (the configs'), 32, 64 (GPT-2's) or 8 (a narrow head, which the bound on key floats alone let
+  reach 512 keys before the bound on keys);
+- `infer causal d16` / `d32` / `d64` / `d8`: the forward alone, no autograd (evaluation, a prompt's
   forward);
-- `infer padded d16`: the forward alone under a mask that differs by row (causal and a left
+- `infer padded d16` / `d8`: the forward alone under a mask that differs by row (causal and a left
   padding of 0 to S/4 keys, as a batch of prompts has), which the kernel copies lane-major for
   each eight rows;
 - `infer unmasked d16`: the forward alone with no mask (an encoder's).
@@ -40,7 +42,8 @@ threads_from_argv("attention_range.py")
 probe_header("attention_range.py")
 H, POSITIONS = 4, 2176
 CASES = ("train causal d16", "infer causal d16", "infer padded d16", "infer unmasked d16",
-         "train causal d64", "infer causal d64", "train causal d32", "infer causal d32")
+         "train causal d64", "infer causal d64", "train causal d32", "infer causal d32",
+         "train causal d8", "infer causal d8", "infer padded d8")
 
 
 def mask_for(case: str, b: int, t: int) -> torch.Tensor | None:

@@ -1,11 +1,14 @@
-"""One-off probe behind a twenty-ninth-session number in docs/performance.md; not make bench.
+"""One-off probe behind twenty-ninth- and thirtieth-session numbers in docs/performance.md;
+not make bench.
 
-What the twenty-ninth session's rule for `native.attention` past 64 keys does to a whole model:
-a `pre` decoder (4 layers, 4 heads, d_model 4 x d_head, RoPE) on random tokens, about 2176
-positions a batch, where the session's rule (`KERNEL_MAX_KEYS_CPU = 256` keys and
-`KERNEL_MAX_KEY_FLOATS_CPU = 8192`) and the twenty-eighth's (4096 key floats, no key count)
-route differently: d_head 32 at 192 and 256 keys, d_head 64 at 96 and 128 (the kernel now,
-SDPA before). Each case times a training step (forward, backward, fused AdamW) and a forward
+What a session's rule for `native.attention` past 64 keys (`attention.KERNEL_BOUNDS_CPU`) does
+to a whole model: a `pre` decoder (4 layers, 4 heads, d_model 4 x d_head, RoPE) on random
+tokens, about 2176 positions a batch, where the rule before it and its own route differently.
+The twenty-eighth session's rule was 4096 key floats with no key count; the twenty-ninth's 256
+keys and 8192 key floats: d_head 32 at 192 and 256 keys, d_head 64 at 96 and 128 (the kernel
+under the twenty-ninth's, SDPA before). The thirtieth's adds 512 keys and 4096 key floats: d_head
+8 at 384 and 512 keys (the kernel again, as under the twenty-eighth's; SDPA under the
+twenty-ninth's). Each case times a training step (forward, backward, fused AdamW) and a forward
 alone (no autograd, as evaluation runs), the two rules alternating in one process (`abtime.ab`,
 15 rounds); printed as ms a call under each and old / new (above 1: the new rule is faster).
 
@@ -29,11 +32,14 @@ allocator.keep_freed_memory()
 threads_from_argv("attention_width_rule.py")
 probe_header("attention_width_rule.py")
 POSITIONS = 2176
-RULES = {False: (10**9, 4096), True: (256, 8192)}  # (max keys, max key floats): old, new
+RULES = {28: ((10**9, 4096),), 29: ((256, 8192),), 30: ((256, 8192), (512, 4096))}
+CASES = ((32, 192, 29), (32, 256, 29), (64, 96, 29), (64, 128, 29), (8, 384, 30), (8, 512, 30))
+session = 29  # the case's session: its rule against the one before it
 
 
 def rule(new: bool) -> None:
-    attention_mod.KERNEL_MAX_KEYS_CPU, attention_mod.KERNEL_MAX_KEY_FLOATS_CPU = RULES[new]
+    """(keys, key floats) bounds: `session`'s rule, or the one before it."""
+    attention_mod.KERNEL_BOUNDS_CPU = RULES[session if new else session - 1]
 
 
 def calls(d_head: int, keys: int) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -60,12 +66,13 @@ def calls(d_head: int, keys: int) -> tuple[Callable[[], None], Callable[[], None
     return step, forward
 
 
-print("case: old rule (SDPA here) / new rule (the kernel here), ms a call, median of 15 rounds")
-for d_head, keys in ((32, 192), (32, 256), (64, 96), (64, 128)):
+print("case (session): old rule (SDPA here) / new rule (the kernel here), ms a call, median of "
+      "15 rounds")
+for d_head, keys, session in CASES:
     step, forward = calls(d_head, keys)
     for f in (step, forward):
         for new in (False, True):
             rule(new)
             f()
-    ab(f"train d{d_head} {keys} keys", rule, step, inner=1, names=("old", "new"))
-    ab(f"infer d{d_head} {keys} keys", rule, forward, inner=3, names=("old", "new"))
+    ab(f"train d{d_head} {keys} keys ({session})", rule, step, inner=1, names=("old", "new"))
+    ab(f"infer d{d_head} {keys} keys ({session})", rule, forward, inner=3, names=("old", "new"))

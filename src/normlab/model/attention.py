@@ -39,27 +39,27 @@ and slower from 32 on one thread, `benchmarks/probes/attention_keys.py`). With n
 it, that path's arithmetic runs in normlab's kernel (`native.attention`, 2.6-2.7x faster
 again), whose backward keeps the [batch, head, T, S] pattern (the explicit path keeps the
 scores too). Longer rows take SDPA, but for the causal ones the kernel still takes
-(`KERNEL_MAX_KEYS_CPU`); every GPU takes SDPA."""
+(`KERNEL_BOUNDS_CPU`); every GPU takes SDPA."""
 
-KERNEL_MAX_KEYS_CPU = 256
-KERNEL_MAX_KEY_FLOATS_CPU = 8192
+KERNEL_BOUNDS_CPU: tuple[tuple[int, int], ...] = ((256, 8192), (512, 4096))
 """Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention, with
-or without each row's padding) still take `native.attention` up to `KERNEL_MAX_KEYS_CPU` keys
-while keys x d_head is at most `KERNEL_MAX_KEY_FLOATS_CPU`: 256 keys of d_head 16 or 32, 128 of
-64 (narrower heads stop at 256 keys too, where 4096 key floats had let d_head 8 reach 512; not
-measured past 256). There the kernel, which skips the keys a causal mask hides, was faster than
-SDPA's CPU kernel or level with it, forward and backward and the forward alone, on one thread
-and two (`benchmarks/probes/attention_range.py` on AMD EPYC, `benchmarks/results_session29/`;
-docs/performance.md, twenty-ninth section, two runs): 1.05-3.66x at d_head 16 from 64 to 256
-keys, 1.06-2.74x at 32, 0.97-1.95x at 64 up to 128 keys and 0.86-1.21x at 192-256. Under a left
-padding per row it was 0.93-2.77x up to 256 keys (0.93-1.11x from 128 on one thread); at 384
-keys a padded row, d_head 32 and d_head 16's training were slower on one thread (0.75-0.86x,
-0.88-0.98x, 0.93-0.97x). The key floats bound the eight rows' keys and values the kernel holds at
-once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there). An encoder's rows and
-cross-attention's stop at 64 keys: no causal mask hides keys there for the kernel to skip,
-and with no mask SDPA was as fast or faster at 64 keys (0.89-0.95x) and faster beyond on one
-thread. The kernel's backward keeps the weights, T x S floats a (batch, head) row (256 KiB at
-256 keys), where SDPA keeps one float a query."""
+or without each row's padding) still take `native.attention` within any one of these bounds
+(keys, keys x d_head): 256 keys of d_head 16 or 32, 128 of 64; 512 of d_head 8 or less (341 of
+12). There the kernel, which skips the keys a causal mask hides, was faster than SDPA's CPU
+kernel or level with it, forward and backward and the forward alone, on one thread and two
+(`benchmarks/probes/attention_range.py` on AMD EPYC, docs/performance.md, twenty-ninth and
+thirtieth sections). Twenty-ninth (`benchmarks/results_session29/`, two runs): 1.05-3.66x at
+d_head 16 from 64 to 256 keys, 1.06-2.74x at 32, 0.97-1.95x at 64 up to 128 keys and 0.86-1.21x
+at 192-256; under a left padding per row 0.93-2.77x up to 256 keys (0.93-1.11x from 128 on one
+thread); at 384 keys a padded row, d_head 32 and d_head 16's training were slower on one thread
+(0.75-0.86x, 0.88-0.98x, 0.93-0.97x), hence the first bound's 256 keys. Thirtieth
+(`benchmarks/results_session30/`): d_head 8 stays well ahead to 512 keys, every mask, hence the
+second bound (the thirtieth section gives the cells). The key floats bound the eight rows' keys
+and values the kernel holds at once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there).
+An encoder's rows and cross-attention's stop at 64 keys: no causal mask hides keys there for
+the kernel to skip, and with no mask SDPA was as fast or faster at 64 keys (0.89-0.95x) and
+faster beyond on one thread. The kernel's backward keeps the weights, T x S floats a (batch,
+head) row (256 KiB at 256 keys, 1 MiB at 512), where SDPA keeps one float a query."""
 
 
 SOFTMAX_MIN_KEYS_CPU = 16
@@ -103,12 +103,13 @@ def kernel_by_default(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """Whether q [batch, head, T, d_head] over k [batch, head, S, d_head] takes
     `native.attention` on CPU when no hook reads the scores or pattern (and the kernel
     applies): wherever the explicit path would run, and past it a causal attention's rows
-    (`Attention.causal` self-attention: a decoder's, padded or not) up to
-    `KERNEL_MAX_KEYS_CPU` keys and `KERNEL_MAX_KEY_FLOATS_CPU` key floats."""
+    (`Attention.causal` self-attention: a decoder's, padded or not) within one of
+    `KERNEL_BOUNDS_CPU`'s (keys, key floats) bounds."""
     n_keys = k.shape[-2]
     return explicit_by_default(q.device, n_keys) or (
-        q.device.type == "cpu" and causal and n_keys <= KERNEL_MAX_KEYS_CPU
-        and n_keys * q.shape[-1] <= KERNEL_MAX_KEY_FLOATS_CPU)
+        q.device.type == "cpu" and causal
+        and any(n_keys <= keys and n_keys * q.shape[-1] <= floats
+                for keys, floats in KERNEL_BOUNDS_CPU))
 
 
 class HeadNorm(Norm):

@@ -1,0 +1,116 @@
+"""One-off probe behind a thirtieth-session note in docs/performance.md; not part of make bench.
+
+How cheap could a cached decoding step get without a kernel for the whole block? bench_decode's
+n5d1 cell (`pre`, the quick-grid size, random weights, seed 0; glibc keeping freed memory, as
+the benchmarks run): the model's single-token step against a `floor` step written out by hand
+from the same weights, with nothing but the arithmetic left: no modules, hook points,
+checks or masks built; q, k and v from one matmul over weights concatenated beforehand; each
+residual added inside its matmul (`addmm`); the same kernels for the norms, RoPE and the
+decoding attention. Both take the second of the three steps, alternating, median of 41 rounds
+(after 5), in one process; the floor's logits are checked against the model's. Then the whole
+cached and uncached decodes (median of 21 after 5), and the speed-up the cached decode would
+reach if each of its three steps took the floor's time instead, or no time at all:
+
+    .venv/bin/python benchmarks/probes/decode_step_floor.py [THREADS]
+"""
+import statistics as st
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from abtime import N5d1Decoder, probe_header, threads_from_argv
+
+from bench_train_step import base_config
+from common import median, paired_timing
+from normlab import allocator
+from normlab.model import native
+from normlab.model.generate import _pad
+from normlab.model.transformer import KVCache
+from normlab.tasks.addition import aux_positions, next_aux_position
+
+allocator.keep_freed_memory()
+threads_from_argv("decode_step_floor.py")
+probe_header("decode_step_floor.py")
+cell = N5d1Decoder(base_config())
+model, prompts, max_new = cell.model, cell.prompts, cell.max_new
+seq, mask = _pad(prompts, 0, left=True)
+aux = _pad([aux_positions(p, "sequence") for p in prompts], 0, left=True)[0]
+b = seq.shape[0]
+h, e = model.blocks[0].attn.n_heads, model.blocks[0].attn.d_head
+layers = [
+    (blk.ln1, torch.cat([w.transpose(0, 1).flatten(1) for w in (blk.attn.W_Q, blk.attn.W_K,
+                                                                   blk.attn.W_V)], 1).contiguous(),
+     blk.attn.W_O.flatten(0, 1).contiguous(), blk.attn.scale, blk.ln2, blk.mlp.W_in,
+     blk.mlp.W_out)
+    for blk in model.blocks
+]
+assert model.cfg.norm_placement == "pre" and not model.cfg.attn_bias and not model.cfg.mlp_bias
+
+
+def second_step() -> tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache holding the prompt and the first new token, and the second step's inputs
+    (token, key mask, digit position), as greedy decoding makes them."""
+    cache = model.new_cache(seq.shape[1] + max_new - 1)
+    logits = model(seq, attention_mask=mask, cache=cache, aux=aux)
+    m, a = mask, aux[:, -1]
+    for step in range(2):
+        nxt = logits[:, -1].argmax(-1)
+        m = torch.cat([m, torch.ones(b, 1, dtype=torch.bool)], 1)
+        a = next_aux_position(a, nxt)
+        if step == 0:
+            logits = model(nxt[:, None], attention_mask=m, cache=cache, aux=a[:, None])
+    return cache, nxt, m, a
+
+
+def model_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tensor
+               ) -> torch.Tensor:
+    return model(nxt[:, None], attention_mask=m, cache=cache, aux=a[:, None])[:, 0]
+
+
+def floor_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tensor
+               ) -> torch.Tensor:
+    """The same step by hand: logits [b, vocab]."""
+    n = cache.length
+    x = model.embed.W_E[nxt] + model.W_aux[a]  # [b, d_model]
+    rope = model.rotary((m.sum(-1) - 1)[:, None])
+    key_mask = m[:, None, None, :]
+    for i, (ln1, w_qkv, w_o, scale, ln2, w_in, w_out) in enumerate(layers):
+        kv = cache.layers[i]["self"]
+        y = (ln1(x) @ w_qkv).view(b, 1, 3, h, e)
+        q, k = rope(y[:, :, 0]), rope(y[:, :, 1])
+        kv["buf_k"][:, :, n], kv["buf_v"][:, :, n] = k[:, 0], y[:, 0, 2]
+        z = native.attend(q.transpose(1, 2), kv["buf_k"][:, :, :n + 1],
+                          kv["buf_v"][:, :, :n + 1], scale, key_mask)
+        x = torch.addmm(x, z.view(b, h * e), w_o)
+        x = torch.addmm(x, F.gelu(ln2(x) @ w_in), w_out)
+    return model.unembed(model.ln_final(x))
+
+
+with torch.no_grad():
+    diff = (model_step(*second_step()) - floor_step(*second_step())).abs().max().item()
+    times: dict[str, list[float]] = {"model": [], "floor": []}
+    for r in range(46):
+        for name, fn in ((("model", model_step), ("floor", floor_step)) if r % 2 == 0
+                         else (("floor", floor_step), ("model", model_step))):
+            inputs = second_step()
+            t0 = time.perf_counter()
+            fn(*inputs)
+            if r >= 5:
+                times[name].append(time.perf_counter() - t0)
+    decodes = paired_timing({"cached": lambda: cell.decode(True),
+                             "uncached": lambda: cell.decode(False)}, repeats=21, warmup=5)
+step, floor = (1e3 * st.median(times[n]) for n in ("model", "floor"))
+cached, uncached = (1e3 * median(decodes[n]) for n in ("cached", "uncached"))
+with_floor = cached - (max_new - 1) * (step - floor)
+print(f"n5d1, {b} prompts, {max_new} new tokens; median ms; the floor's logits within "
+      f"{diff:.1e} of the model's")
+print(f"  one step: model {step:.2f}, floor {floor:.2f} (floor / model {floor / step:.3f})")
+print(f"  cached decode {cached:.1f}, uncached {uncached:.1f}: speed-up {uncached / cached:.2f}")
+print(f"  with the floor's steps the cached decode would take {with_floor:.1f}: speed-up "
+      f"{uncached / with_floor:.2f}")
+free = cached - (max_new - 1) * step
+print(f"  with steps that cost nothing, {free:.1f}: speed-up {uncached / free:.2f}")
