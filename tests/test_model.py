@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
-from normlab.model.attention import learned_scale_init
+from normlab.model.attention import kernel_by_default, learned_scale_init
 
 PLACEMENTS = ["none", "post", "pre", "qk", "qkv"]
 NORMS = ["layer", "rms"]
@@ -385,3 +385,28 @@ def test_autocast_hooks_read_projections_from_their_own_matmuls(
         model(torch.randint(0, 16, shape)).float().sum().backward()
     assert seen == [(shape[0], shape[1] * 32)] * 3
     assert widths.widths[:3] == [32, 32, 32]  # block 0: q, k, v apart
+
+
+@pytest.mark.parametrize(("d_head", "n_keys", "kernel"), [
+    (16, 256, True), (16, 257, False), (32, 256, True), (64, 128, True), (64, 129, False),
+    (8, 384, True), (8, 512, True), (8, 513, False), (4, 512, True), (4, 513, False),
+    (12, 341, True), (12, 342, False), (16, 384, False),
+])
+def test_shipped_kernel_bounds_by_head_width(d_head: int, n_keys: int, kernel: bool) -> None:
+    """`attention.KERNEL_BOUNDS_CPU` as shipped: causal CPU rows past 64 keys take the attention
+    kernel up to 256 keys and 8192 key floats, or up to 512 keys and 4096 key floats (heads of
+    d_head 8 or less reach 512 keys, 12 reach 341). The rule alone: no kernel is called."""
+    q, k = torch.empty(1, 1, 1, d_head), torch.empty(1, 1, n_keys, d_head)
+    assert kernel_by_default(q, k, causal=True) is kernel
+
+
+def test_kernel_bounds_only_for_causal_cpu_rows() -> None:
+    """Past 64 keys, rows that are not causal (an encoder's, cross-attention's) and rows on
+    another device stay with SDPA within the bounds; up to 64 keys every CPU row takes the
+    kernel's path (the explicit one's)."""
+    q, k = torch.empty(1, 1, 1, 8), torch.empty(1, 1, 384, 8)
+    assert kernel_by_default(q, k, causal=True)
+    assert not kernel_by_default(q, k, causal=False)
+    assert not kernel_by_default(q.to("meta"), k.to("meta"), causal=True)
+    assert kernel_by_default(q, k[:, :, :64], causal=False)
+    assert not kernel_by_default(q.to("meta"), k[:, :, :64].to("meta"), causal=False)

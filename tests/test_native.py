@@ -1940,43 +1940,28 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         assert (len(kernel), len(sdpa)) == (3, 4)
 
 
-@pytest.mark.parametrize(("d_head", "n_keys", "kernel"), [
-    (16, 256, True), (16, 257, False), (32, 256, True), (64, 128, True), (64, 129, False),
-    (8, 384, True), (8, 512, True), (8, 513, False), (4, 512, True), (4, 513, False),
-    (12, 341, True), (12, 342, False), (16, 384, False),
-])
-def test_shipped_kernel_bounds_by_head_width(d_head: int, n_keys: int, kernel: bool) -> None:
-    """`KERNEL_BOUNDS_CPU` as shipped: causal rows up to 256 keys and 8192 key floats, or up to
-    512 keys and 4096 key floats (heads of d_head 8 or less reach 512 keys, 12 reach 341);
-    never rows that are not causal past 64 keys, nor rows on another device."""
-    from normlab.model.attention import kernel_by_default
-
-    q = torch.empty(1, 1, 1, d_head)
-    k = torch.empty(1, 1, n_keys, d_head)
-    assert kernel_by_default(q, k, causal=True) is kernel
-    assert not kernel_by_default(q, k, causal=False)
-    meta = torch.empty(1, 1, 1, d_head, device="meta")
-    assert not kernel_by_default(meta, k.to("meta"), causal=True)
-
-
-def test_narrow_heads_take_the_kernel_to_512_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decoder of d_head 8 over 384 causal keys runs `native.attention` in every layer, with
-    SDPA's output (the same model with no bounds) to float32 rounding; d_head 16 there takes
-    SDPA."""
+def test_narrow_heads_take_the_kernel_past_256_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder of d_head 8 over 384 causal keys, padded per row or not, runs
+    `native.attention` in every layer, with SDPA's output (the same model with no bounds) to
+    float32 rounding; d_head 16 there takes SDPA."""
     from normlab.model import attention as attention_mod
 
     kernel, sdpa = _count_attention_calls(monkeypatch)
     torch.manual_seed(0)
     narrow = build_model(ModelConfig(d_model=32, n_heads=4, n_layers=2, max_len=384)).eval()
     tokens = torch.randint(0, narrow.cfg.vocab_size, (2, 384))
+    padded = torch.ones(2, 384, dtype=torch.bool)
+    padded[1, :40] = False
     with torch.no_grad():
-        fast = narrow(tokens)
-        assert (len(kernel), len(sdpa)) == (2, 0)
+        fast, fast_padded = narrow(tokens), narrow(tokens, attention_mask=padded)
+        assert (len(kernel), len(sdpa)) == (4, 0)
         build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, max_len=384)).eval()(tokens)
-        assert (len(kernel), len(sdpa)) == (2, 2)
+        assert (len(kernel), len(sdpa)) == (4, 2)
         monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())
         torch.testing.assert_close(narrow(tokens), fast, atol=1e-5, rtol=1e-5)
-        assert (len(kernel), len(sdpa)) == (2, 4)
+        torch.testing.assert_close(narrow(tokens, attention_mask=padded), fast_padded,
+                                   atol=1e-5, rtol=1e-5)
+        assert (len(kernel), len(sdpa)) == (4, 6)
 
 
 def test_pattern_formed_anyway_where_the_kernel_cannot_take_the_rows() -> None:

@@ -2,19 +2,19 @@
 make bench.
 
 How far past 64 keys `native.attention` stays faster than SDPA's CPU kernel, and so how far
-`Attention` lets it run (`attention.KERNEL_MAX_KEYS_CPU`, `KERNEL_MAX_KEY_FLOATS_CPU`): T = S
-keys from 64 to 512, 4 heads, about 2176 positions a call (the training batch's, 128 x 17), for
-eleven cases (the twenty-eighth session ran the six without d_head 32 and 8, the twenty-ninth
-the eight without d_head 8):
+`Attention` lets it run (`attention.KERNEL_BOUNDS_CPU`): T = S keys from 64 to 512, 4 heads,
+about 2176 positions a call (the training batch's, 128 x 17), for fifteen cases (the
+twenty-eighth session ran the six with d_head 16 and 64, the twenty-ninth those and d_head 32's
+two):
 
-- `train causal d16` / `d32` / `d64` / `d8`: forward and backward, a causal mask, d_head 16
-  (the configs'), 32, 64 (GPT-2's) or 8 (a narrow head, which the bound on key floats alone let
-  reach 512 keys before the bound on keys);
-- `infer causal d16` / `d32` / `d64` / `d8`: the forward alone, no autograd (evaluation, a prompt's
-  forward);
-- `infer padded d16` / `d8`: the forward alone under a mask that differs by row (causal and a left
-  padding of 0 to S/4 keys, as a batch of prompts has), which the kernel copies lane-major for
-  each eight rows;
+- `train causal d16` / `d32` / `d64` / `d8` / `d4` / `d12`: forward and backward, a causal
+  mask, d_head 16 (the configs'), 32, 64 (GPT-2's), or the narrow heads that the second bound
+  (512 keys, 4096 key floats) lets past 256 keys: 8 and 4 to 512 keys, 12 to 341;
+- `infer causal d16` / `d32` / `d64` / `d8` / `d4` / `d12`: the forward alone, no autograd
+  (evaluation, a prompt's forward);
+- `infer padded d16` / `d8`: the forward alone under a mask that differs by row (causal and a
+  left padding of 0 to S/4 keys, as a batch of prompts has), which the kernel copies lane-major
+  for each eight rows;
 - `infer unmasked d16`: the forward alone with no mask (an encoder's).
 
 Each contender's median time over 9 rounds, alternating in one process; printed as the
@@ -43,7 +43,8 @@ probe_header("attention_range.py")
 H, POSITIONS = 4, 2176
 CASES = ("train causal d16", "infer causal d16", "infer padded d16", "infer unmasked d16",
          "train causal d64", "infer causal d64", "train causal d32", "infer causal d32",
-         "train causal d8", "infer causal d8", "infer padded d8")
+         "train causal d8", "infer causal d8", "infer padded d8", "train causal d4",
+         "infer causal d4", "train causal d12", "infer causal d12")
 
 
 def mask_for(case: str, b: int, t: int) -> torch.Tensor | None:

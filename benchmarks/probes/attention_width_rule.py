@@ -34,12 +34,14 @@ probe_header("attention_width_rule.py")
 POSITIONS = 2176
 RULES = {28: ((10**9, 4096),), 29: ((256, 8192),), 30: ((256, 8192), (512, 4096))}
 CASES = ((32, 192, 29), (32, 256, 29), (64, 96, 29), (64, 128, 29), (8, 384, 30), (8, 512, 30))
-session = 29  # the case's session: its rule against the one before it
 
 
-def rule(new: bool) -> None:
-    """(keys, key floats) bounds: `session`'s rule, or the one before it."""
-    attention_mod.KERNEL_BOUNDS_CPU = RULES[session if new else session - 1]
+def rule(session: int) -> Callable[[bool], None]:
+    """The switch `abtime.ab` flips: `session`'s (keys, key floats) bounds when on, the rule
+    before it when off."""
+    def switch(new: bool) -> None:
+        attention_mod.KERNEL_BOUNDS_CPU = RULES[session if new else session - 1]
+    return switch
 
 
 def calls(d_head: int, keys: int) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -70,9 +72,11 @@ print("case (session): old rule (SDPA here) / new rule (the kernel here), ms a c
       "15 rounds")
 for d_head, keys, session in CASES:
     step, forward = calls(d_head, keys)
+    switch = rule(session)
     for f in (step, forward):
         for new in (False, True):
-            rule(new)
+            switch(new)
             f()
-    ab(f"train d{d_head} {keys} keys ({session})", rule, step, inner=1, names=("old", "new"))
-    ab(f"infer d{d_head} {keys} keys ({session})", rule, forward, inner=3, names=("old", "new"))
+    ab(f"train d{d_head} {keys} keys ({session})", switch, step, inner=1, names=("old", "new"))
+    ab(f"infer d{d_head} {keys} keys ({session})", switch, forward, inner=3,
+       names=("old", "new"))

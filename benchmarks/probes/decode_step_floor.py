@@ -7,13 +7,14 @@ from the same weights, with nothing but the arithmetic left: no modules, hook po
 checks or masks built; q, k and v from one matmul over weights concatenated beforehand; each
 residual added inside its matmul (`addmm`); the same kernels for the norms, RoPE and the
 decoding attention. Both take the second of the three steps, alternating, median of 41 rounds
-(after 5), in one process; the floor's logits are checked against the model's. Then the whole
-cached and uncached decodes (median of 21 after 5), and the speed-up the cached decode would
-reach if each of its three steps took the floor's time instead, or no time at all:
+(after 5), in one process, with Python's garbage collector off as the benchmarks time; the
+floor's logits must match the model's (within 1e-4). Then the whole cached and uncached decodes
+(median of 21 after 5), and the speed-up the cached decode would reach if each of its three
+steps took the floor's time instead, or no time at all:
 
     .venv/bin/python benchmarks/probes/decode_step_floor.py [THREADS]
 """
-import statistics as st
+import gc
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,10 @@ model, prompts, max_new = cell.model, cell.prompts, cell.max_new
 seq, mask = _pad(prompts, 0, left=True)
 aux = _pad([aux_positions(p, "sequence") for p in prompts], 0, left=True)[0]
 b = seq.shape[0]
+cfg = model.cfg  # what the floor's arithmetic assumes
+assert (cfg.norm_placement == "pre" and cfg.pos_encoding == "rope" and cfg.act == "gelu"
+        and cfg.mlp_type == "standard" and cfg.n_kv_heads == cfg.n_heads and not cfg.attn_bias
+        and not cfg.mlp_bias), "decode_step_floor.py: the floor is written for this cell's model"
 h, e = model.blocks[0].attn.n_heads, model.blocks[0].attn.d_head
 layers = [
     (blk.ln1, torch.cat([w.transpose(0, 1).flatten(1) for w in (blk.attn.W_Q, blk.attn.W_K,
@@ -48,7 +53,6 @@ layers = [
      blk.mlp.W_out)
     for blk in model.blocks
 ]
-assert model.cfg.norm_placement == "pre" and not model.cfg.attn_bias and not model.cfg.mlp_bias
 
 
 def second_step() -> tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,18 +60,18 @@ def second_step() -> tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
     (token, key mask, digit position), as greedy decoding makes them."""
     cache = model.new_cache(seq.shape[1] + max_new - 1)
     logits = model(seq, attention_mask=mask, cache=cache, aux=aux)
-    m, a = mask, aux[:, -1]
-    for step in range(2):
-        nxt = logits[:, -1].argmax(-1)
-        m = torch.cat([m, torch.ones(b, 1, dtype=torch.bool)], 1)
-        a = next_aux_position(a, nxt)
-        if step == 0:
-            logits = model(nxt[:, None], attention_mask=m, cache=cache, aux=a[:, None])
-    return cache, nxt, m, a
+    nxt = logits[:, -1].argmax(-1)
+    m = torch.cat([mask, torch.ones(b, 1, dtype=torch.bool)], 1)
+    a = next_aux_position(aux[:, -1], nxt)
+    logits = model(nxt[:, None], attention_mask=m, cache=cache, aux=a[:, None])  # the first
+    nxt = logits[:, -1].argmax(-1)
+    return cache, nxt, torch.cat([m, torch.ones(b, 1, dtype=torch.bool)], 1), \
+        next_aux_position(a, nxt)
 
 
 def model_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tensor
                ) -> torch.Tensor:
+    """The step as greedy decoding runs it: logits [b, vocab]."""
     return model(nxt[:, None], attention_mask=m, cache=cache, aux=a[:, None])[:, 0]
 
 
@@ -84,7 +88,7 @@ def floor_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tens
         q, k = rope(y[:, :, 0]), rope(y[:, :, 1])
         kv["buf_k"][:, :, n], kv["buf_v"][:, :, n] = k[:, 0], y[:, 0, 2]
         z = native.attend(q.transpose(1, 2), kv["buf_k"][:, :, :n + 1],
-                          kv["buf_v"][:, :, :n + 1], scale, key_mask)
+                          kv["buf_v"][:, :, :n + 1], scale, key_mask)  # raises where it cannot
         x = torch.addmm(x, z.view(b, h * e), w_o)
         x = torch.addmm(x, F.gelu(ln2(x) @ w_in), w_out)
     return model.unembed(model.ln_final(x))
@@ -92,7 +96,10 @@ def floor_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tens
 
 with torch.no_grad():
     diff = (model_step(*second_step()) - floor_step(*second_step())).abs().max().item()
+    assert diff < 1e-4, f"decode_step_floor.py: the floor's logits are {diff} off the model's"
     times: dict[str, list[float]] = {"model": [], "floor": []}
+    gc.collect()
+    gc.disable()  # as `common.paired_timing` times
     for r in range(46):
         for name, fn in ((("model", model_step), ("floor", floor_step)) if r % 2 == 0
                          else (("floor", floor_step), ("model", model_step))):
@@ -101,9 +108,10 @@ with torch.no_grad():
             fn(*inputs)
             if r >= 5:
                 times[name].append(time.perf_counter() - t0)
+    gc.enable()
     decodes = paired_timing({"cached": lambda: cell.decode(True),
                              "uncached": lambda: cell.decode(False)}, repeats=21, warmup=5)
-step, floor = (1e3 * st.median(times[n]) for n in ("model", "floor"))
+step, floor = (1e3 * median(times[n]) for n in ("model", "floor"))
 cached, uncached = (1e3 * median(decodes[n]) for n in ("cached", "uncached"))
 with_floor = cached - (max_new - 1) * (step - floor)
 print(f"n5d1, {b} prompts, {max_new} new tokens; median ms; the floor's logits within "

@@ -807,7 +807,7 @@ def attention_applies(
     float32 CPU tensors, eager, no autocast, the kernel built. With or without autograd (q, k, v and
     scale may want gradients; the mask is data). Any number of keys: `Attention` asks only
     where the kernel is faster than SDPA's flash kernel (`attention.kernel_by_default`: at
-    most 64 keys on CPU, or causal rows of up to 256 keys and 8192 floats of keys)."""
+    most 64 keys on CPU, or causal rows within `attention.KERNEL_BOUNDS_CPU`)."""
     if (not _enabled["attention"] or not isinstance(q, torch.Tensor) or q.ndim != 4
             or not isinstance(k, torch.Tensor) or k.ndim != 4):
         return False
