@@ -1870,6 +1870,20 @@ def _count_attention_calls(
     return kernel, sdpa
 
 
+def _same_under_sdpa(
+    monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, tokens: torch.Tensor,
+    padded: torch.Tensor, out: torch.Tensor, padded_out: torch.Tensor,
+) -> None:
+    """With no kernel bounds (SDPA past 64 keys), the model's outputs on `tokens`, unpadded and
+    under the key mask `padded`, are `out` and `padded_out` to float32 rounding."""
+    from normlab.model import attention as attention_mod
+
+    monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())
+    torch.testing.assert_close(model(tokens), out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(tokens, attention_mask=padded), padded_out,
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_attention_kernel_past_64_keys_on_causal_rows_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1892,10 +1906,7 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         padded[1, :5] = False
         padded_out = model(tokens, attention_mask=padded)
         assert (len(kernel), len(sdpa)) == (4, 0)
-        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())
-        torch.testing.assert_close(model(tokens), fast, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(model(tokens, attention_mask=padded), padded_out,
-                                   atol=1e-5, rtol=1e-5)
+        _same_under_sdpa(monkeypatch, model, tokens, padded, fast, padded_out)
         assert (len(kernel), len(sdpa)) == (4, 4)
         monkeypatch.undo()
         _count_attention_calls(monkeypatch, kernel, sdpa)
@@ -1944,8 +1955,6 @@ def test_narrow_heads_take_the_kernel_past_256_keys(monkeypatch: pytest.MonkeyPa
     """A decoder of d_head 8 over 384 causal keys, padded per row or not, runs
     `native.attention` in every layer, with SDPA's output (the same model with no bounds) to
     float32 rounding; d_head 16 there takes SDPA."""
-    from normlab.model import attention as attention_mod
-
     kernel, sdpa = _count_attention_calls(monkeypatch)
     torch.manual_seed(0)
     narrow = build_model(ModelConfig(d_model=32, n_heads=4, n_layers=2, max_len=384)).eval()
@@ -1957,10 +1966,7 @@ def test_narrow_heads_take_the_kernel_past_256_keys(monkeypatch: pytest.MonkeyPa
         assert (len(kernel), len(sdpa)) == (4, 0)
         build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, max_len=384)).eval()(tokens)
         assert (len(kernel), len(sdpa)) == (4, 2)
-        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())
-        torch.testing.assert_close(narrow(tokens), fast, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(narrow(tokens, attention_mask=padded), fast_padded,
-                                   atol=1e-5, rtol=1e-5)
+        _same_under_sdpa(monkeypatch, narrow, tokens, padded, fast, fast_padded)
         assert (len(kernel), len(sdpa)) == (4, 6)
 
 
