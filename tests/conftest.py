@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
+
+from normlab.model import native
 
 
 @pytest.fixture(autouse=True)
@@ -10,3 +13,17 @@ def _seed() -> None:
 
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def attention_calls(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """Calls of normlab's attention kernel (`native.attention`) and of SDPA, one entry a call,
+    in the two lists returned, counted for the test's length while both still compute: which
+    path a model's attention took."""
+    kernel: list[int] = []
+    sdpa: list[int] = []
+    ours, theirs = native.attention, F.scaled_dot_product_attention
+    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
+    return kernel, sdpa

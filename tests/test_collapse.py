@@ -462,7 +462,7 @@ def pattern_flips(model, data, rows, pert, sigma: float, n_draws: int, seed: int
     ("encoder_decoder", {"norm_placement": "qkv", "pos_encoding": "rope"}, "token", None),
 ])
 def test_sweep_counts_equal_one_plain_forward_per_draw(
-    arch, kw, mode, heads, reader, monkeypatch
+    arch, kw, mode, heads, reader, monkeypatch, attention_calls
 ) -> None:
     """Packing draws as batch copies (copy-major eps, length groups, per-group copy counts)
     must count exactly what one forward per draw counts, row by row, with RoPE, grouped-query
@@ -482,11 +482,10 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     if reader == "q_k":
         monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)
         monkeypatch.setattr(attention, "KERNEL_BOUNDS_CPU", ())
-    readers, kernel = [], []
-    winners, ours = collapse._winners, native.attention
+    readers, winners = [], collapse._winners
     monkeypatch.setattr(collapse, "_winners",
                         lambda *a: (r := winners(*a), readers.append(type(r).__name__))[0])
-    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
+    kernel, calls = attention_calls
     model = small(arch, **({"norm_placement": "pre"} | kw))
     with torch.no_grad():
         for m in model.modules():
@@ -494,10 +493,6 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
                 m.scale.mul_(torch.linspace(-1.0, 1.5, m.scale.numel()))
     data = EvalData.from_problems(mixed_problems(), arch)
     n_draws, sigma = 5, 0.4
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     res = measure_collapse(model, data, sigmas=[sigma], n_draws=n_draws, threshold=0.5,
                            mode=mode, heads=heads, theory_draws=2, max_tokens=10**7)
     assert bool(calls) == (reader == "q_k")

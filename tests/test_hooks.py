@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
 from normlab.model import attention, native
@@ -495,18 +494,14 @@ def test_fused_norms_give_the_same_numbers(placement: str, kind: str) -> None:
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path(
-    placement: str, monkeypatch
+    placement: str, monkeypatch, attention_calls
 ) -> None:
     """Rows of <= EXPLICIT_MAX_KEYS_CPU keys run the explicit path's arithmetic with no hook
     attached (faster than SDPA there): normlab's kernel (`native.attention`), whose output and
     gradients are a hooked forward's to float32 rounding, or with the kernel off the explicit
     path itself, bitwise a hooked forward's; its scores are the masked, scaled q.k written out
     by hand."""
-    calls, kernel = [], []
-    sdpa, ours = F.scaled_dot_product_attention, native.attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
-    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
+    kernel, calls = attention_calls
     model = build_model(cfg(norm_placement=placement, pos_encoding="rope", n_layers=2))
     tokens = torch.randint(0, 16, (3, 9))
 

@@ -1855,21 +1855,6 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
     assert len(calls) == 3 * cfg.n_layers - 1
 
 
-def _count_attention_calls(
-    monkeypatch: pytest.MonkeyPatch, kernel: list[int] | None = None,
-    sdpa: list[int] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Count calls of `native.attention` and of SDPA (one entry a call) in the lists returned
-    (or given, to go on counting), each still computing."""
-    kernel = [] if kernel is None else kernel
-    sdpa = [] if sdpa is None else sdpa
-    ours, theirs = native.attention, F.scaled_dot_product_attention
-    monkeypatch.setattr(native, "attention", lambda *a: kernel.append(1) or ours(*a))
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
-    return kernel, sdpa
-
-
 def _same_under_sdpa(
     monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, tokens: torch.Tensor,
     padded: torch.Tensor, out: torch.Tensor, padded_out: torch.Tensor,
@@ -1885,7 +1870,7 @@ def _same_under_sdpa(
 
 
 def test_attention_kernel_past_64_keys_on_causal_rows_alone(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, attention_calls: tuple[list[int], list[int]],
 ) -> None:
     """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel within
     a bound of `KERNEL_BOUNDS_CPU` (keys, keys x d_head; 80 keys of d_head 16 or 64), with
@@ -1894,7 +1879,8 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
     padding (not causal)."""
     from normlab.model import attention as attention_mod
 
-    kernel, sdpa = _count_attention_calls(monkeypatch)
+    kernel, sdpa = attention_calls
+    shipped = attention_mod.KERNEL_BOUNDS_CPU
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, max_len=96, pos_encoding="rope")
     model = build_model(cfg).eval()
@@ -1908,8 +1894,7 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         assert (len(kernel), len(sdpa)) == (4, 0)
         _same_under_sdpa(monkeypatch, model, tokens, padded, fast, padded_out)
         assert (len(kernel), len(sdpa)) == (4, 4)
-        monkeypatch.undo()
-        _count_attention_calls(monkeypatch, kernel, sdpa)
+        monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", shipped)
         wide = build_model(ModelConfig(d_model=64, n_heads=1, n_layers=1, max_len=96)).eval()
         wide(tokens)  # d_head 64: 80 x 64 floats of keys, within the bound
         assert (len(kernel), len(sdpa)) == (5, 4)
@@ -1951,11 +1936,13 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         assert (len(kernel), len(sdpa)) == (3, 4)
 
 
-def test_narrow_heads_take_the_kernel_past_256_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_narrow_heads_take_the_kernel_past_256_keys(
+    monkeypatch: pytest.MonkeyPatch, attention_calls: tuple[list[int], list[int]],
+) -> None:
     """A decoder of d_head 8 over 384 causal keys, padded per row or not, runs
     `native.attention` in every layer, with SDPA's output (the same model with no bounds) to
     float32 rounding; d_head 16 there takes SDPA."""
-    kernel, sdpa = _count_attention_calls(monkeypatch)
+    kernel, sdpa = attention_calls
     torch.manual_seed(0)
     narrow = build_model(ModelConfig(d_model=32, n_heads=4, n_layers=2, max_len=384)).eval()
     tokens = torch.randint(0, narrow.cfg.vocab_size, (2, 384))
