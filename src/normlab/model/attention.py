@@ -47,23 +47,19 @@ or without each row's padding) still take `native.attention` within any one of t
 (keys, keys x d_head): 256 keys of d_head 16 or 32, 128 of 64; 512 of d_head 8 or less (341 of
 12). There the kernel, which skips the keys a causal mask hides, was faster than SDPA's CPU
 kernel or level with it, forward and backward and the forward alone, on one thread and two
-(`benchmarks/probes/attention_range.py` on AMD EPYC, docs/performance.md, twenty-ninth and
-thirtieth sections). Twenty-ninth (`benchmarks/results_session29/`, two runs): 1.05-3.66x at
-d_head 16 from 64 to 256 keys, 1.06-2.74x at 32, 0.97-1.95x at 64 up to 128 keys and 0.86-1.21x
-at 192-256; under a left padding per row 0.93-2.77x up to 256 keys (0.93-1.11x from 128 on one
-thread); at 384 keys a padded row, d_head 32 and d_head 16's training were slower on one thread
-(0.75-0.86x, 0.88-0.98x, 0.93-0.97x), hence the first bound's 256 keys. Thirtieth
-(`benchmarks/results_session30/`, one run): at 384 and 512 keys heads of d_head 4 and 8 were
-1.96-4.21x faster (d_head 8 under a left padding per row 1.18-1.59x), d_head 12 1.30-2.03x (past
-its 341 keys; at 256 keys 1.59-2.31x; 13 to 15 not measured), a d_head 8 decoder's training step
-and forward 1.70-2.50x faster than under the first bound alone; d_head 16 there was mixed
-(0.79-1.53x, padded rows 0.79-1.11x), hence the second bound's 4096 key floats: measured, where
-the first bound's 8192 is the eight rows' keys and values the kernel holds at once (8 x 8192 x 2
-floats, 512 KiB, half of a core's L2 there). An encoder's rows and cross-attention's stop at 64
-keys: no causal mask hides keys there for the kernel to skip, and with no mask SDPA was as fast
-or faster at 64 keys (0.89-0.95x) and faster beyond on one thread. The kernel's backward keeps
-the weights, T x S floats a (batch, head) row (256 KiB at 256 keys, 1 MiB at 512), where SDPA
-keeps one float a query."""
+(`benchmarks/probes/attention_range.py` and `attention_width_rule.py` on AMD EPYC; every cell in
+docs/performance.md, twenty-ninth and thirtieth sections). At 384 keys padded rows of d_head 16
+and rows of d_head 32 and 64 were mostly slower (0.69-0.98x in three runs), hence the first
+bound's key count; its 8192 key floats are the eight rows' keys and values the kernel holds at
+once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there). Narrow heads stay well ahead to
+512 keys (d_head 4 and 8: 1.18-4.21x, padded d_head 8 rows included; a d_head 8 decoder's
+training step and forward 1.70-2.50x faster than under the first bound alone), hence the second
+bound, whose 4096 key floats leave d_head 16 out (0.79-1.53x at 384 and 512 keys). d_head 13 to
+15 are not measured. An encoder's rows and cross-attention's stop at 64 keys: no causal mask
+hides keys there for the kernel to skip, and with no mask SDPA was as fast or faster at 64 keys
+(0.89-0.95x) and faster beyond on one thread. The kernel's backward keeps the weights, T x S
+floats a (batch, head) row (256 KiB at 256 keys, 1 MiB at 512), where SDPA keeps one float a
+query."""
 
 
 SOFTMAX_MIN_KEYS_CPU = 16

@@ -558,7 +558,8 @@ static inline void attn1_row8(const float *qr, const float *kr, int64_t kt, cons
     for (int j = 0; j < 8; ++j) {
       const float *kj = kr + (t + j < T ? t + j : T - 1) * kt; /* past T: any key, dropped */
       acc[j] = _mm256_mul_ps(LOAD(qr), LOAD(kj));
-      for (int64_t c = 1; c < K; ++c) acc[j] = _mm256_fmadd_ps(LOAD(qr + 8 * c), LOAD(kj + 8 * c), acc[j]);
+      for (int64_t c = 1; c < K; ++c)
+        acc[j] = _mm256_fmadd_ps(LOAD(qr + 8 * c), LOAD(kj + 8 * c), acc[j]);
     }
     _mm256_storeu_ps(sc + t, _mm256_mul_ps(hsum8(acc), vscale));
   }
@@ -838,7 +839,8 @@ static inline void tattn_mask_group(const uint8_t *mask, const int64_t *mst, con
 typedef int8_t v8c __attribute__((vector_size(8), aligned(1)));
 
 /* M's eight lanes of key s of query t: -1 where visible (see tattn_mask_group) */
-#define MASK_LANES(M, S, t, s) (__builtin_convertvector(*(const v8c *)((M) + ((t) * (S) + (s)) * 8), v8i))
+#define MASK_LANES(M, S, t, s) \
+  (__builtin_convertvector(*(const v8c *)((M) + ((t) * (S) + (s)) * 8), v8i))
 /* whether none of the group's rows may see key s of query t, by its mask M per row
  * (tattn_mask_group): its k and v are then never read */
 static inline int tattn_unseen(const int8_t *M, int64_t S, int64_t t, int64_t s) {
@@ -979,9 +981,9 @@ int nl_tattn_fwd(const float *q, const int64_t *qs, const float *k, const int64_
 
 /* one group of eight rows, backward: Q, G [T][D][8], K, V [S][D][8], P [T][S][8] (the forward's);
  * dQ [T][D][8], dK, dV [S][D][8] out (dK without its factor scale), DSf [T][S][8] (ds) scratch;
- * M and lims as the forward's; returns the lanes' dscale. dq query by query; dk and dv key by key afterwards, each
- * summed over the queries in registers (query by query they were read and written back at
- * every query: 20% slower) */
+ * M and lims as the forward's; returns the lanes' dscale. dq query by query; dk and dv key by
+ * key afterwards, each summed over the queries in registers (query by query they were read and
+ * written back at every query: 20% slower) */
 static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict K,
                                  const float *restrict V, const float *restrict G,
                                  const float *restrict P, v8 scale, const uint8_t *mask,
