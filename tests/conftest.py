@@ -1,10 +1,12 @@
 """Shared test settings: deterministic, single-threaded torch (the CI machine has 2 cores)."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from normlab.model import native
+from normlab.model import attention, native
 
 
 @pytest.fixture(autouse=True)
@@ -27,3 +29,16 @@ def attention_calls(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[in
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **k: sdpa.append(1) or theirs(*a, **k))
     return kernel, sdpa
+
+
+@pytest.fixture
+def sdpa_past(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """`sdpa_past(n)`: for the test's length, rows of more than n keys take SDPA where no hook
+    reads them, causal ones too (no `KERNEL_BOUNDS_CPU`); n becomes `EXPLICIT_MAX_KEYS_CPU`
+    (0: every row; by default it stays). The one way tests force torch's fused path."""
+
+    def force(n_keys: int = attention.EXPLICIT_MAX_KEYS_CPU) -> None:
+        monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", n_keys)
+        monkeypatch.setattr(attention, "KERNEL_BOUNDS_CPU", ())
+
+    return force

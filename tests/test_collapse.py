@@ -462,7 +462,7 @@ def pattern_flips(model, data, rows, pert, sigma: float, n_draws: int, seed: int
     ("encoder_decoder", {"norm_placement": "qkv", "pos_encoding": "rope"}, "token", None),
 ])
 def test_sweep_counts_equal_one_plain_forward_per_draw(
-    arch, kw, mode, heads, reader, monkeypatch, attention_calls
+    arch, kw, mode, heads, reader, monkeypatch, attention_calls, sdpa_past
 ) -> None:
     """Packing draws as batch copies (copy-major eps, length groups, per-group copy counts)
     must count exactly what one forward per draw counts, row by row, with RoPE, grouped-query
@@ -473,15 +473,14 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     while the model runs the kernel on the short rows. The reference reads the model's pattern
     (its hooks send the layers to the explicit path)."""
     from normlab.analysis import collapse
-    from normlab.model import attention, native
+    from normlab.model import native
 
     if reader == "q_k kernel" and not native.enabled("attention"):
         pytest.skip("normlab's attention kernel is off or not built here")
     if reader == "pattern":
         monkeypatch.setitem(native._enabled, "attention", False)
     if reader == "q_k":
-        monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)
-        monkeypatch.setattr(attention, "KERNEL_BOUNDS_CPU", ())
+        sdpa_past(0)
     readers, winners = [], collapse._winners
     monkeypatch.setattr(collapse, "_winners",
                         lambda *a: (r := winners(*a), readers.append(type(r).__name__))[0])

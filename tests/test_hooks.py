@@ -220,9 +220,8 @@ def test_rescaling_hook_k_acts_as_a_rescaled_key(placement: str) -> None:
 
 @pytest.mark.parametrize("placement", ["none", "post", "pre", "qk", "qkv"])
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
-def test_fused_path_gives_the_same_numbers(placement: str, arch: str, monkeypatch) -> None:
-    monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 0)  # SDPA even for short rows
-    monkeypatch.setattr(attention, "KERNEL_BOUNDS_CPU", ())  # causal ones too
+def test_fused_path_gives_the_same_numbers(placement: str, arch: str, sdpa_past) -> None:
+    sdpa_past(0)  # SDPA even for short rows
     model = build_model(cfg(norm_placement=placement, arch=arch, pos_encoding="rope"))
     src = torch.randint(0, 16, (2, 8))
     args = (src,) if arch == "decoder" else (src, src[:, :5])
@@ -494,7 +493,7 @@ def test_fused_norms_give_the_same_numbers(placement: str, kind: str) -> None:
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path(
-    placement: str, monkeypatch, attention_calls
+    placement: str, attention_calls, sdpa_past
 ) -> None:
     """Rows of <= EXPLICIT_MAX_KEYS_CPU keys run the explicit path's arithmetic with no hook
     attached (faster than SDPA there): normlab's kernel (`native.attention`), whose output and
@@ -526,8 +525,7 @@ def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path(
     finally:
         native.set_enabled(True)
     assert torch.equal(plain[0], hooked[0]) and torch.equal(plain[1], hooked[1])
-    monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", 8)  # 9 keys: SDPA again
-    monkeypatch.setattr(attention, "KERNEL_BOUNDS_CPU", ())  # causal ones too
+    sdpa_past(8)  # 9 keys: SDPA again
     fused = run([])
     assert len(calls) == 2
     torch.testing.assert_close(fused[0], plain[0], atol=1e-5, rtol=1e-5)

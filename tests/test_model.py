@@ -390,12 +390,14 @@ def test_autocast_hooks_read_projections_from_their_own_matmuls(
 @pytest.mark.parametrize(("d_head", "n_keys", "kernel"), [
     (16, 256, True), (16, 257, False), (32, 256, True), (64, 128, True), (64, 129, False),
     (8, 384, True), (8, 512, True), (8, 513, False), (4, 512, True), (4, 513, False),
-    (12, 341, True), (12, 342, False), (16, 384, False),
+    (12, 341, True), (12, 342, False), (13, 315, True), (13, 316, False), (14, 292, True),
+    (14, 293, False), (15, 273, True), (15, 274, False), (16, 384, False),
 ])
 def test_shipped_kernel_bounds_by_head_width(d_head: int, n_keys: int, kernel: bool) -> None:
     """`attention.KERNEL_BOUNDS_CPU` as shipped: causal CPU rows past 64 keys take the attention
     kernel up to 256 keys and 8192 key floats, or up to 512 keys and 4096 key floats (heads of
-    d_head 8 or less reach 512 keys, 12 reach 341). The rule alone: no kernel is called."""
+    d_head 8 or less reach 512 keys, 12 to 15 reach 341 to 273). The rule alone: no kernel is
+    called."""
     q, k = torch.empty(1, 1, 1, d_head), torch.empty(1, 1, n_keys, d_head)
     assert kernel_by_default(q, k, causal=True) is kernel
 

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -1809,17 +1809,13 @@ def test_attention_applies_only_to_what_it_can_read() -> None:
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
-    placement: str, monkeypatch: pytest.MonkeyPatch
+    placement: str, attention_calls: tuple[list[int], list[int]], sdpa_past
 ) -> None:
     """A model's short CPU rows take the kernel in training and evaluation (QKV-Norm's learned
     scale gets its gradient), with its loss and every gradient torch's to float32 rounding;
     never where a hook reads the scores or the pattern, nor with dropout in training, nor
     where SDPA runs (longer rows)."""
-    from normlab.model import attention as attention_mod
-
-    calls = []
-    fn = native.attention
-    monkeypatch.setattr(native, "attention", lambda *a: calls.append(1) or fn(*a))
+    calls = attention_calls[0]
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, norm_placement=placement,
                       pos_encoding="rope")
     torch.manual_seed(0)
@@ -1849,28 +1845,25 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
     dropped = build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, dropout=0.1))
     dropped.train()(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
-    monkeypatch.setattr(attention_mod, "EXPLICIT_MAX_KEYS_CPU", 8)  # 17 keys: SDPA
-    monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())  # causal ones too
+    sdpa_past(8)  # 17 keys: SDPA
     model(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
 
 
 def _same_under_sdpa(
-    monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, tokens: torch.Tensor,
+    sdpa_past: Callable[[], None], model: torch.nn.Module, tokens: torch.Tensor,
     padded: torch.Tensor, out: torch.Tensor, padded_out: torch.Tensor,
 ) -> None:
     """With no kernel bounds (SDPA past 64 keys), the model's outputs on `tokens`, unpadded and
     under the key mask `padded`, are `out` and `padded_out` to float32 rounding."""
-    from normlab.model import attention as attention_mod
-
-    monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", ())
+    sdpa_past()
     torch.testing.assert_close(model(tokens), out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model(tokens, attention_mask=padded), padded_out,
                                atol=1e-5, rtol=1e-5)
 
 
 def test_attention_kernel_past_64_keys_on_causal_rows_alone(
-    monkeypatch: pytest.MonkeyPatch, attention_calls: tuple[list[int], list[int]],
+    monkeypatch: pytest.MonkeyPatch, attention_calls: tuple[list[int], list[int]], sdpa_past,
 ) -> None:
     """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel within
     a bound of `KERNEL_BOUNDS_CPU` (keys, keys x d_head; 80 keys of d_head 16 or 64), with
@@ -1892,7 +1885,7 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
         padded[1, :5] = False
         padded_out = model(tokens, attention_mask=padded)
         assert (len(kernel), len(sdpa)) == (4, 0)
-        _same_under_sdpa(monkeypatch, model, tokens, padded, fast, padded_out)
+        _same_under_sdpa(sdpa_past, model, tokens, padded, fast, padded_out)
         assert (len(kernel), len(sdpa)) == (4, 4)
         monkeypatch.setattr(attention_mod, "KERNEL_BOUNDS_CPU", shipped)
         wide = build_model(ModelConfig(d_model=64, n_heads=1, n_layers=1, max_len=96)).eval()
@@ -1937,7 +1930,7 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
 
 
 def test_narrow_heads_take_the_kernel_past_256_keys(
-    monkeypatch: pytest.MonkeyPatch, attention_calls: tuple[list[int], list[int]],
+    attention_calls: tuple[list[int], list[int]], sdpa_past,
 ) -> None:
     """A decoder of d_head 8 over 384 causal keys, padded per row or not, runs
     `native.attention` in every layer, with SDPA's output (the same model with no bounds) to
@@ -1953,7 +1946,7 @@ def test_narrow_heads_take_the_kernel_past_256_keys(
         assert (len(kernel), len(sdpa)) == (4, 0)
         build_model(ModelConfig(d_model=64, n_heads=4, n_layers=2, max_len=384)).eval()(tokens)
         assert (len(kernel), len(sdpa)) == (4, 2)
-        _same_under_sdpa(monkeypatch, narrow, tokens, padded, fast, fast_padded)
+        _same_under_sdpa(sdpa_past, narrow, tokens, padded, fast, fast_padded)
         assert (len(kernel), len(sdpa)) == (4, 6)
 
 
