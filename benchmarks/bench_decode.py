@@ -4,13 +4,15 @@ A decoder of the quick-grid size (configs/addition/{pre,qkv}.toml; random weight
 the same as trained ones) answers the fixed eval questions of the longest quick-grid
 extrapolation cells (the one with the longest prompt and the one with the longest answer:
 n=5 d=1 and n=2 d=3 on the current quick grid), in one batch each (as `normlab eval` batches
-them), with the digit positions (`aux_fn`) when the config uses them.
+them), with the digit positions (`aux_fn`) when the config uses them. `--config` takes
+another decoder recipe's size and grid instead (e.g. configs/addition/paper/pre.toml: n=6 d=4
+and n=5 d=5), its placement replaced by `pre` and `qkv` as the default's is.
 Generation length is forced to the cell's longest answer plus the closing E (`max_new`) with
 an end token that never matches, so both paths generate exactly `max_new` tokens for every
 question. The two paths are timed side by side, alternating per repeat, and their outputs are
 checked to be identical.
 
-    python benchmarks/bench_decode.py [--quick] [--threads N]
+    python benchmarks/bench_decode.py [--quick] [--threads N] [--config RECIPE.toml]
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 
 import torch
 
-from bench_train_step import base_config, model_config
+from bench_train_step import CONFIG, model_config
 from common import (
+    ROOT,
     bench_main,
     header,
     load_note,
@@ -35,6 +38,7 @@ from common import (
     summary,
 )
 from normlab import build_model
+from normlab.config import load_config
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import (
     Cell,
@@ -49,9 +53,14 @@ NEVER = -1  # an end-of-sequence id no token has: generation runs to max_new
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device, info = start(args)
-    run_cfg = base_config()
+    config = getattr(args, "config", None)  # run_all passes none: the default
+    run_cfg = load_config(config or CONFIG)
+    config = config or str(CONFIG.relative_to(ROOT))
+    if run_cfg.model.arch != "decoder":
+        raise ValueError(f"--config {config}: model.arch must be 'decoder' (the benchmark "
+                         f"decodes prompts alone); got {run_cfg.model.arch!r}")
     task = run_cfg.validate()
+    device, info = start(args)
     sets = eval_sets(task)
     by_cell = {c: probs for split in sets.values() for c, probs in split.items()}
     extra = list(sets["extrapolation"])
@@ -97,8 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "generated_all": all(len(r) == max_new for r in outs["cached"]),
             })
     return {"benchmark": "decode", "info": info, "repeats": repeats, "results": results,
-            "d_model": run_cfg.model.d_model, "n_layers": run_cfg.model.n_layers,
-            "load_note": load_note(info)}
+            "config": config, "grid": run_cfg.task.grid, "d_model": run_cfg.model.d_model,
+            "n_layers": run_cfg.model.n_layers, "load_note": load_note(info)}
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -109,7 +118,8 @@ def to_markdown(res: dict[str, Any]) -> str:
             for r in res["results"]]
     return "\n\n".join([
         header("Greedy decoding: KV cache vs none", res["info"], res["load_note"]),
-        f"d_model {res['d_model']}, {res['n_layers']} layers, random weights; one batch per "
+        f"{res.get('grid', 'quick')} grid, d_model {res['d_model']}, {res['n_layers']} layers, "
+        "random weights; one batch per "
         f"cell, forced to max_new tokens; median of {res['repeats']} repeats; speed-up = "
         "uncached / cached time (median of per-repeat ratios).",
         md_table(["placement", "cell", "batch", "prompt len", "max_new", "cached ms",
@@ -117,8 +127,14 @@ def to_markdown(res: dict[str, Any]) -> str:
     ])
 
 
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None,
+                        help="a decoder recipe whose model size and grid to decode (default: "
+                             "configs/addition/pre.toml, the quick grid)")
+
+
 def main() -> None:
-    bench_main(__doc__, run, to_markdown)
+    bench_main(__doc__, run, to_markdown, extra=add_args)
 
 
 if __name__ == "__main__":
