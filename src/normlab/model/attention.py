@@ -48,16 +48,17 @@ or without each row's padding) still take `native.attention` within any one of t
 12). There the kernel, which skips the keys a causal mask hides, was faster than SDPA's CPU
 kernel or level with it, forward and backward and the forward alone, on one thread and two
 (`benchmarks/probes/attention_range.py` and `attention_width_rule.py` on AMD EPYC; every cell in
-docs/performance.md, twenty-ninth and thirtieth sections). At 384 keys padded rows of d_head 16
+docs/performance.md, twenty-ninth to thirty-first sections). At 384 keys padded rows of d_head 16
 and rows of d_head 32 and 64 were mostly slower (0.69-0.98x in three runs), hence the first
 bound's key count; its 8192 key floats are the eight rows' keys and values the kernel holds at
 once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there). Narrow heads stay well ahead to
 512 keys (d_head 4 and 8: 1.18-4.21x, padded d_head 8 rows included; a d_head 8 decoder's
 training step and forward 1.70-2.50x faster than under the first bound alone), hence the second
-bound, whose 4096 key floats leave d_head 16 out (0.79-1.53x at 384 and 512 keys). d_head 13 to
-15 are not measured. An encoder's rows and cross-attention's stop at 64 keys: no causal mask
-hides keys there for the kernel to skip, and with no mask SDPA was as fast or faster at 64 keys
-(0.89-0.95x) and faster beyond on one thread. The kernel's backward keeps the weights, T x S
+bound, whose 4096 key floats leave d_head 16 out (0.79-1.53x at 384 and 512 keys) and let d_head
+12 to 15 reach 341 to 273 keys (1.38-2.96x from 256 keys to there). An encoder's rows and
+cross-attention's stop at 64 keys: no causal mask hides keys there for the kernel to skip, and
+with no mask SDPA was as fast or faster at 64 keys (0.89-0.95x) and faster beyond on one
+thread. The kernel's backward keeps the weights, T x S
 floats a (batch, head) row (256 KiB at 256 keys, 1 MiB at 512), where SDPA keeps one float a
 query."""
 
