@@ -1,6 +1,6 @@
 """Shared test settings: deterministic, single-threaded torch (the CI machine has 2 cores)."""
 
-from collections.abc import Callable
+from typing import Protocol
 
 import pytest
 import torch
@@ -31,14 +31,20 @@ def attention_calls(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[in
     return kernel, sdpa
 
 
-@pytest.fixture
-def sdpa_past(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
-    """`sdpa_past(n)`: for the test's length, rows of more than n keys take SDPA where no hook
-    reads them, causal ones too (no `KERNEL_BOUNDS_CPU`); n becomes `EXPLICIT_MAX_KEYS_CPU`
-    (0: every row; by default it stays). The one way tests force torch's fused path."""
+class SdpaPast(Protocol):
+    def __call__(self, n_keys: int | None = None) -> None: ...
 
-    def force(n_keys: int = attention.EXPLICIT_MAX_KEYS_CPU) -> None:
-        monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", n_keys)
+
+@pytest.fixture
+def sdpa_past(monkeypatch: pytest.MonkeyPatch) -> SdpaPast:
+    """`sdpa_past(n)`: for the rest of the test, rows of more than n keys take SDPA where no
+    hook reads them, causal ones too (no `KERNEL_BOUNDS_CPU`); n becomes
+    `EXPLICIT_MAX_KEYS_CPU` (0: every row; None leaves it as it is). How a test forces torch's
+    fused path for its whole length (`test_interop` patches one forward instead)."""
+
+    def force(n_keys: int | None = None) -> None:
+        if n_keys is not None:
+            monkeypatch.setattr(attention, "EXPLICIT_MAX_KEYS_CPU", n_keys)
         monkeypatch.setattr(attention, "KERNEL_BOUNDS_CPU", ())
 
     return force

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,9 @@ import torch
 from normlab import ModelConfig, build_model
 from normlab.model import attention, native
 from normlab.model.generate import _pad, greedy_decode
+
+if TYPE_CHECKING:
+    from conftest import SdpaPast
 
 
 def cfg(**kw) -> ModelConfig:
@@ -220,7 +225,8 @@ def test_rescaling_hook_k_acts_as_a_rescaled_key(placement: str) -> None:
 
 @pytest.mark.parametrize("placement", ["none", "post", "pre", "qk", "qkv"])
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
-def test_fused_path_gives_the_same_numbers(placement: str, arch: str, sdpa_past) -> None:
+def test_fused_path_gives_the_same_numbers(placement: str, arch: str, sdpa_past: SdpaPast
+                                           ) -> None:
     sdpa_past(0)  # SDPA even for short rows
     model = build_model(cfg(norm_placement=placement, arch=arch, pos_encoding="rope"))
     src = torch.randint(0, 16, (2, 8))
@@ -493,7 +499,7 @@ def test_fused_norms_give_the_same_numbers(placement: str, kind: str) -> None:
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 def test_short_rows_on_cpu_skip_sdpa_and_equal_the_hooked_path(
-    placement: str, attention_calls, sdpa_past
+    placement: str, attention_calls: tuple[list[int], list[int]], sdpa_past: SdpaPast
 ) -> None:
     """Rows of <= EXPLICIT_MAX_KEYS_CPU keys run the explicit path's arithmetic with no hook
     attached (faster than SDPA there): normlab's kernel (`native.attention`), whose output and

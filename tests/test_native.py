@@ -16,7 +16,8 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ from normlab.model import native
 from normlab.model.attention import HeadNorm
 from normlab.model.norms import Norm
 from normlab.model.positions import Rope, Rotary
+
+if TYPE_CHECKING:
+    from conftest import SdpaPast
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 
@@ -1809,7 +1813,7 @@ def test_attention_applies_only_to_what_it_can_read() -> None:
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
 def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
-    placement: str, attention_calls: tuple[list[int], list[int]], sdpa_past
+    placement: str, attention_calls: tuple[list[int], list[int]], sdpa_past: SdpaPast
 ) -> None:
     """A model's short CPU rows take the kernel in training and evaluation (QKV-Norm's learned
     scale gets its gradient), with its loss and every gradient torch's to float32 rounding;
@@ -1846,12 +1850,14 @@ def test_attention_takes_the_kernel_where_the_explicit_path_ran_unhooked(
     dropped.train()(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
     sdpa_past(8)  # 17 keys: SDPA
+    before = len(attention_calls[1])
     model(tokens)
     assert len(calls) == 3 * cfg.n_layers - 1
+    assert len(attention_calls[1]) == before + cfg.n_layers
 
 
 def _same_under_sdpa(
-    sdpa_past: Callable[[], None], model: torch.nn.Module, tokens: torch.Tensor,
+    sdpa_past: SdpaPast, model: torch.nn.Module, tokens: torch.Tensor,
     padded: torch.Tensor, out: torch.Tensor, padded_out: torch.Tensor,
 ) -> None:
     """With no kernel bounds (SDPA past 64 keys), the model's outputs on `tokens`, unpadded and
@@ -1863,7 +1869,8 @@ def _same_under_sdpa(
 
 
 def test_attention_kernel_past_64_keys_on_causal_rows_alone(
-    monkeypatch: pytest.MonkeyPatch, attention_calls: tuple[list[int], list[int]], sdpa_past,
+    monkeypatch: pytest.MonkeyPatch, attention_calls: tuple[list[int], list[int]],
+    sdpa_past: SdpaPast,
 ) -> None:
     """Past `EXPLICIT_MAX_KEYS_CPU`, causal rows, padded per row or not, take the kernel within
     a bound of `KERNEL_BOUNDS_CPU` (keys, keys x d_head; 80 keys of d_head 16 or 64), with
@@ -1930,7 +1937,7 @@ def test_attention_kernel_past_64_keys_on_causal_rows_alone(
 
 
 def test_narrow_heads_take_the_kernel_past_256_keys(
-    attention_calls: tuple[list[int], list[int]], sdpa_past,
+    attention_calls: tuple[list[int], list[int]], sdpa_past: SdpaPast,
 ) -> None:
     """A decoder of d_head 8 over 384 causal keys, padded per row or not, runs
     `native.attention` in every layer, with SDPA's output (the same model with no bounds) to
