@@ -18,6 +18,7 @@ checked to be identical.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,10 +39,11 @@ from common import (
     summary,
 )
 from normlab import build_model
-from normlab.config import load_config
+from normlab.config import RunConfig, load_config
 from normlab.model.generate import greedy_decode
 from normlab.tasks.addition import (
     Cell,
+    ResolvedTask,
     aux_positions,
     eval_sets,
     make_prompts,
@@ -52,14 +54,27 @@ from normlab.tasks.addition import (
 NEVER = -1  # an end-of-sequence id no token has: generation runs to max_new
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    config = getattr(args, "config", None)  # run_all passes none: the default
-    run_cfg = load_config(config or CONFIG)
-    config = config or str(CONFIG.relative_to(ROOT))
+def recipe(path: str | None) -> tuple[str, RunConfig, ResolvedTask]:
+    """The recipe to decode (None: the quick one), as the JSON records it (relative to the
+    repository where it lies inside), its config and its task; a recipe this benchmark cannot
+    decode is a ValueError naming the file."""
+    p = CONFIG if path is None else Path(path)
+    name = p.resolve().relative_to(ROOT).as_posix() if p.resolve().is_relative_to(ROOT) else str(p)
+    try:
+        run_cfg = load_config(p)
+        task = run_cfg.validate()
+    except ValueError as err:  # load_config names the file only when it cannot read it
+        raise ValueError(err if str(p) in str(err) else f"--config {name}: {err}") from None
     if run_cfg.model.arch != "decoder":
-        raise ValueError(f"--config {config}: model.arch must be 'decoder' (the benchmark "
+        raise ValueError(f"--config {name}: model.arch must be 'decoder' (the benchmark "
                          f"decodes prompts alone); got {run_cfg.model.arch!r}")
-    task = run_cfg.validate()
+    if not task.eval_splits.get("extrapolation"):
+        raise ValueError(f"--config {name}: the task has no 'extrapolation' cells to decode")
+    return name, run_cfg, task
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    config, run_cfg, task = recipe(getattr(args, "config", None))  # run_all passes none
     device, info = start(args)
     sets = eval_sets(task)
     by_cell = {c: probs for split in sets.values() for c, probs in split.items()}
@@ -106,8 +121,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "generated_all": all(len(r) == max_new for r in outs["cached"]),
             })
     return {"benchmark": "decode", "info": info, "repeats": repeats, "results": results,
-            "config": config, "grid": run_cfg.task.grid, "d_model": run_cfg.model.d_model,
-            "n_layers": run_cfg.model.n_layers, "load_note": load_note(info)}
+            "config": config, "grid": "custom" if run_cfg.task.splits else run_cfg.task.grid,
+            "d_model": run_cfg.model.d_model, "n_layers": run_cfg.model.n_layers,
+            "load_note": load_note(info)}
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -118,10 +134,10 @@ def to_markdown(res: dict[str, Any]) -> str:
             for r in res["results"]]
     return "\n\n".join([
         header("Greedy decoding: KV cache vs none", res["info"], res["load_note"]),
-        f"{res.get('grid', 'quick')} grid, d_model {res['d_model']}, {res['n_layers']} layers, "
-        "random weights; one batch per "
-        f"cell, forced to max_new tokens; median of {res['repeats']} repeats; speed-up = "
-        "uncached / cached time (median of per-repeat ratios).",
+        f"{res['config']} ({res['grid']} grid): d_model {res['d_model']}, {res['n_layers']} "
+        "layers, random weights; one batch per cell, forced to max_new tokens; median of "
+        f"{res['repeats']} repeats; speed-up = uncached / cached time (median of per-repeat "
+        "ratios).",
         md_table(["placement", "cell", "batch", "prompt len", "max_new", "cached ms",
                   "uncached ms", "speed-up", "its median's CI", "same tokens"], rows),
     ])
@@ -129,8 +145,9 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
-                        help="a decoder recipe whose model size and grid to decode (default: "
-                             "configs/addition/pre.toml, the quick grid)")
+                        help="a decoder recipe whose model size and grid's longest "
+                             "extrapolation cells to decode (default: configs/addition/pre.toml, "
+                             "the quick grid)")
 
 
 def main() -> None:

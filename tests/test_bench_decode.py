@@ -12,12 +12,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_decode
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT
 
 
 def _main(monkeypatch: pytest.MonkeyPatch, *args: str) -> None:
-    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--quick", *args])
+    """The benchmark's command line, one repeat (the timings are not under test)."""
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--quick", "--repeats", "1", *args])
     bench_decode.main()
 
 
@@ -29,7 +29,8 @@ def test_paper_recipe_decodes_its_own_longest_cells(tmp_path: Path,
     out, recipe = tmp_path / "r.json", str(ROOT / "configs" / "addition" / "paper" / "pre.toml")
     _main(monkeypatch, "--config", recipe, "--out", str(out))
     res = json.loads(out.read_text())
-    assert (res["config"], res["grid"], res["d_model"]) == (recipe, "paper", 128)
+    assert (res["config"], res["grid"], res["d_model"]) == (
+        "configs/addition/paper/pre.toml", "paper", 128)  # recorded relative to the repository
     assert [r["cell"] for r in res["results"]] == ["n6d4", "n5d5"]
     for r in res["results"]:
         assert r["identical_outputs"] and r["generated_all"]
@@ -38,6 +39,8 @@ def test_paper_recipe_decodes_its_own_longest_cells(tmp_path: Path,
 
 def test_default_recipe_is_the_quick_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
+    """Without --config (and from run_all, which passes none) the quick recipe's n5d1 and n2d3,
+    as `make bench` has always timed them."""
     out = tmp_path / "r.json"
     _main(monkeypatch, "--out", str(out))
     res = json.loads(out.read_text())
@@ -46,17 +49,34 @@ def test_default_recipe_is_the_quick_grid(tmp_path: Path, monkeypatch: pytest.Mo
     assert [r["cell"] for r in res["results"]] == ["n5d1", "n2d3"]
 
 
+def test_custom_splits_are_recorded_as_custom(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recipe's own extrapolation cells are decoded, and the JSON does not call them the
+    grid's."""
+    path, out = tmp_path / "recipe.toml", tmp_path / "r.json"
+    path.write_text("[task]\nsplits = { extrapolation = [[3, 1]] }\n")
+    _main(monkeypatch, "--config", str(path), "--out", str(out))
+    res = json.loads(out.read_text())
+    assert (res["config"], res["grid"]) == (str(path), "custom")
+    assert [r["cell"] for r in res["results"]] == ["n3d1"]
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     (None, "config file '{path}' not found"),
     ('[model]\narch = "encoder_decoder"\n',
      "--config {path}: model.arch must be 'decoder' (the benchmark decodes prompts alone); "
      "got 'encoder_decoder'"),
     ("[model\n", "config file '{path}': invalid TOML"),
+    ("[task]\nsplits = { interpolation = [[3, 1]] }\n",
+     "--config {path}: the task has no 'extrapolation' cells to decode"),
+    ("[base]\n", "--config {path}: config.base: unknown table"),  # a sweep file, not a recipe
+    ("[model]\nd_model = -1\n", "--config {path}: ModelConfig.d_model: expected a positive"),
 ])
 def test_bad_recipe_is_one_line_before_any_work(
     text: str | None, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Each names the file and what is wrong with it, before any timing or output file."""
     path, out = tmp_path / "recipe.toml", tmp_path / "r.json"
     if text is not None:
         path.write_text(text)
