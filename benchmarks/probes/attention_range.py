@@ -3,7 +3,7 @@ make bench.
 
 How far past 64 keys `native.attention` stays faster than SDPA's CPU kernel, and so how far
 `Attention` lets it run (`attention.KERNEL_BOUNDS_CPU`): T = S keys from 64 to 512, 4 heads,
-about 2176 positions a call (the training batch's, 128 x 17), for twenty-one cases (the
+about 2176 positions a call (the training batch's, 128 x 17), for twenty-three cases (the
 twenty-eighth session ran the six with d_head 16 and 64, the twenty-ninth those and d_head 32's
 two, the thirtieth the first fifteen):
 
@@ -18,7 +18,8 @@ two, the thirtieth the first fifteen):
 - `infer unmasked d16`: the forward alone with no mask (an encoder's);
 - `train causal d13` / `d14` / `d15` / `d12 between` and their `infer` cases: the head widths
   the second bound admits past 256 keys without a measurement behind them (to 315, 292, 273
-  and 341 keys), at 256 keys and at each width's last admitted count.
+  and 341 keys), each at 256 keys and at all four widths' last admitted counts, so past its
+  own bound too.
 
 Each contender's median time over 9 rounds, alternating in one process; printed as the
 kernel's time and SDPA's over it (above 1: the kernel is faster).
@@ -45,7 +46,7 @@ threads_from_argv("attention_range.py")
 probe_header("attention_range.py")
 H, POSITIONS = 4, 2176
 KEYS = (64, 96, 128, 192, 256, 384, 512)
-BETWEEN = (256, 273, 292, 315, 341)  # the second bound's last key count for d_head 15 to 12
+BETWEEN = (256, 273, 292, 315, 341)  # 256, then the second bound's last for d_head 15 to 12
 CASES = dict.fromkeys(
     ("train causal d16", "infer causal d16", "infer padded d16", "infer unmasked d16",
      "train causal d64", "infer causal d64", "train causal d32", "infer causal d32",

@@ -42,24 +42,23 @@ scores too). Longer rows take SDPA, but for the causal ones the kernel still tak
 (`KERNEL_BOUNDS_CPU`); every GPU takes SDPA."""
 
 KERNEL_BOUNDS_CPU: tuple[tuple[int, int], ...] = ((256, 8192), (512, 4096))
-"""Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention, with
-or without each row's padding) still take `native.attention` within any one of these bounds
-(keys, keys x d_head): 256 keys of d_head 16 or 32, 128 of 64; 512 of d_head 8 or less (341 of
-12). There the kernel, which skips the keys a causal mask hides, was faster than SDPA's CPU
-kernel or level with it, forward and backward and the forward alone, on one thread and two
+"""Past `EXPLICIT_MAX_KEYS_CPU` keys, a causal attention's rows (a decoder's self-attention, with or
+without each row's padding) still take `native.attention` within any one of these bounds (keys, keys
+x d_head): 256 keys of d_head 16 or 32, 128 of 64; 512 of d_head 8 or less (341 to 273 of 12 to 15).
+There the kernel, which skips the keys a causal mask hides, was faster than SDPA's CPU kernel or
+level with it, forward and backward and the forward alone, on one thread and two
 (`benchmarks/probes/attention_range.py` and `attention_width_rule.py` on AMD EPYC; every cell in
 docs/performance.md, twenty-ninth to thirty-first sections). At 384 keys padded rows of d_head 16
-and rows of d_head 32 and 64 were mostly slower (0.69-0.98x in three runs), hence the first
-bound's key count; its 8192 key floats are the eight rows' keys and values the kernel holds at
-once (8 x 8192 x 2 floats, 512 KiB, half of a core's L2 there). Narrow heads stay well ahead to
-512 keys (d_head 4 and 8: 1.18-4.21x, padded d_head 8 rows included; a d_head 8 decoder's
-training step and forward 1.70-2.50x faster than under the first bound alone), hence the second
-bound, whose 4096 key floats leave d_head 16 out (0.79-1.53x at 384 and 512 keys) and let d_head
-12 to 15 reach 341 to 273 keys (1.38-2.96x from 256 keys to there). An encoder's rows and
-cross-attention's stop at 64 keys: no causal mask hides keys there for the kernel to skip, and
-with no mask SDPA was as fast or faster at 64 keys (0.89-0.95x) and faster beyond on one
-thread. The kernel's backward keeps the weights, T x S
-floats a (batch, head) row (256 KiB at 256 keys, 1 MiB at 512), where SDPA keeps one float a
+and rows of d_head 32 and 64 were mostly slower (0.69-0.98x in three runs), hence the first bound's
+key count; its 8192 key floats are the eight rows' keys and values the kernel holds at once (8 x
+8192 x 2 floats, 512 KiB, half of a core's L2 there). Narrow heads stay well ahead to 512 keys
+(d_head 4 and 8: 1.18-4.21x, padded d_head 8 rows included; a d_head 8 decoder's training step and
+forward 1.70-2.50x faster than under the first bound alone), hence the second bound, whose 4096 key
+floats leave d_head 16 out (0.79-1.53x at 384 and 512 keys) and let d_head 12 to 15 reach 341 to 273
+keys (1.38-2.96x from 256 keys to there). An encoder's rows and cross-attention's stop at 64 keys:
+no causal mask hides keys there for the kernel to skip, and with no mask SDPA was as fast or faster
+at 64 keys (0.89-0.95x) and faster beyond on one thread. The kernel's backward keeps the weights, T
+x S floats a (batch, head) row (256 KiB at 256 keys, 1 MiB at 512), where SDPA keeps one float a
 query."""
 
 
