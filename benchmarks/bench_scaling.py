@@ -11,7 +11,11 @@ longest and the sweep runs length groups (`length_buckets`), as on real data. Tr
 sigma with `theory_draws=1`.
 
 Time: every configuration is built in this process and timed side by side, alternating per
-repeat (median). Growth is compared with the analytic FLOP count of bench_mfu (training:
+repeat (median), after WARMUP_ROUNDS warm-up rounds (one with --quick): with every row's model
+and optimizer alive in one heap, the largest training steps fault in tens of thousands of
+fresh pages a step for their first few rounds, until the heap holds blocks that fit them
+(`benchmarks/probes/scaling_faults.py`), and a training run sees the steady state. Growth is
+compared with the analytic FLOP count of bench_mfu (training:
 B T (6 N_mm + 12 L T d) over the padded batch; sweep: forward only, B T (2 N_mm + 4 L T d) a
 forward, one unperturbed forward of the whole batch, then each length group at its padded width
 once a draw).
@@ -75,6 +79,7 @@ AXES = ("seq_len", "d_model", "batch")
 PROBLEM_BASE = {"n": 4, "d": 2}
 PROBLEM_AXES = ("n", "d")
 PROBLEM_BASE_ROW = "problems n4 d2"
+WARMUP_ROUNDS = 5  # untimed rounds before the timed ones: the heap's faults settle (docstring)
 PLACEMENT = {"train": "pre", "collapse": "qkv"}
 SIGMA = 0.3
 MATMUL_LEAVES = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_gate", "W_U")
@@ -275,6 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = setup_threads(args.threads)
     info = machine_info(threads)
     repeats = repeats_for(args, quick=2, full=3)
+    warmup = 1 if args.quick else WARMUP_ROUNDS
     n_draws = 4 if args.quick else 8
     kinds = ["train"]
     skipped = None
@@ -286,6 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError as err:
         skipped = f"collapse sweep skipped: {err}"
     out: dict[str, Any] = {"benchmark": "scaling", "info": info, "repeats": repeats,
+                           "warmup": warmup,
                            "n_draws": n_draws, "sigma": SIGMA, "kinds": {}, "skipped": skipped,
                            "memory_processes": ("one subprocess per kind" if args.quick
                                                 else "one fresh subprocess per row")}
@@ -296,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             s = shape(kind, mult)
             works[name], n_mm, widths = make_work(kind, s, n_draws)
             f[name] = (flops(kind, widths, s["d_model"], n_mm, n_draws), widths)
-        times = paired_timing(works, repeats=repeats, inner=1, warmup=1)
+        times = paired_timing(works, repeats=repeats, inner=1, warmup=warmup)
         rows = {}
         for name, mult in cfgs:
             base = base_row(mult)
@@ -325,7 +332,8 @@ def to_markdown(res: dict[str, Any]) -> str:
     if "kinds" not in res:  # skipped as a whole (`cpu_only`)
         return f"### Scaling\n\nskipped: {res['skipped']}"
     parts = [header("Scaling: doubling seq len, width, batch", res["info"], res["load_note"]),
-             f"time: median of {res['repeats']} alternating repeats in one process; peak memory: "
+             f"time: median of {res['repeats']} alternating repeats in one process, after "
+             f"{res.get('warmup', 1)} warm-up round(s); peak memory: "
              f"{res['memory_processes']}, VmHWM - VmRSS around one step/sweep "
              "(MALLOC_MMAP_THRESHOLD_=65536); ratios are relative to the base row (random "
              f"tokens) or to the {PROBLEM_BASE_ROW!r} row (real problems, T their padded "

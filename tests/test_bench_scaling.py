@@ -52,3 +52,32 @@ def test_the_training_count_is_over_the_padded_problem_batch() -> None:
     width = make_batch(S.problems(s), "decoder")["tokens"].shape[1]
     assert widths == [(128, width)]
     assert S.flops("train", widths, 64, n_mm, 1) == 128 * width * (6 * n_mm + 48 * width * 64)
+
+
+def test_full_runs_time_each_row_after_the_warm_up_rounds(monkeypatch) -> None:
+    """A full run times each row's step only after WARMUP_ROUNDS untimed calls (the largest
+    steps fault in fresh pages for their first few rounds: the module's docstring), and says so
+    in its JSON and Markdown; --quick keeps one. The steps and memory are stand-ins here."""
+    import argparse
+
+    calls: dict[str, int] = {}
+
+    def work(kind: str, s: dict[str, int], n_draws: int):
+        key = f"{kind} {sorted(s.items())}"
+
+        def step() -> None:
+            calls[key] = calls.get(key, 0) + 1
+
+        rows = (s["batch"], s.get("seq_len", 8))
+        return step, 1000, [rows, rows] if kind == "collapse" else [rows]  # + a length group
+
+    monkeypatch.setattr(S, "make_work", work)
+    monkeypatch.setattr(S, "measure_memory",
+                        lambda kind, shapes, n_draws, threads: [{} for _ in shapes])
+    for quick, warmup, repeats in ((False, S.WARMUP_ROUNDS, 3), (True, 1, 2)):
+        calls.clear()
+        res = S.run(argparse.Namespace(quick=quick, threads=1, repeats=None, device="cpu"))
+        assert res["warmup"] == warmup and res["repeats"] == repeats
+        assert set(calls.values()) == {warmup + repeats}
+        assert len(calls) == 2 * len(S.configs(quick))  # every row of both kinds
+        assert f"after {warmup} warm-up round(s)" in S.to_markdown(res)
