@@ -147,7 +147,10 @@ def paired_timing(
     warmup: int = 1,
     device: torch.device | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds per call of each contender, one entry per repeat, contenders interleaved.
+    """Seconds per call of each contender, one entry per repeat, contenders interleaved,
+    after `warmup` untimed rounds (each contender once a round, in order): memory and caches as
+    the interleaved repeats will leave them (bench_scaling's largest steps fault in fresh pages
+    for their first rounds among the others).
 
     On a GPU (`device`), the queue is drained (`sync`) before each timed repeat starts and
     before it stops, so a repeat holds its kernels' run time and no earlier contender's.
@@ -160,8 +163,8 @@ def paired_timing(
     docs/performance.md). No contender of `make bench` leaves cyclic garbage to pile up
     meanwhile, so none is spared a cost it would pay (`benchmarks/probes/gc_cycles.py`).
     """
-    for fn in contenders.values():
-        for _ in range(warmup):
+    for _ in range(warmup):
+        for fn in contenders.values():
             fn()
     sync(device)
     times: dict[str, list[float]] = {name: [] for name in contenders}

@@ -268,3 +268,6 @@ def test_paired_timing_interleaves_and_times_with_the_collector_off() -> None:
     with pytest.raises(RuntimeError):
         common.paired_timing({"x": boom}, repeats=1)
     assert gc.isenabled()
+    seen.clear()  # warm-up rounds: every contender once a round, before the timed repeats
+    common.paired_timing({"a": contender("a"), "b": contender("b")}, repeats=1, warmup=3)
+    assert [n for n, _ in seen] == ["a", "b"] * 3 + ["a", "b"]
