@@ -12,8 +12,8 @@ sigma with `theory_draws=1`.
 
 Time: every configuration is built in this process and timed side by side, alternating per
 repeat (median), after WARMUP_ROUNDS untimed rounds of every row (one with --quick): with every
-row's model and optimizer alive in one heap, the largest training steps fault in tens of
-thousands of fresh pages a step for their first rounds, until the heap holds blocks that fit
+row's model and optimizer alive in one heap, the largest training steps fault in 10,000-40,000
+fresh pages a step for their first rounds, until the heap holds blocks that fit
 them (`benchmarks/probes/scaling_faults.py`), and a training run sees the steady state. Growth is
 compared with the analytic FLOP count of bench_mfu (training:
 B T (6 N_mm + 12 L T d) over the padded batch; sweep: forward only, B T (2 N_mm + 4 L T d) a
