@@ -13,8 +13,9 @@ sigma with `theory_draws=1`.
 Time: every configuration is built in this process and timed side by side, alternating per
 repeat (median), after WARMUP_ROUNDS untimed rounds of every row (one with --quick): with every
 row's model and optimizer alive in one heap, the largest training steps fault in 10,000-40,000
-fresh pages a step for their first rounds, until the heap holds blocks that fit
-them (`benchmarks/probes/scaling_faults.py`), and a training run sees the steady state. Growth is
+fresh pages a step for their first rounds (`benchmarks/probes/scaling_faults.py`: on one thread
+bursts up to the fifth call, hence five rounds; on two a few thousand a step can remain after
+them), while a training run, thousands of steps long, sees the steady state. Growth is
 compared with the analytic FLOP count of bench_mfu (training:
 B T (6 N_mm + 12 L T d) over the padded batch; sweep: forward only, B T (2 N_mm + 4 L T d) a
 forward, one unperturbed forward of the whole batch, then each length group at its padded width
@@ -333,7 +334,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         return f"### Scaling\n\nskipped: {res['skipped']}"
     parts = [header("Scaling: doubling seq len, width, batch", res["info"], res["load_note"]),
              f"time: median of {res['repeats']} alternating repeats in one process, after "
-             f"{res.get('warmup', 1)} warm-up round(s); peak memory: "
+             f"{res.get('warmup', 1)} untimed round(s) of every row; peak memory: "
              f"{res['memory_processes']}, VmHWM - VmRSS around one step/sweep "
              "(MALLOC_MMAP_THRESHOLD_=65536); ratios are relative to the base row (random "
              f"tokens) or to the {PROBLEM_BASE_ROW!r} row (real problems, T their padded "

@@ -148,9 +148,10 @@ def paired_timing(
     device: torch.device | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each contender, one entry per repeat, contenders interleaved,
-    after `warmup` untimed rounds (each contender once a round, in order): memory and caches as
-    the interleaved repeats will leave them (bench_scaling's largest steps fault in fresh pages
-    for their first rounds among the others).
+    after `warmup` untimed rounds (each contender once a round, in the given order): the heap
+    as rounds of all of them leave it, not as one contender's calls back to back do
+    (bench_scaling's largest steps fault in fresh pages for their first rounds among the
+    others).
 
     On a GPU (`device`), the queue is drained (`sync`) before each timed repeat starts and
     before it stops, so a repeat holds its kernels' run time and no earlier contender's.

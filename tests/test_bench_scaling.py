@@ -56,17 +56,20 @@ def test_the_training_count_is_over_the_padded_problem_batch() -> None:
 
 def test_full_runs_time_each_row_after_the_warm_up_rounds(monkeypatch) -> None:
     """A full run times each row's step only after WARMUP_ROUNDS untimed calls (the largest
-    steps fault in fresh pages for their first few rounds: the module's docstring), and says so
-    in its JSON and Markdown; --quick keeps one. The steps and memory are stand-ins here."""
+    steps fault in fresh pages up to their fifth call: the module's docstring), and says so in
+    its JSON and Markdown; --quick keeps one. The steps and memory are stand-ins here; the
+    untimed calls are the ones that run with the garbage collector on (`paired_timing`)."""
     import argparse
+    import gc
 
-    calls: dict[str, int] = {}
+    assert S.WARMUP_ROUNDS >= 5  # scaling_faults.py: one-thread bursts up to the fifth call
+    calls: dict[str, list[bool]] = {}
 
     def work(kind: str, s: dict[str, int], n_draws: int):
         key = f"{kind} {sorted(s.items())}"
 
         def step() -> None:
-            calls[key] = calls.get(key, 0) + 1
+            calls.setdefault(key, []).append(gc.isenabled())
 
         rows = (s["batch"], s.get("seq_len", 8))
         return step, 1000, [rows, rows] if kind == "collapse" else [rows]  # + a length group
@@ -78,6 +81,7 @@ def test_full_runs_time_each_row_after_the_warm_up_rounds(monkeypatch) -> None:
         calls.clear()
         res = S.run(argparse.Namespace(quick=quick, threads=1, repeats=None, device="cpu"))
         assert res["warmup"] == warmup and res["repeats"] == repeats
-        assert set(calls.values()) == {warmup + repeats}
+        assert {tuple(c) for c in calls.values()} == {(True,) * warmup + (False,) * repeats}
         assert len(calls) == 2 * len(S.configs(quick))  # every row of both kinds
-        assert f"after {warmup} warm-up round(s)" in S.to_markdown(res)
+        assert {r["n"] for rows in res["kinds"].values() for r in rows.values()} == {repeats}
+        assert f"after {warmup} untimed round(s) of every row" in S.to_markdown(res)

@@ -4,7 +4,8 @@ Why do bench_scaling's largest training rows (the longest sequence and the large
 far above their FLOP count on one thread in some runs and not in others? The benchmark builds
 every row's model and optimizer in one process and times their steps alternating. This probe
 does the same for the training rows (glibc keeping freed memory, as the benchmarks run), with
-one warm-up call a row as the benchmark had, then ROUNDS rounds (default 8), and prints each
+one warm-up call a row as the benchmark had until it got its WARMUP_ROUNDS (thirty-first
+session), then ROUNDS rounds (default 8), and prints each
 row's median step time, then each round's step time and minor page faults (`getrusage`):
 memory the heap had to fault in because no freed block in it fitted.
 
@@ -27,7 +28,7 @@ from normlab import allocator
 from normlab.model import native
 
 args = sys.argv[1:]
-if len(args) > 2 or not all(a.isdigit() and int(a) >= 1 for a in args):
+if len(args) > 2 or not all(a.isdecimal() and int(a) >= 1 for a in args):
     sys.exit("usage: scaling_faults.py [THREADS] [ROUNDS], both >= 1")
 torch.set_num_threads(int(args[0]) if args else 1)
 rounds = int(args[1]) if len(args) > 1 else 8
@@ -36,7 +37,7 @@ allocator.keep_freed_memory()
 probe_header("scaling_faults.py")
 steps = {name: bench_scaling.make_work("train", bench_scaling.shape("train", mult), 8)[0]
          for name, mult in bench_scaling.configs(False)}
-for step in steps.values():  # the benchmark's one warm-up call a row
+for step in steps.values():  # one warm-up call a row, as the benchmark had
     step()
 gc.collect()
 gc.disable()  # as `common.paired_timing` times
