@@ -39,8 +39,8 @@ class SdpaPast(Protocol):
 def sdpa_past(monkeypatch: pytest.MonkeyPatch) -> SdpaPast:
     """`sdpa_past(n)`: for the rest of the test, rows of more than n keys take SDPA where no
     hook reads them, causal ones too (no `KERNEL_BOUNDS_CPU`); n becomes
-    `EXPLICIT_MAX_KEYS_CPU` (0: every row; None leaves it as it is). How a test forces torch's
-    fused path for its whole length (`test_interop` patches one forward instead)."""
+    `EXPLICIT_MAX_KEYS_CPU` (0: every row; None leaves it as it is). The one way tests force
+    torch's fused path."""
 
     def force(n_keys: int | None = None) -> None:
         if n_keys is not None:

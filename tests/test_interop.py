@@ -21,13 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-from unittest import mock
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
-from normlab.model import DecoderLM, ModelConfig, attention, build_model
+from normlab.model import DecoderLM, ModelConfig, build_model
+
+if TYPE_CHECKING:
+    from conftest import SdpaPast
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,16 +71,17 @@ def _gpt2(**overrides: Any) -> Any:
     return _randomise_norms(transformers.GPT2LMHeadModel(cfg))
 
 
-def _check_parity(hf: Any, model: DecoderLM, n_layers: int = 2) -> dict[str, torch.Tensor]:
-    """Logits to LOGIT_ATOL and each block's input residual equal to HF's hidden state."""
+def _check_parity(hf: Any, model: DecoderLM, sdpa_past: SdpaPast, n_layers: int = 2
+                  ) -> dict[str, torch.Tensor]:
+    """Logits to LOGIT_ATOL and each block's input residual equal to HF's hidden state, on the
+    explicit path (hooked and not) and then, for the rest of the test, on SDPA's."""
     tokens = torch.randint(0, hf.config.vocab_size, (2, 24))
     with torch.no_grad():
         ref = hf(tokens, output_hidden_states=True)
         logits, cache = model.run_with_cache(tokens)  # explicit softmax path
         plain = model(tokens)  # no hook: explicit too at 24 keys on CPU (explicit_by_default)
-        with mock.patch.object(attention, "EXPLICIT_MAX_KEYS_CPU", 0), \
-                mock.patch.object(attention, "KERNEL_BOUNDS_CPU", ()):
-            fused = model(tokens)  # scaled_dot_product_attention path
+        sdpa_past(0)
+        fused = model(tokens)  # scaled_dot_product_attention path
     assert ref.logits.abs().max() > 1.0  # a non-trivial reference
     torch.testing.assert_close(logits, ref.logits, atol=LOGIT_ATOL, rtol=0)
     torch.testing.assert_close(plain, ref.logits, atol=LOGIT_ATOL, rtol=0)
@@ -98,9 +101,9 @@ def _check_parity(hf: Any, model: DecoderLM, n_layers: int = 2) -> dict[str, tor
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_gpt2_parity(tied: bool) -> None:
+def test_gpt2_parity(tied: bool, sdpa_past: SdpaPast) -> None:
     """Untied too: its own lm_head, not wte (an untied GPT-2 converted with wte's logits)."""
-    _check_parity(hf := _gpt2(tie_word_embeddings=tied), model := from_hf(hf))
+    _check_parity(hf := _gpt2(tie_word_embeddings=tied), model := from_hf(hf), sdpa_past)
     assert model.cfg.tie_embeddings is tied
 
 
@@ -113,7 +116,7 @@ def test_gpt2_parity(tied: bool) -> None:
     ],
     ids=["gqa-untied", "tied-bias-headdim"],
 )
-def test_llama_parity(overrides: dict[str, Any]) -> None:
+def test_llama_parity(overrides: dict[str, Any], sdpa_past: SdpaPast) -> None:
     hf = _llama(**overrides)
     model = from_hf(hf)
     c = model.cfg
@@ -123,7 +126,7 @@ def test_llama_parity(overrides: dict[str, Any]) -> None:
     assert c.tie_embeddings == bool(overrides.get("tie_word_embeddings", False))
     assert c.n_kv_heads == overrides.get("num_key_value_heads", 2)
     assert c.rope_theta == overrides.get("rope_theta", 10000.0)
-    _check_parity(hf, model)
+    _check_parity(hf, model, sdpa_past)
 
 
 @pytest.mark.parametrize(
@@ -131,12 +134,12 @@ def test_llama_parity(overrides: dict[str, Any]) -> None:
     [{}, {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True}],
     ids=["headdim24-untied", "tied-bias"],
 )
-def test_qwen3_parity(overrides: dict[str, Any]) -> None:
+def test_qwen3_parity(overrides: dict[str, Any], sdpa_past: SdpaPast) -> None:
     hf = _qwen3(**overrides)
     model = from_hf(hf)
     assert model.cfg.norm_placement == "pre_qk" and model.cfg.attn_scale == "fixed"
     assert model.cfg.d_head == overrides.get("head_dim", 24)  # not hidden_size / heads = 16
-    cache = _check_parity(hf, model)
+    cache = _check_parity(hf, model, sdpa_past)
     scale = cache["blocks.0.attn.q_norm.hook_scale"]  # RMS of each head's q, before RoPE
     assert scale.shape == (2, 24, 4, 1)
     pre = cache["blocks.0.attn.hook_q_pre_norm"]
@@ -165,11 +168,11 @@ def test_from_hf_leaves_the_hf_model_alone() -> None:
     assert next(model.parameters()).dtype == torch.float32 and not model.training
 
 
-def test_from_hf_pretrained_roundtrip(tmp_path: Path) -> None:
+def test_from_hf_pretrained_roundtrip(tmp_path: Path, sdpa_past: SdpaPast) -> None:
     hf = _qwen3()
     hf.save_pretrained(tmp_path / "qwen3")
     model = from_hf_pretrained(tmp_path / "qwen3")
-    _check_parity(hf, model)
+    _check_parity(hf, model, sdpa_past)
 
 
 # ---- bad input ------------------------------------------------------------------------------
