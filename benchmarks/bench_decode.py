@@ -59,7 +59,8 @@ def recipe(path: str | None) -> tuple[str, RunConfig, ResolvedTask]:
     repository where it lies inside), its config and its task; a recipe this benchmark cannot
     decode is a ValueError naming the file."""
     p = CONFIG if path is None else Path(path)
-    name = p.resolve().relative_to(ROOT).as_posix() if p.resolve().is_relative_to(ROOT) else str(p)
+    full = p.resolve()
+    name = full.relative_to(ROOT).as_posix() if full.is_relative_to(ROOT) else str(p)
     try:
         run_cfg = load_config(p)
         task = run_cfg.validate()
