@@ -1,4 +1,5 @@
-"""One-off probe behind a thirtieth-session note in docs/performance.md; not part of make bench.
+"""One-off probe behind notes in the thirtieth and thirty-second sections of
+docs/performance.md; not part of make bench.
 
 How cheap could a cached decoding step get without a kernel for the whole block? bench_decode's
 n5d1 cell (`pre`, the quick-grid size, random weights, seed 0; glibc keeping freed memory, as
@@ -10,7 +11,14 @@ decoding attention. Both take the second of the three steps, alternating, median
 (after 5), in one process, with Python's garbage collector off as the benchmarks time; the
 floor's logits must match the model's (within 1e-4). Then the whole cached and uncached decodes
 (median of 21 after 5), and the speed-up the cached decode would reach if each of its three
-steps took the floor's time instead, or no time at all:
+steps took the floor's time instead, or no time at all.
+
+Last (thirty-second session), both steps again on the cell's first prompt alone: a batch of
+one row, whose arithmetic is next to nothing, so its time is what the step pays per call
+(Python, dispatch, the kernels' ctypes calls) at any batch. The floor's time at the full batch
+less its time at one row is what a kernel for the whole step would still pay if it cost
+nothing per call and ran the same arithmetic as fast as torch's ops and normlab's kernels do;
+the speed-up such steps would give is printed last:
 
     .venv/bin/python benchmarks/probes/decode_step_floor.py [THREADS]
 """
@@ -38,9 +46,6 @@ threads_from_argv("decode_step_floor.py")
 probe_header("decode_step_floor.py")
 cell = N5d1Decoder(base_config())
 model, prompts, max_new = cell.model, cell.prompts, cell.max_new
-seq, mask = _pad(prompts, 0, left=True)
-aux = _pad([aux_positions(p, "sequence") for p in prompts], 0, left=True)[0]
-b = seq.shape[0]
 cfg = model.cfg  # what the floor's arithmetic assumes
 assert (cfg.norm_placement == "pre" and cfg.pos_encoding == "rope" and cfg.act == "gelu"
         and cfg.mlp_type == "standard" and cfg.n_kv_heads == cfg.n_heads and not cfg.attn_bias
@@ -53,11 +58,15 @@ layers = [
      blk.mlp.W_out)
     for blk in model.blocks
 ]
+Step = tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def second_step() -> tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A cache holding the prompt and the first new token, and the second step's inputs
-    (token, key mask, digit position), as greedy decoding makes them."""
+def second_step(rows: list[list[int]]) -> Step:
+    """A cache holding the prompts `rows` and the first new token, and the second step's
+    inputs (token, key mask, digit position), as greedy decoding makes them."""
+    seq, mask = _pad(rows, 0, left=True)
+    aux = _pad([aux_positions(p, "sequence") for p in rows], 0, left=True)[0]
+    b = seq.shape[0]
     cache = model.new_cache(seq.shape[1] + max_new - 1)
     logits = model(seq, attention_mask=mask, cache=cache, aux=aux)
     nxt = logits[:, -1].argmax(-1)
@@ -78,7 +87,7 @@ def model_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tens
 def floor_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tensor
                ) -> torch.Tensor:
     """The same step by hand: logits [b, vocab]."""
-    n = cache.length
+    n, b = cache.length, nxt.shape[0]
     x = model.embed.W_E[nxt] + model.W_aux[a]  # [b, d_model]
     rope = model.rotary((m.sum(-1) - 1)[:, None])
     key_mask = m[:, None, None, :]
@@ -94,24 +103,33 @@ def floor_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tens
     return model.unembed(model.ln_final(x))
 
 
-with torch.no_grad():
-    diff = (model_step(*second_step()) - floor_step(*second_step())).abs().max().item()
-    assert diff < 1e-4, f"decode_step_floor.py: the floor's logits are {diff} off the model's"
+def step_times(rows: list[list[int]]) -> dict[str, float]:
+    """Median ms of the model's and the floor's second step on `rows`, alternating."""
     times: dict[str, list[float]] = {"model": [], "floor": []}
     gc.collect()
     gc.disable()  # as `common.paired_timing` times
     for r in range(46):
         for name, fn in ((("model", model_step), ("floor", floor_step)) if r % 2 == 0
                          else (("floor", floor_step), ("model", model_step))):
-            inputs = second_step()
+            inputs = second_step(rows)
             t0 = time.perf_counter()
             fn(*inputs)
             if r >= 5:
                 times[name].append(time.perf_counter() - t0)
     gc.enable()
+    return {n: 1e3 * median(ts) for n, ts in times.items()}
+
+
+with torch.no_grad():
+    diff = (model_step(*second_step(prompts)) - floor_step(*second_step(prompts))
+            ).abs().max().item()
+    assert diff < 1e-4, f"decode_step_floor.py: the floor's logits are {diff} off the model's"
+    full = step_times(prompts)
     decodes = paired_timing({"cached": lambda: cell.decode(True),
                              "uncached": lambda: cell.decode(False)}, repeats=21, warmup=5)
-step, floor = (1e3 * median(times[n]) for n in ("model", "floor"))
+    one = step_times(prompts[:1])
+b = len(prompts)
+step, floor = full["model"], full["floor"]
 cached, uncached = (1e3 * median(decodes[n]) for n in ("cached", "uncached"))
 with_floor = cached - (max_new - 1) * (step - floor)
 print(f"n5d1, {b} prompts, {max_new} new tokens; median ms; the floor's logits within "
@@ -122,3 +140,8 @@ print(f"  with the floor's steps the cached decode would take {with_floor:.1f}: 
       f"{uncached / with_floor:.2f}")
 free = cached - (max_new - 1) * step
 print(f"  with steps that cost nothing, {free:.1f}: speed-up {uncached / free:.2f}")
+per_call = one["floor"]
+bound = cached - (max_new - 1) * (step - (floor - per_call))
+print(f"  one step on one prompt: model {one['model']:.2f}, floor {per_call:.2f}")
+print(f"  with steps that cost the floor's time less its time on one prompt "
+      f"({floor - per_call:.2f}), {bound:.1f}: speed-up {uncached / bound:.2f}")
