@@ -25,6 +25,7 @@ the speed-up such steps would give is printed last:
 import gc
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,8 +43,6 @@ from normlab.model.transformer import KVCache
 from normlab.tasks.addition import aux_positions, next_aux_position
 
 allocator.keep_freed_memory()
-threads_from_argv("decode_step_floor.py")
-probe_header("decode_step_floor.py")
 cell = N5d1Decoder(base_config())
 model, prompts, max_new = cell.model, cell.prompts, cell.max_new
 cfg = model.cfg  # what the floor's arithmetic assumes
@@ -103,14 +102,19 @@ def floor_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tens
     return model.unembed(model.ln_final(x))
 
 
-def step_times(rows: list[list[int]]) -> dict[str, float]:
-    """Median ms of the model's and the floor's second step on `rows`, alternating."""
-    times: dict[str, list[float]] = {"model": [], "floor": []}
+Way = tuple[str, Callable[..., torch.Tensor]]
+
+
+def step_times(rows: list[list[int]], ways: tuple[Way, ...] = (("model", model_step),
+                                                              ("floor", floor_step))
+               ) -> dict[str, float]:
+    """Median ms of each way's second step on `rows`, the ways in turn, starting one later
+    each round (two ways: alternating)."""
+    times: dict[str, list[float]] = {name: [] for name, _ in ways}
     gc.collect()
     gc.disable()  # as `common.paired_timing` times
     for r in range(46):
-        for name, fn in ((("model", model_step), ("floor", floor_step)) if r % 2 == 0
-                         else (("floor", floor_step), ("model", model_step))):
+        for name, fn in ways[r % len(ways):] + ways[:r % len(ways)]:
             inputs = second_step(rows)
             t0 = time.perf_counter()
             fn(*inputs)
@@ -120,28 +124,36 @@ def step_times(rows: list[list[int]]) -> dict[str, float]:
     return {n: 1e3 * median(ts) for n, ts in times.items()}
 
 
-with torch.no_grad():
-    diff = (model_step(*second_step(prompts)) - floor_step(*second_step(prompts))
-            ).abs().max().item()
-    assert diff < 1e-4, f"decode_step_floor.py: the floor's logits are {diff} off the model's"
-    full = step_times(prompts)
-    decodes = paired_timing({"cached": lambda: cell.decode(True),
-                             "uncached": lambda: cell.decode(False)}, repeats=21, warmup=5)
-    one = step_times(prompts[:1])
-b = len(prompts)
-step, floor = full["model"], full["floor"]
-cached, uncached = (1e3 * median(decodes[n]) for n in ("cached", "uncached"))
-with_floor = cached - (max_new - 1) * (step - floor)
-print(f"n5d1, {b} prompts, {max_new} new tokens; median ms; the floor's logits within "
-      f"{diff:.1e} of the model's")
-print(f"  one step: model {step:.2f}, floor {floor:.2f} (floor / model {floor / step:.3f})")
-print(f"  cached decode {cached:.1f}, uncached {uncached:.1f}: speed-up {uncached / cached:.2f}")
-print(f"  with the floor's steps the cached decode would take {with_floor:.1f}: speed-up "
-      f"{uncached / with_floor:.2f}")
-free = cached - (max_new - 1) * step
-print(f"  with steps that cost nothing, {free:.1f}: speed-up {uncached / free:.2f}")
-per_call = one["floor"]
-bound = cached - (max_new - 1) * (step - (floor - per_call))
-print(f"  one step on one prompt: model {one['model']:.2f}, floor {per_call:.2f}")
-print(f"  with steps that cost the floor's time less its time on one prompt "
-      f"({floor - per_call:.2f}), {bound:.1f}: speed-up {uncached / bound:.2f}")
+def main() -> None:
+    threads_from_argv("decode_step_floor.py")
+    probe_header("decode_step_floor.py")
+    with torch.no_grad():
+        diff = (model_step(*second_step(prompts)) - floor_step(*second_step(prompts))
+                ).abs().max().item()
+        assert diff < 1e-4, f"decode_step_floor.py: the floor's logits are {diff} off the model's"
+        full = step_times(prompts)
+        decodes = paired_timing({"cached": lambda: cell.decode(True),
+                                 "uncached": lambda: cell.decode(False)}, repeats=21, warmup=5)
+        one = step_times(prompts[:1])
+    b = len(prompts)
+    step, floor = full["model"], full["floor"]
+    cached, uncached = (1e3 * median(decodes[n]) for n in ("cached", "uncached"))
+    with_floor = cached - (max_new - 1) * (step - floor)
+    print(f"n5d1, {b} prompts, {max_new} new tokens; median ms; the floor's logits within "
+          f"{diff:.1e} of the model's")
+    print(f"  one step: model {step:.2f}, floor {floor:.2f} (floor / model {floor / step:.3f})")
+    print(f"  cached decode {cached:.1f}, uncached {uncached:.1f}: speed-up "
+          f"{uncached / cached:.2f}")
+    print(f"  with the floor's steps the cached decode would take {with_floor:.1f}: speed-up "
+          f"{uncached / with_floor:.2f}")
+    free = cached - (max_new - 1) * step
+    print(f"  with steps that cost nothing, {free:.1f}: speed-up {uncached / free:.2f}")
+    per_call = one["floor"]
+    bound = cached - (max_new - 1) * (step - (floor - per_call))
+    print(f"  one step on one prompt: model {one['model']:.2f}, floor {per_call:.2f}")
+    print(f"  with steps that cost the floor's time less its time on one prompt "
+          f"({floor - per_call:.2f}), {bound:.1f}: speed-up {uncached / bound:.2f}")
+
+
+if __name__ == "__main__":
+    main()
