@@ -14,11 +14,13 @@ floor's logits must match the model's (within 1e-4). Then the whole cached and u
 steps took the floor's time instead, or no time at all.
 
 Last (thirty-second session), both steps again on the cell's first prompt alone: a batch of
-one row, whose arithmetic is next to nothing, so its time is what the step pays per call
-(Python, dispatch, the kernels' ctypes calls) at any batch. The floor's time at the full batch
-less its time at one row is what a kernel for the whole step would still pay if it cost
-nothing per call and ran the same arithmetic as fast as torch's ops and normlab's kernels do;
-the speed-up such steps would give is printed last:
+one row, whose arithmetic is next to nothing, so its time is about what the step pays per call
+(Python, dispatch) at any batch. Only about: at one row the norms and RoPE take torch's small
+ops, below their kernels' MIN_ROWS, where the full batch pays the kernels' ctypes calls
+(`native.py`: those cost more). The floor's time at the full batch less its time at one row
+is then roughly what a kernel for the whole step would still pay if it cost nothing per call
+and ran the same arithmetic as fast as torch's ops and normlab's kernels do; the speed-up such
+steps would give is printed last:
 
     .venv/bin/python benchmarks/probes/decode_step_floor.py [THREADS]
 """

@@ -7,8 +7,10 @@
  * independent, so each thread takes its own chunks of CH rows through the blocks with no
  * hand-over between ops or threads: block by block, so that a block's weights (192 KiB at the
  * quick grid's size) stay in the core's L2 while the thread's chunks go through, each chunk's
- * activations in L1. No hooks, no checks: the probe checks its logits against the model's, and
- * the sizes this file assumes (D <= 256, 3 D and M <= MAXW, D and M multiples of 32, E <= 64).
+ * activations in L1. No hooks, no checks: the probe asserts the sizes this file assumes (D = H E
+ * <= 256, 3 D and M <= MAXW, D and M multiples of 32, E <= 64, n < cap, n + 1 <= ATTN_MAX_KEYS,
+ * a bool mask [B, n + 1]) and checks the logits against the model's; greedy decoding's mask
+ * lets each new token see itself (its last column), as the model's own mask does.
  *
  * Built by the probe with native.c's first flags (-O3 -march=native -fopenmp), native.c
  * included for its attention row, its exponential, its LayerNorm rows and its thread split.
@@ -21,7 +23,8 @@
 typedef float v16 __attribute__((vector_size(64), aligned(4))); /* at any address */
 
 /* C[CH x N] (+)= A[CH x K] @ W[K x N], W row-major, N a multiple of 32: 8 rows x 32 columns of
- * accumulators in registers, one weight row read per k */
+ * accumulators, one weight row read per k; in registers with AVX-512's 32 (with AVX2's 16 they
+ * spill: slower, not wrong) */
 static inline void mm(const float *A, int64_t lda, const float *W, int64_t K, int64_t N,
                       float *C, int64_t ldc, int acc_in) {
   for (int64_t n = 0; n < N; n += 32) {
@@ -54,17 +57,6 @@ static inline void ln_rows(const float *x, const float *w, const float *b, float
                            float eps) {
   float mean[CH], rstd[CH];
   fwd_part(x, w, b, y, mean, rstd, 0, CH, D, 1, eps, NULL, 0); /* native.c's eight-row path */
-}
-
-static inline float gelu1(float xi) { /* nl_gelu_fwd's y */
-  const float t = 1.f / (1.f + 0.3275911f * 0.70710678118654752f * fabsf(xi));
-  float r = 1.061405429f;
-  r = r * t - 1.453152027f;
-  r = r * t + 1.421413741f;
-  r = r * t - 0.284496736f;
-  r = r * t + 0.254829592f;
-  const float q = 0.5f * r * t * exp_nonpos(-0.5f * xi * xi);
-  return xi * (xi >= 0.f ? 1.f - q : q);
 }
 
 /* x*cos + roll(x*sin', E/2), as torch_rope (sin' = cat(s, -s)), in place: the two halves */
@@ -129,7 +121,10 @@ void probe_step(float *x, const float *cs, const float *sn, int64_t L,
         mm(z, D, wo[l], D, D, xs, D, 1);
         ln_rows(xs, ln2w[l], ln2b[l], h, D, eps);
         mm(h, D, win[l], D, M, u, M, 0);
-        for (int64_t i = 0; i < CH * M; ++i) u[i] = gelu1(u[i]);
+        for (int64_t i = 0; i < CH * M; ++i) {
+          float g;
+          u[i] *= gelu_cdf(u[i], &g); /* native.c's GELU, without its derivative */
+        }
         mm(u, M, wout[l], M, D, xs, D, 1);
         memcpy(x + b0 * D, xs, sizeof(float) * rows * D);
       }

@@ -14,6 +14,9 @@ the model's (within 1e-4). Then, with `decode_step_floor.py`'s set-up:
   model's forward swapped for the kernel's on those calls; the prompt forward and
   `greedy_decode`'s loop are the model's), and the uncached decode, side by side as
   `bench_decode.py` times them (median of 21 after 5); all three must write the same tokens.
+  The kernel's steps skip what the model's forward does around its blocks (input checks,
+  positions from the mask, the causal mask, hook points, `append_kv`'s checks), so the speed-up
+  with them bounds what a kernel taken into the model, which would keep some of that, could give.
 
     .venv/bin/python benchmarks/probes/decode_step_kernel.py [THREADS]
 """
@@ -51,7 +54,8 @@ from normlab.tasks.addition import aux_positions, next_aux_position
 SOURCE = Path(__file__).with_name("decode_step_kernel.c")
 cfg = model.cfg
 D, M, L = cfg.d_model, cfg.d_mlp, cfg.n_layers
-assert (D <= 256 and max(3 * D, M) <= 1024 and D % 32 == 0 and M % 32 == 0 and e <= 64
+assert (h * e == D <= 256 and max(3 * D, M) <= 1024 and D % 32 == 0 and M % 32 == 0
+        and e <= 64 and not cfg.norm_gain_offset
         and all(blk.ln1.b is not None and blk.ln2.b is not None for blk in model.blocks)), \
     "decode_step_kernel.py: the kernel is written for this cell's model"
 
@@ -91,15 +95,17 @@ def run(lib: ctypes.CDLL) -> None:
                     ) -> torch.Tensor:
         """The second step in one C call: logits [b, vocab]; the cache's buffers get position
         `cache.length` (its views and length are the caller's to move on)."""
-        b = nxt.shape[0]
+        b, n = nxt.shape[0], cache.length
+        kv = [layer["self"] for layer in cache.layers]
+        cap = kv[0]["buf_k"].shape[2]
+        assert (n < cap and n + 1 <= native.ATTN_MAX_KEYS and m.dtype is torch.bool
+                and m.shape == (b, n + 1) and m.is_contiguous()), "the step's inputs"
         x = model.embed.W_E[nxt] + model.W_aux[a]  # [b, d_model], written in place
         rope = model.rotary((m.sum(-1) - 1)[:, None])
         cos, sin = rope.cos.reshape(b, e), rope.sin.reshape(b, e)
-        kv = [layer["self"] for layer in cache.layers]
         lib.probe_step(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), L, *arrays,
-                       ptrs([c["buf_k"] for c in kv]), ptrs([c["buf_v"] for c in kv]),
-                       kv[0]["buf_k"].shape[2], cache.length, m.data_ptr(), b, D, h, M,
-                       cfg.norm_eps, threads)
+                       ptrs([c["buf_k"] for c in kv]), ptrs([c["buf_v"] for c in kv]), cap, n,
+                       m.data_ptr(), b, D, h, M, cfg.norm_eps, threads)
         return model.unembed(model.ln_final(x))
 
     forward = model.forward
@@ -110,7 +116,7 @@ def run(lib: ctypes.CDLL) -> None:
         """The model's forward, but a cached single-token step is the kernel's."""
         if cache is None or ids.shape[1] != 1 or not cache.length or kw or aux is None:
             return forward(ids, attention_mask=attention_mask, cache=cache, aux=aux, **kw)
-        assert attention_mask is not None and attention_mask.is_contiguous()
+        assert attention_mask is not None
         n = cache.length
         logits = kernel_step(cache, ids[:, 0], attention_mask, aux[:, 0])
         for layer in cache.layers:  # as append_kv leaves the cache after a step

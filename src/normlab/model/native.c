@@ -659,6 +659,19 @@ static inline float exp_nonpos(float v) {
   return v < -80.f ? 0.f : p * s.f;
 }
 
+/* cdf(x), and e^(-x^2/2) in *g (the pdf's exponential, which erf's formula shares) */
+static inline float gelu_cdf(float xi, float *g) {
+  const float t = 1.f / (1.f + 0.3275911f * 0.70710678118654752f * fabsf(xi));
+  float r = 1.061405429f;
+  r = r * t - 1.453152027f;
+  r = r * t + 1.421413741f;
+  r = r * t - 0.284496736f;
+  r = r * t + 0.254829592f;
+  *g = exp_nonpos(-0.5f * xi * xi);
+  const float q = 0.5f * r * t * *g; /* (1 - erf(|x| / sqrt2)) / 2 */
+  return xi >= 0.f ? 1.f - q : q;
+}
+
 void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
@@ -666,15 +679,8 @@ void nl_gelu_fwd(const float *x, float *y, float *d, int64_t N, int nthreads) {
     my_rows(N, &s, &e);
     for (int64_t i = s; i < e; ++i) {
       const float xi = x[i];
-      const float t = 1.f / (1.f + 0.3275911f * 0.70710678118654752f * fabsf(xi));
-      float r = 1.061405429f;
-      r = r * t - 1.453152027f;
-      r = r * t + 1.421413741f;
-      r = r * t - 0.284496736f;
-      r = r * t + 0.254829592f;
-      const float g = exp_nonpos(-0.5f * xi * xi);
-      const float q = 0.5f * r * t * g; /* (1 - erf(|x| / sqrt2)) / 2 */
-      const float c = xi >= 0.f ? 1.f - q : q;
+      float g;
+      const float c = gelu_cdf(xi, &g);
       y[i] = xi * c;
       d[i] = c + xi * g * 0.39894228040143268f;
     }
