@@ -14,9 +14,10 @@ the model's (within 1e-4). Then, with `decode_step_floor.py`'s set-up:
   model's forward swapped for the kernel's on those calls; the prompt forward and
   `greedy_decode`'s loop are the model's), and the uncached decode, side by side as
   `bench_decode.py` times them (median of 21 after 5); all three must write the same tokens.
-  The kernel's steps skip what the model's forward does around its blocks (input checks,
-  positions from the mask, the causal mask, hook points, `append_kv`'s checks), so the speed-up
-  with them bounds what a kernel taken into the model, which would keep some of that, could give.
+  The kernel's steps skip most of what the model's forward does around its blocks (its input
+  checks, positions from the mask, the causal mask, hook points, `append_kv`'s checks), so the
+  speed-up with them bounds what a kernel taken into the model, which would keep some of that,
+  could give.
 
     .venv/bin/python benchmarks/probes/decode_step_kernel.py [THREADS]
 """
