@@ -25,7 +25,6 @@ import ctypes
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from abtime import probe_header, threads_from_argv
 from decode_step_floor import (
+    cell,
     e,
     floor_step,
     h,
@@ -48,9 +48,7 @@ from decode_step_floor import (
 
 from common import median, paired_timing
 from normlab.model import native
-from normlab.model.generate import greedy_decode
 from normlab.model.transformer import KVCache
-from normlab.tasks.addition import aux_positions, next_aux_position
 
 SOURCE = Path(__file__).with_name("decode_step_kernel.c")
 cfg = model.cfg
@@ -67,8 +65,10 @@ def build(out_dir: str) -> ctypes.CDLL:
     cmd = [*native.compiler(), *native.FLAG_SETS[0], "-shared", "-fPIC", str(SOURCE), "-o",
            str(so)]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"decode_step_kernel.py: could not build {SOURCE.name}: {done.stderr.strip()}")
+    if done.returncode:  # one line: the compiler's first error, or its last word
+        lines = done.stderr.strip().splitlines() or ["no message"]
+        first = next((ln for ln in lines if "error" in ln), lines[-1])
+        sys.exit(f"decode_step_kernel.py: could not build {SOURCE.name}: {first}")
     lib = ctypes.CDLL(str(so))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.probe_step.argtypes = [p, p, p, i64, *[p] * 11, i64, i64, p, i64, i64, i64, i64,
@@ -81,15 +81,11 @@ def ptrs(ts: list[torch.Tensor]) -> ctypes.Array:
 
 
 def run(lib: ctypes.CDLL) -> None:
-    weights = [  # each [layer] in the order probe_step takes them
-        [b.ln1.w for b in model.blocks], [b.ln1.b for b in model.blocks],
-        [w_qkv for _, w_qkv, *_ in layers], [w_o for _, _, w_o, *_ in layers],
-        [b.ln2.w for b in model.blocks], [b.ln2.b for b in model.blocks],
-        [b.mlp.W_in.contiguous() for b in model.blocks],
-        [b.mlp.W_out.contiguous() for b in model.blocks],
-        [b.attn.scale.contiguous() for b in model.blocks],
-    ]
-    arrays = [ptrs(w) for w in weights]
+    ln1, w_qkv, w_o, scale, ln2, w_in, w_out = zip(*layers, strict=True)  # the floor's, by layer
+    weights = [[n.w for n in ln1], [n.b for n in ln1], w_qkv, w_o, [n.w for n in ln2],
+               [n.b for n in ln2], w_in, w_out, scale]  # in the order probe_step takes them
+    assert all(t.is_contiguous() for ts in weights for t in ts)
+    arrays = [ptrs(list(w)) for w in weights]
     threads = torch.get_num_threads()
 
     def kernel_step(cache: KVCache, nxt: torch.Tensor, m: torch.Tensor, a: torch.Tensor
@@ -127,18 +123,13 @@ def run(lib: ctypes.CDLL) -> None:
         cache.length = n + 1
         return logits[:, None]
 
-    def decode(cached: bool, kernel: bool = False) -> Callable[[], list[list[int]]]:
-        def fn() -> list[list[int]]:
-            if kernel:
-                model.forward = kernel_forward
-            try:
-                return greedy_decode(model, prompts, max_new=max_new, eos=-1,
-                                     aux_fn=aux_positions, aux_next=next_aux_position,
-                                     use_cache=cached)
-            finally:
-                if kernel:
-                    del model.forward  # the class's forward again
-        return fn
+    def kernel_decode() -> list[list[int]]:
+        """The cached decode (`cell.decode`), its single-token steps the kernel's."""
+        model.forward = kernel_forward
+        try:
+            return cell.decode(True)
+        finally:
+            del model.forward  # the class's forward again
 
     with torch.no_grad():
         diff = (model_step(*second_step(prompts)) - kernel_step(*second_step(prompts))
@@ -146,10 +137,10 @@ def run(lib: ctypes.CDLL) -> None:
         assert diff < 1e-4, f"decode_step_kernel.py: the kernel's logits are {diff} off the model's"
         steps = step_times(prompts, (("model", model_step), ("floor", floor_step),
                                      ("kernel", kernel_step)))
-    outs = [decode(True)(), decode(True, kernel=True)(), decode(False)()]
+    outs = [cell.decode(True), kernel_decode(), cell.decode(False)]
     assert outs[0] == outs[1] == outs[2], "decode_step_kernel.py: the decodes' tokens differ"
-    times = paired_timing({"cached": decode(True), "kernel": decode(True, kernel=True),
-                           "uncached": decode(False)}, repeats=21, warmup=5)
+    times = paired_timing({"cached": lambda: cell.decode(True), "kernel": kernel_decode,
+                           "uncached": lambda: cell.decode(False)}, repeats=21, warmup=5)
     ms = {k: 1e3 * median(v) for k, v in times.items()}
     print(f"n5d1, {len(prompts)} prompts, {max_new} new tokens, {L} "
           f"blocks; median ms; the kernel's logits within {diff:.1e} of the model's; the "
