@@ -166,7 +166,7 @@ def test_a_benchmark_in_no_file_gets_a_panel_that_says_so(tmp_path: Path) -> Non
 
 
 def test_the_committed_full_run_draws_both_figures(tmp_path: Path) -> None:
-    results = ROOT / "benchmarks" / "results_session14_after_1thread.json"
+    results = ROOT / "benchmarks" / "results" / "session14_after_1thread.json"
     written = plot.write_figures([results], tmp_path, formats=["png", "pdf"])
     assert sorted(p.name for p in written) == ["scaling.pdf", "scaling.png", "targets.pdf",
                                                "targets.png"]

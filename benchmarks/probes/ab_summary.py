@@ -5,8 +5,8 @@ run's training-step medians (ms) and ratios to nanoGPT at d64, the collapse swee
 loop and their ratio, and the decoding speed-ups; then the median over runs:
 
     .venv/bin/python benchmarks/probes/ab_summary.py DIR BEFORE AFTER
-    e.g. DIR = benchmarks/results_session13_ab, BEFORE AFTER = textbook fast (RoPE), or
-    DIR = benchmarks/results_session13_malloc, BEFORE AFTER = default tuned (the allocator)
+    e.g. DIR = benchmarks/results/session13_ab, BEFORE AFTER = textbook fast (RoPE), or
+    DIR = benchmarks/results/session13_malloc, BEFORE AFTER = default tuned (the allocator)
 """
 import json
 import statistics as st
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 if len(sys.argv) != 4:
-    sys.exit("usage: ab_summary.py DIR BEFORE AFTER, e.g. benchmarks/results_session13_ab "
+    sys.exit("usage: ab_summary.py DIR BEFORE AFTER, e.g. benchmarks/results/session13_ab "
              "textbook fast")
 root, rules = Path(sys.argv[1]), sys.argv[2:]
 if not root.is_dir():

@@ -1,4 +1,4 @@
-"""Summarise the twelfth session's softmax-padding A/B runs (`results_session12_ab/`).
+"""Summarise the twelfth session's softmax-padding A/B runs (`benchmarks/results/session12_ab/`).
 
 Prints, per thread count and rule (KEYS = 0: no padding; 16: the current rule), each run's
 sweep and naive-loop medians and their ratio, and the decoding cells' cached and uncached
@@ -11,7 +11,7 @@ import statistics as st
 import sys
 from pathlib import Path
 
-root = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results_session12_ab")
+root = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/session12_ab")
 for t in (1, 2):
     for k in (0, 16):
         col = [json.loads(p.read_text()) for p in sorted(root.glob(f"collapse_k{k}_{t}t_*.json"))]

@@ -6,7 +6,7 @@ blocks above its mmap threshold from fresh mappings. It adapts both thresholds t
 sizes it sees, yet a greedy decode's activations (megabytes each, alive for one forward)
 keep landing beyond them, so call after call faults its memory in again page by page. On
 the Intel VM of docs/performance.md (twentieth session,
-`benchmarks/results_session20/malloc_decode_{1,2}t.txt` and `first/` there), cached decodes
+`benchmarks/results/session20/malloc_decode_{1,2}t.txt` and `first/` there), cached decodes
 of bench_decode's n5d1 cell one after another, as `evaluate` (what `normlab eval` decodes
 with) runs them, took 7,000-11,000 minor page faults a call and 22-46% more time than with
 the memory kept, which took at most one.

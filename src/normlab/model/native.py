@@ -53,7 +53,7 @@ whose numbers then differ from the kernel's by float32 rounding.
 
 GELU in training. ATen's GELU backward recomputes erf and two exponentials from the saved
 pre-activation: in a profiled `pre` step on AMD EPYC, one thread, 0.82 ms a call on [2176, 256]
-(~1.5 ns a float), 1.45x its forward (benchmarks/results_session26/before/
+(~1.5 ns a float), 1.45x its forward (benchmarks/results/session26/before/
 train_prof_pre_1t.txt). `linear_gelu` runs the MLP's
 first matmul and the GELU in one autograd Function whose forward also writes the GELU's
 derivative (one pass, one exponential) and saves it in place of the pre-activation, so the
@@ -111,7 +111,8 @@ MAX_GRAD_WIDTH = 32
 # runs at 0.65-0.69x torch's speed in eval and 0.83-0.85x with autograd at 64-1088 elements (a
 # batch-1 forward is 1088), 0.78x and 0.90-0.92x at 4352; at 16384 ([256, 1, 4, 16], a decoding
 # step of 256 prompts) 1.10-1.11x and 1.25-1.28x, and 1.1-4.9x beyond (Intel Xeon, 1-2
-# threads: benchmarks/probes/native_rope_size.py, results_session17/native_rope_size_*.txt).
+# threads: benchmarks/probes/native_rope_size.py,
+# benchmarks/results/session17/native_rope_size_*.txt).
 ROPE_MIN_ELEMENTS = 16384
 # Widest position (H * D floats: heads x head width) the fused QK-Norm + RoPE call takes: its
 # scratch block holds eight positions (native.c's FUSE_MAX_ROW).

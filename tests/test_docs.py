@@ -1,0 +1,95 @@
+"""The docs cite files that exist: every repo path in backticks, and every relative link.
+
+The performance pages cite hundreds of result files, scripts and probes by path; a file moved
+or renamed without its citations leaves a number nobody can trace. This reads the docs
+themselves, so a citation that breaks fails here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+               *(ROOT / "benchmarks").glob("**/README.md")])
+# A backticked token starting with one of these is a claim that the path is in the repo.
+TOP = ("src/", "tests/", "benchmarks/", "configs/", "docs/", ".ci/")
+# Cited before they exist, and the docs say so: where a lent GPU's results are to be committed.
+NOT_YET = {"benchmarks/results/gpu/"}
+CODE = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def expand(path: str) -> list[str]:
+    """`a_{1,2}t.json` -> [`a_1t.json`, `a_2t.json`]; `{1..4}` as the shell spells it."""
+    parts = re.split(r"\{([^{}]*)\}", path)
+    choices = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            choices.append([part])
+        elif ".." in part:
+            lo, hi = part.split("..")
+            choices.append([str(n) for n in range(int(lo), int(hi) + 1)])
+        else:
+            choices.append(part.split(","))
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+def cited_paths(text: str) -> set[str]:
+    """Repo paths in backticks (also inside commands), less placeholders: NAME, <x>, $X, [opt],
+    and the pages' `_Tt` for "T threads"."""
+    out = set()
+    for span in CODE.findall(text):
+        for token in span.split():
+            token = token.strip("(),;:'\"").rstrip(".")
+            if not token.startswith(TOP) or re.search(r"[<>\[\]$]|NAME|\.\.\.|_Tt\b", token):
+                continue
+            out.update(expand(token.split("::")[0]))  # a test's id: its file
+    return out
+
+
+def exists(path: str) -> bool:
+    if any(c in path for c in "*?"):
+        return any(ROOT.glob(path))
+    return (ROOT / path).exists()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_cited_path_exists(doc: Path) -> None:
+    missing = sorted(p for p in cited_paths(doc.read_text()) - NOT_YET if not exists(p))
+    assert not missing, f"{doc.relative_to(ROOT)} cites paths not in the repo: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_cited_test_exists(doc: Path) -> None:
+    """`tests/test_x.py::test_name` names a test function in that file."""
+    cited = re.findall(r"`(tests/[\w/]+\.py)::(\w+)", doc.read_text())
+    missing = [f"{f}::{name}" for f, name in cited
+               if not re.search(rf"^def {name}\(", (ROOT / f).read_text(), re.M)]
+    assert not missing, f"{doc.relative_to(ROOT)} cites tests that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc: Path) -> None:
+    targets = [t.split("#")[0] for t in LINK.findall(doc.read_text())]
+    missing = sorted(t for t in targets
+                     if t and not re.match(r"[a-z]+:", t) and not (doc.parent / t).exists())
+    assert not missing, f"{doc.relative_to(ROOT)} links to paths not in the repo: {missing}"
+
+
+def test_the_check_sees_a_broken_citation() -> None:
+    """The extraction is not vacuous: it finds paths in commands, braces and globs."""
+    text = ("run `python benchmarks/plot.py A.json --out DIR` on "
+            "`benchmarks/results/session31/full_{1,2}t.json` and `tests/no_such_*.py`; "
+            "`configs/addition/NAME.toml` and `benchmarks/results/full_Tt.json` are placeholders; "
+            "`tests/test_docs.py::test_the_check_sees_a_broken_citation` is a test")
+    cited = cited_paths(text)
+    assert cited == {"benchmarks/plot.py", "benchmarks/results/session31/full_1t.json",
+                     "benchmarks/results/session31/full_2t.json", "tests/no_such_*.py",
+                     "tests/test_docs.py"}
+    assert [p for p in sorted(cited) if not exists(p)] == ["tests/no_such_*.py"]
+    assert expand("x_{1..3}") == ["x_1", "x_2", "x_3"]
