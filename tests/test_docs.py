@@ -15,12 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-               *(ROOT / "benchmarks").glob("**/README.md")])
+               *(ROOT / "docs").glob("**/README.md"), *(ROOT / "benchmarks").glob("**/README.md")])
 # A backticked token starting with one of these is a claim that the path is in the repo.
 TOP = ("src/", "tests/", "benchmarks/", "configs/", "docs/", ".ci/")
 # Cited before they exist, and the docs say so: where a lent GPU's results are to be committed.
 NOT_YET = {"benchmarks/results/gpu/"}
-CODE = re.compile(r"`([^`\n]+)`")
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)  # a fenced block: its lines, as code
+CODE = re.compile(r"`([^`]+)`")  # an inline span, which may wrap onto the next line
+PLACEHOLDER = re.compile(r"[<>\[\]$]|NAME|\.\.\.|_Tt(?![a-z0-9])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -40,13 +42,13 @@ def expand(path: str) -> list[str]:
 
 
 def cited_paths(text: str) -> set[str]:
-    """Repo paths in backticks (also inside commands), less placeholders: NAME, <x>, $X, [opt],
-    and the pages' `_Tt` for "T threads"."""
+    """Repo paths in backticks or fenced blocks (also inside commands), less placeholders:
+    NAME, <x>, $X, [opt], and the pages' `_Tt` for "T threads"."""
     out = set()
-    for span in CODE.findall(text):
+    for span in [*FENCE.findall(text), *CODE.findall(FENCE.sub("", text))]:
         for token in span.split():
-            token = token.strip("(),;:'\"").rstrip(".")
-            if not token.startswith(TOP) or re.search(r"[<>\[\]$]|NAME|\.\.\.|_Tt\b", token):
+            token = token.strip("(),;:'\"`").rstrip(".")
+            if not token.startswith(TOP) or PLACEHOLDER.search(token):
                 continue
             out.update(expand(token.split("::")[0]))  # a test's id: its file
     return out
@@ -81,15 +83,24 @@ def test_every_relative_link_resolves(doc: Path) -> None:
     assert not missing, f"{doc.relative_to(ROOT)} links to paths not in the repo: {missing}"
 
 
+def test_not_yet_is_not_stale() -> None:
+    """A path cited before it exists leaves the list once it does, and is then checked."""
+    assert not [p for p in NOT_YET if exists(p)]
+
+
 def test_the_check_sees_a_broken_citation() -> None:
-    """The extraction is not vacuous: it finds paths in commands, braces and globs."""
+    """The extraction is not vacuous: it finds paths in commands, braces, globs, spans that
+    wrap onto the next line and fenced blocks."""
     text = ("run `python benchmarks/plot.py A.json --out DIR` on "
-            "`benchmarks/results/session31/full_{1,2}t.json` and `tests/no_such_*.py`; "
+            "`benchmarks/results/session31/full_{1,2}t.json` and `tests/no_such_*.py`; see\n"
+            "`benchmarks/bench_decode.py\n--config configs/addition/pre.toml`, and\n"
+            "```bash\nmake bench  # `docs/performance.md`\npython benchmarks/run_all.py\n```\n"
             "`configs/addition/NAME.toml` and `benchmarks/results/full_Tt.json` are placeholders; "
             "`tests/test_docs.py::test_the_check_sees_a_broken_citation` is a test")
     cited = cited_paths(text)
     assert cited == {"benchmarks/plot.py", "benchmarks/results/session31/full_1t.json",
                      "benchmarks/results/session31/full_2t.json", "tests/no_such_*.py",
-                     "tests/test_docs.py"}
+                     "tests/test_docs.py", "benchmarks/bench_decode.py",
+                     "configs/addition/pre.toml", "docs/performance.md", "benchmarks/run_all.py"}
     assert [p for p in sorted(cited) if not exists(p)] == ["tests/no_such_*.py"]
     assert expand("x_{1..3}") == ["x_1", "x_2", "x_3"]
