@@ -32,6 +32,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+import targets
 from normlab.io import atomic_write_bytes, refuse_overwrite
 
 BENCHMARKS = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
@@ -43,12 +44,6 @@ SCALED_BASE = {"n": "problems n4 d2", "d": "problems n4 d2"}  # else "base" (ben
 MARKERS = ("o", "s", "^", "D", "v", "P")
 COLOURS = {"seq_len": "tab:blue", "d_model": "tab:orange", "batch": "tab:green",
            "n": "tab:red", "d": "tab:purple"}
-# The performance issue's targets (docs/performance.md, first section).
-TARGET_STEP_RATIO = 1.0  # time / fastest reference, at most
-TARGET_QKV_OVER_PRE = 1.15
-TARGET_MFU_PCT = 50.0
-TARGET_DECODE = 3.0
-TARGET_SWEEP = 20.0
 
 
 class ResultsError(ValueError):
@@ -180,7 +175,7 @@ def _target(ax: Axes, y: float, text: str, x0: float | None = None,
 
 def _step_width(result: dict[str, Any]) -> str:
     widths = result.get("widths", {})
-    return "64" if "64" in widths else next(iter(widths), "")
+    return targets.DEFAULT_WIDTH if targets.DEFAULT_WIDTH in widths else next(iter(widths), "")
 
 
 def _widths(sources: Sequence[Source], name: str) -> str:
@@ -206,8 +201,9 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
 
     title = f"1. Training step{_widths(sources, 'train_step')}: time / fastest reference"
     if _points(a, sources, "train_step", cats, step, title, "time ratio (lower = faster)"):
-        _target(a, TARGET_STEP_RATIO, "target: at most 1.0", -0.5, len(PLACEMENTS) - 0.5)
-        _target(a, TARGET_QKV_OVER_PRE, "at most 1.15", len(PLACEMENTS) - 0.4,
+        _target(a, targets.STEP_RATIO.bound, f"target: {targets.STEP_RATIO}", -0.5,
+                len(PLACEMENTS) - 0.5)
+        _target(a, targets.QKV_OVER_PRE.bound, str(targets.QKV_OVER_PRE), len(PLACEMENTS) - 0.4,
                 len(PLACEMENTS) + 0.4)
 
     mfu_names: list[str] = []
@@ -224,8 +220,8 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
     title = f"2. Model FLOP utilisation{_widths(sources, 'mfu')}"
     if _points(b, sources, "mfu", mfu_names, mfu, title, "% of the measured matmul peak"):
         b.set_xticks(range(len(short)), short, fontsize=8)
-        _target(b, TARGET_MFU_PCT, "target: at least 50%")
-        b.set_ylim(0, max(b.get_ylim()[1], TARGET_MFU_PCT * 1.15))
+        _target(b, targets.MFU_PCT.bound, f"target: {targets.MFU_PCT}%")
+        b.set_ylim(0, max(b.get_ylim()[1], targets.MFU_PCT.bound * 1.15))
 
     cells: list[str] = []
     for _, s in _with(sources, "decode"):
@@ -238,14 +234,14 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
 
     if _points(c, sources, "decode", cells, decode, "3. Greedy decoding: uncached / cached",
                "speed-up (higher = faster)"):
-        _target(c, TARGET_DECODE, "target: at least 3x")
+        _target(c, targets.DECODE.bound, f"target: {targets.DECODE}x")
 
     sweep_cats = ["perturbed forwards", "whole call"]
     keys = {"perturbed forwards": "speedup_sweep", "whole call": "speedup_call"}
     if _points(d, sources, "collapse", sweep_cats, lambda r, k: r.get(keys[k]),
                "4. Collapse sweep: naive loop / vectorised", "speed-up (higher = faster)"):
-        _target(d, TARGET_SWEEP, "target: at least 20x")
-        d.set_ylim(0, max(d.get_ylim()[1], TARGET_SWEEP * 1.15))
+        _target(d, targets.SWEEP.bound, f"target: {targets.SWEEP}x")
+        d.set_ylim(0, max(d.get_ylim()[1], targets.SWEEP.bound * 1.15))
 
     legend: dict[str, Any] = {}  # one entry per file, whichever panel drew it first
     for ax in (a, b, c, d):

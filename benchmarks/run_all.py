@@ -29,6 +29,7 @@ import bench_packing
 import bench_scaling
 import bench_train_step
 import plot
+import targets
 from common import (
     ROOT,
     add_common_args,
@@ -50,37 +51,58 @@ MODULES: dict[str, Any] = {
 }
 
 
-def headlines(results: dict[str, Any]) -> str:
-    """The few numbers worth quoting, pulled from the individual results, with their CIs."""
-    rows: list[list[Any]] = []  # quantity, value, ratio stats (None for MFU)
-    ts = results.get("train_step", {})
-    for d, w in ts.get("widths", {}).items():
-        rows.append([f"train step d{d}: normlab-pre / {w['fastest_reference']} (time)",
-                     w["pre_over_fastest_ref"]["median"], w["pre_over_fastest_ref"]])
-        rows.append([f"train step d{d}: qkv / pre (time)", w["qkv_over_pre"]["median"],
-                     w["qkv_over_pre"]])
+def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The few numbers worth quoting, from the individual results: each with its median, its
+    CI's stats (None for MFU, a single reading) and, where issue 6 sets one, its target and
+    this run's verdict (`targets.py`)."""
+    rows: list[tuple[str, float, dict[str, Any] | None, targets.Target | None]] = []
+    for d, w in results.get("train_step", {}).get("widths", {}).items():
+        ref = w.get("fastest_reference", "the fastest reference")
+        for p in plot.PLACEMENTS:
+            c = w["contenders"].get(f"normlab-{p}")
+            if c is not None:
+                st = c["vs_fastest_ref"]
+                rows.append((f"train step d{d}: normlab-{p} / {ref} (time)", st["median"], st,
+                             targets.STEP_RATIO))
+        rows.append((f"train step d{d}: qkv / pre (time)", w["qkv_over_pre"]["median"],
+                     w["qkv_over_pre"], targets.QKV_OVER_PRE))
     for d, w in results.get("mfu", {}).get("widths", {}).items():
         for name in ("normlab-pre", "normlab-qkv"):
-            if name in w["contenders"]:
-                rows.append([f"MFU d{d} {name} (%)", 100 * w["contenders"][name]["mfu"], None])
+            if name in w["contenders"]:  # the target is the default config's: pre, its width
+                target = (targets.MFU_PCT if (name, d) == ("normlab-pre", targets.DEFAULT_WIDTH)
+                          else None)
+                rows.append((f"MFU d{d} {name} (%)", 100 * w["contenders"][name]["mfu"], None,
+                             target))
     for r in results.get("packing", {}).get("results", []):
-        rows.append([f"packing {r['grid']} grid: padded / packed step (time)",
-                     r["speedup"]["median"], r["speedup"]])
+        rows.append((f"packing {r['grid']} grid: padded / packed step (time)",
+                     r["speedup"]["median"], r["speedup"], None))
     for r in results.get("decode", {}).get("results", []):
-        rows.append([f"decode {r['placement']} {r['cell']}: uncached / cached (time)",
-                     r["speedup"]["median"], r["speedup"]])
+        rows.append((f"decode {r['placement']} {r['cell']}: uncached / cached (time)",
+                     r["speedup"]["median"], r["speedup"], targets.DECODE))
     col = results.get("collapse", {})
     if "speedup_sweep" in col:
-        rows.append(["collapse sweep: naive / vectorised sweep (time)",
-                     col["speedup_sweep"]["median"], col["speedup_sweep"]])
-        rows.append(["collapse sweep: naive / whole measure_collapse (time)",
-                     col["speedup_call"]["median"], col["speedup_call"]])
+        rows.append(("collapse sweep: naive / vectorised sweep (time)",
+                     col["speedup_sweep"]["median"], col["speedup_sweep"], targets.SWEEP))
+        rows.append(("collapse sweep: naive / whole measure_collapse (time)",
+                     col["speedup_call"]["median"], col["speedup_call"], None))
     for r in results.get("hooks", {}).get("results", []):
-        rows.append([f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)",
-                     r["ratio"]["median"], r["ratio"]])
-    rows = [[q, f"{v:.1f}" if "%" in q else rf(v), rci(st)] for q, v, st in rows]
-    return ("### Headlines\n\n" + md_table(["quantity", "value (median)", "CI of the median"],
-                                            rows) if rows else "")
+        rows.append((f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)",
+                     r["ratio"]["median"], r["ratio"], targets.HOOKS))
+    return [{"quantity": q, "median": v,
+             **({k: st[k] for k in ("ci", "ci_coverage")} if st and "ci" in st else {}),
+             "target": None if t is None else str(t),
+             "verdict": None if t is None else t.verdict(v, st)} for q, v, st, t in rows]
+
+
+def headlines(rows: list[dict[str, Any]], quick: bool = False) -> str:
+    """`headline_rows` as a Markdown table."""
+    table = [[r["quantity"], f"{r['median']:.1f}" if "%" in r["quantity"] else rf(r["median"]),
+              rci(r), r["target"] or "", r["verdict"] or ""] for r in rows]
+    note = ("`--quick`: smaller sizes and fewer repeats than the targets are measured at; "
+            "its verdicts are not the targets'.\n\n" if quick else "")
+    return ("### Headlines\n\n" + note + md_table(
+        ["quantity", "value (median)", "CI of the median", "target (issue 6)", "this run"],
+        table) if table else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,14 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         seconds[name] = time.perf_counter() - t0
         results[name] = res
         print(text + "\n", flush=True)
-    head = headlines(results)
-    if head:
-        print(head + "\n")
+    heads = headline_rows(results)
+    if heads:
+        print(headlines(heads, args.quick) + "\n")
     note = load_note(info)
     doc = {
         "command": " ".join(["python", "benchmarks/run_all.py", *(argv or sys.argv[1:])]),
         "quick": args.quick, "info": info, "load_note": note, "seconds": seconds,
         "total_seconds": time.perf_counter() - t_start, "results": results,
+        "headlines": heads,
     }
     write_result(args.out, doc)
     print(f"total {doc['total_seconds']:.0f} s; wrote {args.out}" + (f"; {note}" if note else ""))

@@ -1,0 +1,123 @@
+"""benchmarks/targets.py and run_all's headlines: each verdict against hand-worked cases."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import run_all
+import targets
+from normlab.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stats(median: float, lo: float, hi: float) -> dict:
+    return {"median": median, "ci": [lo, hi], "ci_coverage": 0.965}
+
+
+@pytest.mark.parametrize(("target", "median", "ci", "verdict"), [
+    (targets.DECODE, 3.2, (3.05, 3.4), "met"),
+    (targets.DECODE, 3.1, (2.9, 3.3), "met (CI crosses)"),
+    (targets.DECODE, 2.95, (2.8, 3.1), "missed (CI crosses)"),
+    (targets.DECODE, 2.5, (2.3, 2.9), "missed"),
+    (targets.DECODE, 3.0, (3.0, 3.0), "met"),  # on the line is met: "at least 3x"
+    (targets.STEP_RATIO, 0.84, (0.80, 0.89), "met"),  # a time ratio: lower is better
+    (targets.STEP_RATIO, 0.98, (0.90, 1.02), "met (CI crosses)"),
+    (targets.STEP_RATIO, 1.03, (0.99, 1.05), "missed (CI crosses)"),
+    (targets.STEP_RATIO, 1.10, (1.05, 1.20), "missed"),
+    (targets.HOOKS, 1.02, (0.94, 1.05), "met"),  # no cost measured: the CI reaches 1
+    (targets.HOOKS, 0.97, (0.93, 0.99), "met"),
+    (targets.HOOKS, 1.06, (1.01, 1.11), "missed (CI above 1)"),
+])
+def test_a_verdict_reads_the_median_and_its_ci(target: targets.Target, median: float,
+                                               ci: tuple[float, float], verdict: str) -> None:
+    assert target.verdict(median, _stats(median, *ci)) == verdict
+
+
+def test_without_a_ci_the_median_alone_decides() -> None:
+    assert targets.MFU_PCT.verdict(50.0) == "met"
+    assert targets.MFU_PCT.verdict(49.9) == "missed"
+    assert targets.STEP_RATIO.verdict(1.0, {"median": 1.0}) == "met"
+
+
+def test_the_targets_are_the_issues() -> None:
+    """Issue 6's numbers, as it states them; the default width is the default recipe's."""
+    assert [(str(t), t.bound) for t in (targets.STEP_RATIO, targets.QKV_OVER_PRE,
+                                        targets.MFU_PCT, targets.DECODE, targets.SWEEP)] == [
+        ("≤ 1", 1.0), ("≤ 1.15", 1.15), ("≥ 50", 50.0), ("≥ 3", 3.0), ("≥ 20", 20.0)]
+    d_model = load_config(ROOT / "configs" / "addition" / "pre.toml").model.d_model
+    assert str(d_model) == targets.DEFAULT_WIDTH
+
+
+def _results() -> dict:
+    step = {f"normlab-{p}": {"vs_fastest_ref": _stats(m, m - 0.04, m + 0.03)}
+            for p, m in zip(("none", "post", "pre", "qk", "qkv"), (0.8, 0.85, 0.9, 0.98, 1.1),
+                            strict=True)}
+    return {
+        "train_step": {"widths": {"64": {"fastest_reference": "nanogpt-manual",
+                                         "contenders": step,
+                                         "qkv_over_pre": _stats(1.22, 1.18, 1.25)}}},
+        "mfu": {"widths": {"64": {"contenders": {"normlab-pre": {"mfu": 0.55},
+                                                 "normlab-qkv": {"mfu": 0.45}}},
+                           "128": {"contenders": {"normlab-pre": {"mfu": 0.45}}}}},
+        "packing": {"results": [{"grid": "quick", "speedup": _stats(1.2, 1.1, 1.3)}]},
+        "decode": {"results": [{"placement": "pre", "cell": "n5d1",
+                                "speedup": _stats(2.9, 2.8, 3.1)}]},
+        "collapse": {"speedup_sweep": _stats(21.0, 20.5, 22.0),
+                     "speedup_call": _stats(15.0, 14.0, 16.0)},
+        "hooks": {"results": [{"placement": "pre", "batch": 128,
+                               "ratio": _stats(1.01, 0.98, 1.04)}]},
+    }
+
+
+def test_headline_rows_hold_every_placement_and_each_target() -> None:
+    rows = {r["quantity"]: r for r in run_all.headline_rows(_results())}
+    got = {q: (r["target"], r["verdict"]) for q, r in rows.items()}
+    assert got == {
+        "train step d64: normlab-none / nanogpt-manual (time)": ("≤ 1", "met"),
+        "train step d64: normlab-post / nanogpt-manual (time)": ("≤ 1", "met"),
+        "train step d64: normlab-pre / nanogpt-manual (time)": ("≤ 1", "met"),
+        "train step d64: normlab-qk / nanogpt-manual (time)": ("≤ 1", "met (CI crosses)"),
+        "train step d64: normlab-qkv / nanogpt-manual (time)": ("≤ 1", "missed"),
+        "train step d64: qkv / pre (time)": ("≤ 1.15", "missed"),
+        "MFU d64 normlab-pre (%)": ("≥ 50", "met"),
+        "MFU d64 normlab-qkv (%)": (None, None),  # the target is the default config's: pre
+        "MFU d128 normlab-pre (%)": (None, None),  # ... at the default width
+        "packing quick grid: padded / packed step (time)": (None, None),
+        "decode pre n5d1: uncached / cached (time)": ("≥ 3", "missed (CI crosses)"),
+        "collapse sweep: naive / vectorised sweep (time)": ("≥ 20", "met"),
+        "collapse sweep: naive / whole measure_collapse (time)": (None, None),
+        "hooks pre batch 128: with / bypassed (time)": ("CI reaches 1", "met"),
+    }
+    assert rows["MFU d64 normlab-pre (%)"]["median"] == pytest.approx(55.0)
+    assert "ci" not in rows["MFU d64 normlab-pre (%)"]
+    assert rows["decode pre n5d1: uncached / cached (time)"]["ci"] == [2.8, 3.1]
+
+
+def test_headlines_table_and_json_carry_the_verdicts() -> None:
+    rows = run_all.headline_rows(_results())
+    table = run_all.headlines(rows).splitlines()
+    assert table[2] == ("| quantity | value (median) | CI of the median | target (issue 6) "
+                        "| this run |")
+    assert ("| decode pre n5d1: uncached / cached (time) | 2.90 | 2.80–3.10 (96%) | ≥ 3 | "
+            "missed (CI crosses) |") in table
+    assert "--quick" in run_all.headlines(rows, quick=True)
+    json.dumps(rows)  # what run_all writes under "headlines": plain JSON
+    assert run_all.headlines([]) == ""
+
+
+def test_run_all_writes_the_headlines_into_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert run_all.main(["--quick", "--only", "hooks", "--no-plot", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    hooks = doc["results"]["hooks"]["results"]
+    assert [h["quantity"] for h in doc["headlines"]] == [
+        f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)" for r in hooks]
+    for h, r in zip(doc["headlines"], hooks, strict=True):
+        assert h["median"] == r["ratio"]["median"] and h["target"] == "CI reaches 1"
+        assert h["verdict"] == targets.HOOKS.verdict(r["ratio"]["median"], r["ratio"])
