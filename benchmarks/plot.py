@@ -354,14 +354,14 @@ def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
     if folder.exists() and not folder.is_dir():
         raise ResultsError(f"--out: {str(folder)!r} is a file; expected a folder for the figures")
     sources = load_all(paths)
-    targets = outputs(folder, stem, formats, figures)
-    for t in targets:
+    paths_out = outputs(folder, stem, formats, figures)
+    for t in paths_out:
         refuse_overwrite(t.parent, t.name, force)
     figs = draw(sources)
     folder.mkdir(parents=True, exist_ok=True)
-    for path, name in targets.items():
+    for path, name in paths_out.items():
         save(figs[name], path)
-    return list(targets)
+    return list(paths_out)
 
 
 def _subset(allowed: Sequence[str]) -> Callable[[str], list[str]]:

@@ -3,12 +3,14 @@
 A verdict reads a headline's median and its confidence interval (`common.ratio_stats`): "met"
 or "missed" when the whole interval is on one side of the line, "(CI crosses)" when the median
 is on one side and the interval reaches the other, so a reader sees at once which results the
-run's noise could turn over. Hooks are held to "no cost measured": the interval reaches 1.0
-(docs/performance.md's top table reads them so).
+run's noise could turn over. Hooks are held to "no cost measured": the interval's low end is at
+most 1.0 (docs/performance.md's top table reads them so). The coverage of the interval is the
+table's to show (`common.rci`): few repeats give a wide interval at a lower coverage.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,28 +22,43 @@ class Target:
     sense: Literal["at most", "at least", "no cost"]
 
     def __str__(self) -> str:
-        return {"at most": "≤ ", "at least": "≥ ", "no cost": "CI reaches "}[self.sense] + (
-            f"{self.bound:g}")
+        if self.sense == "no cost":
+            return f"no cost: CI low end ≤ {self.bound:g}"
+        return f"{'≤' if self.sense == 'at most' else '≥'} {self.bound:g}"
 
     def verdict(self, median: float, stats: Mapping[str, Any] | None = None) -> str:
         """'met', 'met (CI crosses)', 'missed (CI crosses)' or 'missed' for this median and,
-        where `stats` has one, its CI ('met' or 'missed (CI above ...)' for "no cost")."""
-        lo, hi = stats["ci"] if stats and "ci" in stats else (median, median)
+        where `stats` has one, its CI; "no cost": 'met' where the CI's low end is at most the
+        bound (no cost measured), else 'missed (CI above ...)'. Without a CI (a single
+        reading, or a CI of 0% coverage: one repeat) the median decides, and the verdict says
+        so; a value that is not finite is 'no reading'."""
+        ci = stats.get("ci") if stats else None
+        if ci is not None and stats is not None and stats.get("ci_coverage", 1.0) > 0:
+            lo, hi = min(ci), max(ci)
+            alone = ""
+        else:
+            lo = hi = median
+            alone = " (no CI)" if stats is not None else ""
+        if not all(math.isfinite(x) for x in (median, lo, hi)):
+            return "no reading"
         if self.sense == "no cost":
-            return "met" if lo <= self.bound else f"missed (CI above {self.bound:g})"
+            if lo <= self.bound:
+                return "met" + alone
+            return "missed" + (alone or f" (CI above {self.bound:g})")
         good = (lambda x: x <= self.bound) if self.sense == "at most" else (
             lambda x: x >= self.bound)
         if good(lo) and good(hi):
-            return "met"
+            return "met" + alone
         if not good(lo) and not good(hi):
-            return "missed"
+            return "missed" + alone
         return ("met" if good(median) else "missed") + " (CI crosses)"
 
 
 DEFAULT_WIDTH = "64"  # configs/addition/pre.toml's d_model: the default training config's width
 STEP_RATIO = Target(1.0, "at most")  # training-step time / the fastest reference's, every placement
 QKV_OVER_PRE = Target(1.15, "at most")  # qkv's step time / pre's
-MFU_PCT = Target(50.0, "at least")  # model FLOP utilisation, %, the default training config
+MFU_PCT = Target(50.0, "at least")  # model FLOP utilisation, %: the default training config's
+DEFAULT_CONFIG = {"threads": 1, "device": "cpu", "precision": "float32"}  # ... and how it trains
 DECODE = Target(3.0, "at least")  # uncached / cached decoding time, the longest cells
 SWEEP = Target(20.0, "at least")  # naive loop / vectorised collapse sweep time
 HOOKS = Target(1.0, "no cost")  # forward time with unused hook points / with them bypassed

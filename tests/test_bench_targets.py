@@ -30,26 +30,38 @@ def _stats(median: float, lo: float, hi: float) -> dict:
     (targets.STEP_RATIO, 0.98, (0.90, 1.02), "met (CI crosses)"),
     (targets.STEP_RATIO, 1.03, (0.99, 1.05), "missed (CI crosses)"),
     (targets.STEP_RATIO, 1.10, (1.05, 1.20), "missed"),
-    (targets.HOOKS, 1.02, (0.94, 1.05), "met"),  # no cost measured: the CI reaches 1
+    (targets.STEP_RATIO, 1.0, (1.0, 1.0), "met"),  # on the line is met: "at most 1.0"
+    (targets.HOOKS, 1.02, (0.94, 1.05), "met"),  # no cost measured: the CI's low end <= 1
     (targets.HOOKS, 0.97, (0.93, 0.99), "met"),
+    (targets.HOOKS, 1.03, (1.0, 1.08), "met"),  # on the line
     (targets.HOOKS, 1.06, (1.01, 1.11), "missed (CI above 1)"),
+    (targets.DECODE, 3.2, (3.4, 3.05), "met"),  # a CI given high end first reads the same
+    (targets.HOOKS, 1.1, (1.2, 0.9), "met"),
+    (targets.DECODE, float("nan"), (2.0, 3.0), "no reading"),
+    (targets.HOOKS, 1.0, (float("nan"), 1.1), "no reading"),
 ])
 def test_a_verdict_reads_the_median_and_its_ci(target: targets.Target, median: float,
                                                ci: tuple[float, float], verdict: str) -> None:
     assert target.verdict(median, _stats(median, *ci)) == verdict
 
 
-def test_without_a_ci_the_median_alone_decides() -> None:
-    assert targets.MFU_PCT.verdict(50.0) == "met"
+def test_without_a_ci_the_median_alone_decides_and_says_so() -> None:
+    assert targets.MFU_PCT.verdict(50.0) == "met"  # a single reading (MFU): nothing to add
     assert targets.MFU_PCT.verdict(49.9) == "missed"
-    assert targets.STEP_RATIO.verdict(1.0, {"median": 1.0}) == "met"
+    assert targets.STEP_RATIO.verdict(1.0, {"median": 1.0}) == "met (no CI)"
+    assert targets.STEP_RATIO.verdict(0.9, {"median": 0.9, "ci": None}) == "met (no CI)"
+    one_repeat = {"median": 2.9, "ci": [2.9, 2.9], "ci_coverage": 0.0}  # `--repeats 1`
+    assert targets.DECODE.verdict(2.9, one_repeat) == "missed (no CI)"
+    assert targets.HOOKS.verdict(1.1, {**one_repeat, "ci": [1.1, 1.1]}) == "missed (no CI)"
 
 
 def test_the_targets_are_the_issues() -> None:
     """Issue 6's numbers, as it states them; the default width is the default recipe's."""
     assert [(str(t), t.bound) for t in (targets.STEP_RATIO, targets.QKV_OVER_PRE,
-                                        targets.MFU_PCT, targets.DECODE, targets.SWEEP)] == [
-        ("≤ 1", 1.0), ("≤ 1.15", 1.15), ("≥ 50", 50.0), ("≥ 3", 3.0), ("≥ 20", 20.0)]
+                                        targets.MFU_PCT, targets.DECODE, targets.SWEEP,
+                                        targets.HOOKS)] == [
+        ("≤ 1", 1.0), ("≤ 1.15", 1.15), ("≥ 50", 50.0), ("≥ 3", 3.0), ("≥ 20", 20.0),
+        ("no cost: CI low end ≤ 1", 1.0)]
     d_model = load_config(ROOT / "configs" / "addition" / "pre.toml").model.d_model
     assert str(d_model) == targets.DEFAULT_WIDTH
 
@@ -62,7 +74,8 @@ def _results() -> dict:
         "train_step": {"widths": {"64": {"fastest_reference": "nanogpt-manual",
                                          "contenders": step,
                                          "qkv_over_pre": _stats(1.22, 1.18, 1.25)}}},
-        "mfu": {"widths": {"64": {"contenders": {"normlab-pre": {"mfu": 0.55},
+        "mfu": {"info": {"threads": 1, "device": "cpu"}, "precision": "float32",
+                "widths": {"64": {"contenders": {"normlab-pre": {"mfu": 0.55},
                                                  "normlab-qkv": {"mfu": 0.45}}},
                            "128": {"contenders": {"normlab-pre": {"mfu": 0.45}}}}},
         "packing": {"results": [{"grid": "quick", "speedup": _stats(1.2, 1.1, 1.3)}]},
@@ -92,11 +105,36 @@ def test_headline_rows_hold_every_placement_and_each_target() -> None:
         "decode pre n5d1: uncached / cached (time)": ("≥ 3", "missed (CI crosses)"),
         "collapse sweep: naive / vectorised sweep (time)": ("≥ 20", "met"),
         "collapse sweep: naive / whole measure_collapse (time)": (None, None),
-        "hooks pre batch 128: with / bypassed (time)": ("CI reaches 1", "met"),
+        "hooks pre batch 128: with / bypassed (time)": ("no cost: CI low end ≤ 1", "met"),
     }
     assert rows["MFU d64 normlab-pre (%)"]["median"] == pytest.approx(55.0)
     assert "ci" not in rows["MFU d64 normlab-pre (%)"]
     assert rows["decode pre n5d1: uncached / cached (time)"]["ci"] == [2.8, 3.1]
+
+
+@pytest.mark.parametrize("change", [{"threads": 2}, {"device": "cuda"},
+                                    {"precision": "bfloat16"}])
+def test_mfu_is_judged_only_as_the_default_config_trains(change: dict) -> None:
+    """Issue 6's MFU target is the default training config's: one thread, CPU, float32."""
+    res = _results()
+    mfu = res["mfu"]
+    mfu["info"].update({k: v for k, v in change.items() if k != "precision"})
+    mfu["precision"] = change.get("precision", "float32")
+    rows = {r["quantity"]: r for r in run_all.headline_rows(res)}
+    assert rows["MFU d64 normlab-pre (%)"]["target"] is None
+    assert rows["MFU d64 normlab-pre (%)"]["verdict"] is None
+
+
+def test_compiled_runs_and_failed_benchmarks() -> None:
+    """Under --compile the fastest reference may be compiled: the eager rows get no verdict
+    (qkv / pre still does); a failed or skipped benchmark gives no rows, not an error."""
+    res = _results()
+    res["train_step"]["compiled"] = True
+    rows = {r["quantity"]: r for r in run_all.headline_rows(res)}
+    assert rows["train step d64: normlab-pre / nanogpt-manual (time)"]["verdict"] is None
+    assert rows["train step d64: qkv / pre (time)"]["verdict"] == "missed"
+    failed = {n: {"benchmark": n, "error": "RuntimeError: boom"} for n in run_all.ORDER}
+    assert run_all.headline_rows(failed) == []
 
 
 def test_headlines_table_and_json_carry_the_verdicts() -> None:
@@ -119,5 +157,6 @@ def test_run_all_writes_the_headlines_into_its_json(tmp_path: Path) -> None:
     assert [h["quantity"] for h in doc["headlines"]] == [
         f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)" for r in hooks]
     for h, r in zip(doc["headlines"], hooks, strict=True):
-        assert h["median"] == r["ratio"]["median"] and h["target"] == "CI reaches 1"
-        assert h["verdict"] == targets.HOOKS.verdict(r["ratio"]["median"], r["ratio"])
+        assert h["median"] == r["ratio"]["median"] and h["ci"] == r["ratio"]["ci"]
+        assert (h["bound"], h["sense"]) == (1.0, "no cost")
+        assert h["verdict"] == ("met" if min(h["ci"]) <= 1.0 else "missed (CI above 1)")
