@@ -33,12 +33,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 import targets
+from bench_train_step import PLACEMENTS  # the order the step's results list them
 from normlab.io import atomic_write_bytes, refuse_overwrite
 
 BENCHMARKS = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
 FIGURES = ("targets", "scaling")
 FORMATS = ("png", "pdf", "svg")
-PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
 SCALED = ("seq_len", "d_model", "batch", "n", "d")  # n, d: real problems' integers, digits
 SCALED_BASE = {"n": "problems n4 d2", "d": "problems n4 d2"}  # else "base" (bench_scaling)
 MARKERS = ("o", "s", "^", "D", "v", "P")
