@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from bench_train_step import base_config
+
 
 @dataclass(frozen=True)
 class Target:
@@ -33,7 +35,7 @@ class Target:
         reading, or a CI of 0% coverage: one repeat) the median decides, and the verdict says
         so; a value that is not finite is 'no reading'."""
         ci = stats.get("ci") if stats else None
-        if ci is not None and stats is not None and stats.get("ci_coverage", 1.0) > 0:
+        if stats and ci is not None and stats.get("ci_coverage", 1.0) > 0:
             lo, hi = min(ci), max(ci)
             alone = ""
         else:
@@ -54,11 +56,13 @@ class Target:
         return ("met" if good(median) else "missed") + " (CI crosses)"
 
 
-DEFAULT_WIDTH = "64"  # configs/addition/pre.toml's d_model: the default training config's width
+_RECIPE = base_config()  # configs/addition/pre.toml: the default training config, which MFU's
+DEFAULT_WIDTH = str(_RECIPE.model.d_model)  # target is about: its width and how it trains
 STEP_RATIO = Target(1.0, "at most")  # training-step time / the fastest reference's, every placement
 QKV_OVER_PRE = Target(1.15, "at most")  # qkv's step time / pre's
 MFU_PCT = Target(50.0, "at least")  # model FLOP utilisation, %: the default training config's
-DEFAULT_CONFIG = {"threads": 1, "device": "cpu", "precision": "float32"}  # ... and how it trains
+DEFAULT_CONFIG = {"threads": _RECIPE.train.threads, "device": "cpu",
+                  "precision": _RECIPE.train.precision}
 DECODE = Target(3.0, "at least")  # uncached / cached decoding time, the longest cells
 SWEEP = Target(20.0, "at least")  # naive loop / vectorised collapse sweep time
 HOOKS = Target(1.0, "no cost")  # forward time with unused hook points / with them bypassed

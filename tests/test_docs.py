@@ -1,4 +1,5 @@
-"""The docs cite files that exist: every repo path in backticks, and every relative link.
+"""The docs cite files that exist: every repo path in backticks or a fenced block, every test
+cited by name, and every relative link.
 
 The performance pages cite hundreds of result files, scripts and probes by path; a file moved
 or renamed without its citations leaves a number nobody can trace. This reads the docs
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-               *(ROOT / "docs").glob("**/README.md"), *(ROOT / "benchmarks").glob("**/README.md")])
+DOCS = sorted({ROOT / "README.md", *(ROOT / "docs").glob("*.md"),  # a set: docs/README.md
+               *(ROOT / "docs").glob("**/README.md"), *(ROOT / "benchmarks").glob("**/README.md")})
 # A backticked token starting with one of these is a claim that the path is in the repo.
 TOP = ("src/", "tests/", "benchmarks/", "configs/", "docs/", ".ci/")
 # Cited before they exist, and the docs say so: where a lent GPU's results are to be committed.
