@@ -160,3 +160,18 @@ def test_run_all_writes_the_headlines_into_its_json(tmp_path: Path) -> None:
         assert h["median"] == r["ratio"]["median"] and h["ci"] == r["ratio"]["ci"]
         assert (h["bound"], h["sense"]) == (1.0, "no cost")
         assert h["verdict"] == ("met" if min(h["ci"]) <= 1.0 else "missed (CI above 1)")
+
+
+def test_a_headline_that_fails_loses_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The results are in hand when the headlines are read: an error there is one line, and
+    the JSON is still written with every result."""
+    def broken(results: dict) -> list:
+        raise KeyError("speedup")
+
+    monkeypatch.setattr(run_all, "headline_rows", broken)
+    out = tmp_path / "r.json"
+    assert run_all.main(["--quick", "--only", "hooks", "--no-plot", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["headlines"] == [] and doc["results"]["hooks"]["results"]
+    err = [line for line in capsys.readouterr().err.splitlines() if "headlines" in line]
+    assert err == ["headlines FAILED (KeyError: 'speedup'); every result is in the JSON"]
