@@ -15,6 +15,8 @@ RoPE too (no absolute position table); they have no digit-position table.
 
 With `--compile` every contender is also timed compiled (`torch.compile`, named
 `...+compile`), and the fastest reference is the fastest of all references, eager or compiled.
+Each row then also records its time over the fastest *eager* reference, which is what issue 6's
+target compares (`eager_comparison`).
 
     python benchmarks/bench_train_step.py [--quick] [--threads N] [--widths 64,128] [--compile]
 """
@@ -220,8 +222,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS, compile_too=compile_too,
                                        device=device, precision=precision)
         times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1, device=device)
-        refs = [r + c for c in ("", COMPILED) for r in REFERENCES if r + c in times]
-        fastest = min(refs, key=lambda r: summary(times[r])["median_s"])
+        median = {name: summary(ts)["median_s"] for name, ts in times.items()}
+        fastest = min([r + c for c in ("", COMPILED) for r in REFERENCES if r + c in times],
+                      key=median.__getitem__)
+        eager = min([r for r in REFERENCES if r in times], key=median.__getitem__)
         rows = {}
         for name, ts in times.items():
             s = summary(ts)
@@ -230,17 +234,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "vs_nanogpt": ratio_stats(ts, times["nanogpt"]),
                 "vs_fastest_ref": ratio_stats(ts, times[fastest]),
             }
-        out["widths"][str(d)] = {
+            if compile_too:  # without it the fastest reference is the eager one already
+                rows[name]["vs_fastest_eager_ref"] = ratio_stats(ts, times[eager])
+        w = out["widths"][str(d)] = {
             "contenders": rows, "fastest_reference": fastest,
             "qkv_over_pre": ratio_stats(times["normlab-qkv"], times["normlab-pre"]),
             "pre_over_fastest_ref": ratio_stats(times["normlab-pre"], times[fastest]),
         }
         if compile_too:
-            out["widths"][str(d)]["compiled_qkv_over_pre"] = ratio_stats(
+            w["fastest_eager_reference"] = eager
+            w["compiled_qkv_over_pre"] = ratio_stats(
                 times["normlab-qkv" + COMPILED], times["normlab-pre" + COMPILED])
     out["x_transformers_used"] = xt_ok
     out["load_note"] = load_note(info)
     return out
+
+
+def eager_comparison(width: dict[str, Any], name: str) -> tuple[str, dict[str, Any] | None]:
+    """The fastest eager reference of one width's results, and contender `name`'s time over
+    it (None if `name` was not timed): issue 6's comparison, also for a `--compile` run, whose
+    fastest reference may be a compiled one."""
+    c = width["contenders"].get(name)
+    if "fastest_eager_reference" not in width:  # no --compile: the fastest is eager
+        return width["fastest_reference"], c and c["vs_fastest_ref"]
+    return width["fastest_eager_reference"], c and c["vs_fastest_eager_ref"]
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -256,7 +273,9 @@ def to_markdown(res: dict[str, Any]) -> str:
                  rf(c["vs_nanogpt"]["median"]), rf(c["vs_fastest_ref"]["median"]),
                  rci(c["vs_fastest_ref"])]
                 for name, c in w["contenders"].items()]
-        parts.append(f"**d_model {d}** (fastest reference: {w['fastest_reference']}; "
+        eager = (f", fastest eager reference: {w['fastest_eager_reference']}, the targets' "
+                 f"(`run_all`'s headlines)" if "fastest_eager_reference" in w else "")
+        parts.append(f"**d_model {d}** (fastest reference: {w['fastest_reference']}{eager}; "
                      f"qkv/pre = {w['qkv_over_pre']['median']:.3f}, pre/fastest reference = "
                      f"{w['pre_over_fastest_ref']['median']:.3f})\n\n"
                      + md_table(["contender", "params", "ms/step", "tokens/s", "/nanogpt",

@@ -7,7 +7,7 @@ Each RESULTS file is what `run_all.py --out` writes, or one benchmark's `--out`.
 per file, labelled by CPU, thread count and commit, so a figure compares like with like only
 where its legend says so. Two figures:
 
-- `targets`: the training-step time ratio to the fastest reference per placement (and `qkv` /
+- `targets`: the training-step time ratio to the fastest eager reference per placement (and `qkv` /
   `pre`), MFU, decoding's and the collapse sweep's speed-ups, each with the performance
   issue's target drawn as a line and the CI of each median as a bar;
 - `scaling`: time and peak memory of a training step and of the collapse sweep as sequence
@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 import targets
-from bench_train_step import PLACEMENTS  # the order the step's results list them
+from bench_train_step import PLACEMENTS, eager_comparison  # PLACEMENTS: the results' order
 from normlab.io import atomic_write_bytes, refuse_overwrite
 
 BENCHMARKS = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
@@ -197,9 +197,9 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
             return None
         if cat == "qkv / pre":
             return w.get("qkv_over_pre")
-        return w.get("contenders", {}).get(f"normlab-{cat}", {}).get("vs_fastest_ref")
+        return eager_comparison(w, f"normlab-{cat}")[1]
 
-    title = f"1. Training step{_widths(sources, 'train_step')}: time / fastest reference"
+    title = f"1. Training step{_widths(sources, 'train_step')}: time / fastest eager reference"
     if _points(a, sources, "train_step", cats, step, title, "time ratio (lower = faster)"):
         _target(a, targets.STEP_RATIO.bound, f"target: {targets.STEP_RATIO}", -0.5,
                 len(PLACEMENTS) - 0.5)

@@ -58,16 +58,18 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     CI's stats (None for MFU, a single reading) and, where issue 6 sets one, its target and
     this run's verdict (`targets.py`)."""
     rows: list[tuple[str, float, dict[str, Any] | None, targets.Target | None]] = []
-    ts = results.get("train_step", {})
-    # under --compile the fastest reference may be a compiled one: no eager row is judged
-    step_target = None if ts.get("compiled") else targets.STEP_RATIO
-    for d, w in ts.get("widths", {}).items():
-        ref = w["fastest_reference"]
-        for p in bench_train_step.PLACEMENTS:
-            if f"normlab-{p}" in w["contenders"]:
-                st = w["contenders"][f"normlab-{p}"]["vs_fastest_ref"]
+    for d, w in results.get("train_step", {}).get("widths", {}).items():
+        for p in bench_train_step.PLACEMENTS:  # issue 6 compares eager steps
+            ref, st = bench_train_step.eager_comparison(w, f"normlab-{p}")
+            if st is not None:
                 rows.append((f"train step d{d}: normlab-{p} / {ref} (time)", st["median"], st,
-                             step_target))
+                             targets.STEP_RATIO))
+        for p in bench_train_step.PLACEMENTS:  # --compile: each compiled step, for reading
+            c = w["contenders"].get(f"normlab-{p}{bench_train_step.COMPILED}")
+            if c is not None:
+                rows.append((f"train step d{d}: normlab-{p}{bench_train_step.COMPILED} / "
+                             f"{w['fastest_reference']} (time)", c["vs_fastest_ref"]["median"],
+                             c["vs_fastest_ref"], None))
         rows.append((f"train step d{d}: qkv / pre (time)", w["qkv_over_pre"]["median"],
                      w["qkv_over_pre"], targets.QKV_OVER_PRE))
     mfu = results.get("mfu", {})

@@ -40,6 +40,7 @@ def _run_all(threads: int, scale: float = 1.0) -> dict:
         kinds[kind] = rows
     return {"info": info, "results": {
         "train_step": {"benchmark": "train_step", "info": info, "widths": {"64": {
+            "fastest_reference": "nanogpt-manual",
             "contenders": {f"normlab-{p}": {"vs_fastest_ref": s} for p, s in step.items()},
             "qkv_over_pre": _stats(scale * 1.13, scale * 1.1, scale * 1.16)}}},
         "mfu": {"benchmark": "mfu", "info": info, "widths": {"64": {"contenders": {
