@@ -1,5 +1,5 @@
 """The docs cite files that exist: every repo path in backticks or a fenced block, every test
-cited by name, and every relative link.
+cited by name, and every relative link. Their prose also wraps at 100 columns, as the code does.
 
 The performance pages cite hundreds of result files, scripts and probes by path; a file moved
 or renamed without its citations leaves a number nobody can trace. This reads the docs
@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from markdown_it import MarkdownIt
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted({ROOT / "README.md", *(ROOT / "docs").glob("*.md"),  # a set: docs/README.md
@@ -82,6 +83,38 @@ def test_every_relative_link_resolves(doc: Path) -> None:
     missing = sorted(t for t in targets
                      if t and not re.match(r"[a-z]+:", t) and not (doc.parent / t).exists())
     assert not missing, f"{doc.relative_to(ROOT)} links to paths not in the repo: {missing}"
+
+
+WIDTH = 100  # ruff's line length, for prose read as source
+#: blocks whose lines cannot wrap, or whose wrapping is their content
+UNWRAPPED = {"fence", "code_block", "table_open", "heading_open", "html_block"}
+MD = MarkdownIt("commonmark").enable("table")
+
+
+def long_prose_lines(text: str) -> list[int]:
+    """Line numbers of prose lines over WIDTH characters: not in a code block (fenced or
+    indented, also inside a list), a table, a heading or raw HTML, as a Markdown parser reads
+    them, and not one unbreakable token (a long URL)."""
+    fixed: set[int] = set()
+    for tok in MD.parse(text):
+        if tok.type in UNWRAPPED and tok.map:
+            fixed.update(range(tok.map[0], tok.map[1]))
+    return [n + 1 for n, line in enumerate(text.splitlines())
+            if n not in fixed and len(line) > WIDTH and " " in line.strip()]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_prose_wraps_at_100_columns(doc: Path) -> None:
+    long = long_prose_lines(doc.read_text())
+    assert not long, f"{doc.relative_to(ROOT)}: lines over {WIDTH} characters: {long}"
+
+
+def test_the_width_check_sees_a_long_line() -> None:
+    text = "\n".join([
+        "ok", "x " * 51, "", "| a | b |", "|---|---|", "| " + "a " * 60 + "|", "",
+        "# " + "h " * 60, "```", "c " * 60, "```", "", "- " + "w " * 50,
+        "- item:", "", "      " + "code " * 30, "", "http://" + "u" * 120])
+    assert long_prose_lines(text) == [2, 13]
 
 
 def test_not_yet_is_not_stale() -> None:
