@@ -59,17 +59,15 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     this run's verdict (`targets.py`)."""
     rows: list[tuple[str, float, dict[str, Any] | None, targets.Target | None]] = []
     for d, w in results.get("train_step", {}).get("widths", {}).items():
-        for p in bench_train_step.PLACEMENTS:  # issue 6 compares eager steps
-            ref, st = bench_train_step.eager_comparison(w, f"normlab-{p}")
+        # issue 6 compares eager steps; a --compile run's compiled ones are listed, not judged
+        judged = [(f"normlab-{p}", *bench_train_step.eager_comparison(w, f"normlab-{p}"),
+                   targets.STEP_RATIO) for p in bench_train_step.PLACEMENTS]
+        listed = [(name, w["fastest_reference"], w["contenders"][name]["vs_fastest_ref"], None)
+                  for p in bench_train_step.PLACEMENTS
+                  if (name := f"normlab-{p}{bench_train_step.COMPILED}") in w["contenders"]]
+        for name, ref, st, target in judged + listed:
             if st is not None:
-                rows.append((f"train step d{d}: normlab-{p} / {ref} (time)", st["median"], st,
-                             targets.STEP_RATIO))
-        for p in bench_train_step.PLACEMENTS:  # --compile: each compiled step, for reading
-            c = w["contenders"].get(f"normlab-{p}{bench_train_step.COMPILED}")
-            if c is not None:
-                rows.append((f"train step d{d}: normlab-{p}{bench_train_step.COMPILED} / "
-                             f"{w['fastest_reference']} (time)", c["vs_fastest_ref"]["median"],
-                             c["vs_fastest_ref"], None))
+                rows.append((f"train step d{d}: {name} / {ref} (time)", st["median"], st, target))
         rows.append((f"train step d{d}: qkv / pre (time)", w["qkv_over_pre"]["median"],
                      w["qkv_over_pre"], targets.QKV_OVER_PRE))
     mfu = results.get("mfu", {})

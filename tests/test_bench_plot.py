@@ -97,6 +97,25 @@ def test_targets_figure_shows_each_median_and_its_ci(tmp_path: Path) -> None:
     assert [t.get_text() for t in step.get_xticklabels()] == [*plot.PLACEMENTS, "qkv / pre"]
 
 
+def test_a_compiled_run_draws_the_eager_comparison(tmp_path: Path) -> None:
+    """Under --compile the panel shows each eager step over the fastest eager reference (the
+    target's comparison), not over a compiled one; a --compile run from before that was
+    recorded draws no step points (its ratios are all over the compiled reference)."""
+    run = _run_all(1)
+    w = run["results"]["train_step"]["widths"]["64"]
+    for c in w["contenders"].values():
+        c["vs_fastest_eager_ref"] = c["vs_fastest_ref"]
+        c["vs_fastest_ref"] = _stats(9.0, 8.0, 10.0)  # over the compiled reference: not drawn
+    w.update(fastest_reference="nanogpt+compile", fastest_eager_reference="nanogpt-manual")
+    ((_, _, y, _),) = _errorbars(plot.targets_figure(
+        [plot.load(_write(tmp_path, "c.json", run))]).axes[0])
+    np.testing.assert_allclose(y[:-1], [0.9, 0.95, 0.97, 1.05, 1.1])
+    del w["fastest_eager_reference"]
+    ((_, x, _, _),) = _errorbars(plot.targets_figure(
+        [plot.load(_write(tmp_path, "old.json", run))]).axes[0])
+    np.testing.assert_allclose(x, [5.0])  # qkv / pre alone
+
+
 def test_two_files_are_drawn_side_by_side_and_labelled_apart(tmp_path: Path) -> None:
     one = plot.load(_write(tmp_path, "1t.json", _run_all(1)))
     two = plot.load(_write(tmp_path, "2t.json", _run_all(2, scale=0.5)))

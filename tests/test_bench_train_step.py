@@ -43,15 +43,19 @@ def _run(monkeypatch: pytest.MonkeyPatch, compile_too: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("compile_too", [False, True])
 def test_the_eager_comparison_is_over_the_fastest_eager_reference(
         monkeypatch: pytest.MonkeyPatch, compile_too: bool) -> None:
-    w = _run(monkeypatch, compile_too)["widths"]["64"]
+    res = _run(monkeypatch, compile_too)
+    w = res["widths"]["64"]
     assert w["fastest_reference"] == ("nanogpt+compile" if compile_too else "nanogpt-manual")
     ref, st = bts.eager_comparison(w, "normlab-pre")
     assert ref == "nanogpt-manual" and st is not None
     assert st["median"] == pytest.approx(0.9) and st["ci"] == pytest.approx([0.9, 0.9])
     assert bts.eager_comparison(w, "normlab-qkv")[1]["median"] == pytest.approx(0.99)
     assert bts.eager_comparison(w, "normlab-none") == ("nanogpt-manual", None)  # not timed
-    assert ("fastest eager reference: nanogpt-manual" in bts.to_markdown(
-        _run(monkeypatch, compile_too))) is compile_too
+    md = bts.to_markdown(res)
+    assert ("fastest eager reference: nanogpt-manual" in md) is compile_too
+    assert ("| normlab-pre | 1,000 | 900 | 2,418 | 0.75 | "
+            + ("1.80 | 1.80–1.80 (75%) | 0.90 | 0.90–0.90 (75%) |" if compile_too else
+               "0.90 | 0.90–0.90 (75%) |")) in md
     pre = w["contenders"]["normlab-pre"]
     assert pre["vs_fastest_ref"]["median"] == pytest.approx(0.9 / (0.5 if compile_too else 1.0))
 

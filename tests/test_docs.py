@@ -86,21 +86,23 @@ def test_every_relative_link_resolves(doc: Path) -> None:
 
 
 WIDTH = 100  # ruff's line length, for prose read as source
-#: blocks whose lines cannot wrap, or whose wrapping is their content
-UNWRAPPED = {"fence", "code_block", "table_open", "heading_open", "html_block"}
+#: blocks whose lines cannot wrap, or whose wrapping is their content (ATX headings: below)
+UNWRAPPED = {"fence", "code_block", "table_open"}
 MD = MarkdownIt("commonmark").enable("table")
+MARKERS = re.compile(r"^(\s*(>|[-*+]|\d+[.)])\s+)*")  # quote and list markers a line opens with
 
 
 def long_prose_lines(text: str) -> list[int]:
     """Line numbers of prose lines over WIDTH characters: not in a code block (fenced or
-    indented, also inside a list), a table, a heading or raw HTML, as a Markdown parser reads
-    them, and not one unbreakable token (a long URL)."""
+    indented, also inside a list), a table or a `#` heading, as a Markdown parser reads them,
+    and not one unbreakable token (a long URL) after its quote or list markers."""
     fixed: set[int] = set()
     for tok in MD.parse(text):
-        if tok.type in UNWRAPPED and tok.map:
+        if tok.map and (tok.type in UNWRAPPED
+                        or (tok.type == "heading_open" and tok.markup.startswith("#"))):
             fixed.update(range(tok.map[0], tok.map[1]))
-    return [n + 1 for n, line in enumerate(text.splitlines())
-            if n not in fixed and len(line) > WIDTH and " " in line.strip()]
+    return [n + 1 for n, line in enumerate(text.split("\n"))
+            if n not in fixed and len(line) > WIDTH and " " in MARKERS.sub("", line).strip()]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -113,8 +115,10 @@ def test_the_width_check_sees_a_long_line() -> None:
     text = "\n".join([
         "ok", "x " * 51, "", "| a | b |", "|---|---|", "| " + "a " * 60 + "|", "",
         "# " + "h " * 60, "```", "c " * 60, "```", "", "- " + "w " * 50,
-        "- item:", "", "      " + "code " * 30, "", "http://" + "u" * 120])
-    assert long_prose_lines(text) == [2, 13]
+        "- item:", "", "      " + "code " * 30, "", "http://" + "u" * 120, "",
+        "> " + "q " * 50, "> - http://" + "u" * 120, "", "setext " * 20, "---", "",
+        "<!-- " + "html " * 30 + "-->"])
+    assert long_prose_lines(text) == [2, 13, 20, 23, 26]
 
 
 def test_not_yet_is_not_stale() -> None:
