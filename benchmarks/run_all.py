@@ -149,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     results: dict[str, Any] = {}
     seconds: dict[str, float] = {}
-    for name in ORDER:
-        if name not in chosen:
-            continue
+    todo = [name for name in ORDER if name in chosen]
+    for i, name in enumerate(todo, 1):
         mod = MODULES[name]
         t0 = time.perf_counter()
-        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        # a line, not a live bar: a bar's refresh thread would take CPU from the timings
+        print(f"[bench] {i}/{len(todo)} {name} ({t0 - t_start:.0f} s so far) ...",
+              file=sys.stderr, flush=True)
         try:
             run: Callable[..., dict[str, Any]] = mod.run
             if name == "mfu" and "train_step" in results and "error" not in results["train_step"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -171,9 +172,13 @@ def test_headlines_table_and_json_carry_the_verdicts() -> None:
     assert run_all.headlines([]) == ""
 
 
-def test_run_all_writes_the_headlines_into_its_json(tmp_path: Path) -> None:
+def test_run_all_writes_the_headlines_into_its_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
     assert run_all.main(["--quick", "--only", "hooks", "--no-plot", "--out", str(out)]) == 0
+    # progress: which benchmark of how many, and the time so far
+    assert re.fullmatch(r"\[bench\] 1/1 hooks \(\d+ s so far\) \.\.\.",
+                        capsys.readouterr().err.strip())
     doc = json.loads(out.read_text())
     hooks = doc["results"]["hooks"]["results"]
     assert [h["quantity"] for h in doc["headlines"]] == [
