@@ -38,6 +38,8 @@ from normlab.io import atomic_write_bytes, refuse_overwrite
 
 BENCHMARKS = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
 FIGURES = ("targets", "scaling")
+#: the benchmarks each figure draws: a run of none of them leaves that figure out
+DRAWS = {"targets": ("train_step", "mfu", "decode", "collapse"), "scaling": ("scaling",)}
 FORMATS = ("png", "pdf", "svg")
 SCALED = ("seq_len", "d_model", "batch", "n", "d")  # n, d: real problems' integers, digits
 SCALED_BASE = {"n": "problems n4 d2", "d": "problems n4 d2"}  # else "base" (bench_scaling)

@@ -125,19 +125,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="train_step also times every contender under torch.compile")
     add_precision_arg(parser)  # the train-step and MFU steps (packing's stay float32)
     parser.add_argument("--no-plot", action="store_true",
-                        help="skip the figures (<out stem>_targets.png, _scaling.png)")
+                        help="skip the figures (<out stem>_targets.png, _scaling.png; each "
+                             "is drawn only if a benchmark it shows ran)")
     args = parser.parse_args(argv)
     if args.out is None:  # a new file per run: `make bench` never replaces a cited result
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
         args.out = ROOT / "runs" / "bench" / f"results-{stamp}.json"
     refuse_overwrite(parser, args.out, args.force)
-    figures = {} if args.no_plot else plot.outputs(args.out.parent, args.out.stem, ["png"])
-    for fig_path in figures:
-        refuse_overwrite(parser, fig_path, args.force)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]
     for name in chosen:
         if name not in MODULES:
             parser.error(f"--only: unknown benchmark {name!r}; expected {', '.join(ORDER)}")
+    drawn = [f for f in plot.FIGURES if not args.no_plot and set(plot.DRAWS[f]) & set(chosen)]
+    figures = plot.outputs(args.out.parent, args.out.stem, ["png"], drawn)
+    for fig_path in figures:
+        refuse_overwrite(parser, fig_path, args.force)
     bench_args = argparse.Namespace(quick=args.quick, threads=args.threads, repeats=args.repeats,
                                     widths=None, run=args.run, out=None,
                                     compile=args.compile, device=args.device,
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {doc['total_seconds']:.0f} s; wrote {args.out}" + (f"; {note}" if note else ""))
     if figures:
         try:  # the JSON is written: a figure that fails must not lose it
-            plot.write_figures([args.out], args.out.parent, args.out.stem, force=args.force)
+            plot.write_figures([args.out], args.out.parent, args.out.stem, force=args.force,
+                               figures=drawn)
             print("figures: " + ", ".join(str(f) for f in figures))
         except Exception as err:
             print(f"figures FAILED ({type(err).__name__}: {err}); the JSON above is complete; "

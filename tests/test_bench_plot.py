@@ -297,6 +297,26 @@ def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
 
 
+def test_run_all_draws_only_the_figures_its_benchmarks_fill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--only mfu` draws the targets figure alone (no empty scaling one); `--only hooks`,
+    which neither figure shows, draws none."""
+    import types
+
+    import run_all
+
+    raw = _run_all(1)["results"]
+    for name in ("mfu", "hooks"):
+        fake = types.SimpleNamespace(run=lambda args, name=name: raw.get(name, {"results": []}),
+                                     to_markdown=lambda res: "### fake")
+        monkeypatch.setitem(run_all.MODULES, name, fake)
+    assert run_all.main(["--only", "mfu", "--out", str(tmp_path / "a.json")]) == 0
+    assert run_all.main(["--only", "hooks", "--out", str(tmp_path / "b.json")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "a_targets.png", "b.json"]
+    assert (tmp_path / "a_targets.png").read_bytes().startswith(PNG)
+
+
 @pytest.mark.parametrize(
     ("info", "label"),
     [
