@@ -14,7 +14,7 @@ where its legend says so. Two figures:
   length, width and batch grow ×2 and ×4, against the FLOP count's growth (dashed).
 
 A panel whose benchmark is in none of the files says so instead of vanishing. `run_all.py`
-draws both next to the JSON it writes.
+draws them next to the JSON it writes, each only if a benchmark it shows ran (`filled`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from normlab.io import atomic_write_bytes, refuse_overwrite
 
 BENCHMARKS = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
 FIGURES = ("targets", "scaling")
-#: the benchmarks each figure draws: a run of none of them leaves that figure out
+#: the benchmarks each figure draws
 DRAWS = {"targets": ("train_step", "mfu", "decode", "collapse"), "scaling": ("scaling",)}
 FORMATS = ("png", "pdf", "svg")
 SCALED = ("seq_len", "d_model", "batch", "n", "d")  # n, d: real problems' integers, digits
@@ -318,16 +318,27 @@ def scaling_figure(sources: Sequence[Source]) -> Figure:
 LAYOUT_ERRORS = (KeyError, TypeError, IndexError, AttributeError, ValueError)
 
 
-def draw(sources: Sequence[Source]) -> dict[str, Figure]:
-    """Both figures; a file whose JSON lacks what they read is a one-line error naming it."""
+def filled(results: dict[str, Any]) -> list[str]:
+    """The figures a run's results fill: those showing a benchmark that ran (neither failed
+    nor skipped), so a run of `--only hooks` draws none and a failed scaling run no empty one."""
+    ran = {name for name, r in results.items()
+           if isinstance(r, dict) and "error" not in r and "skipped" not in r}
+    return [f for f in FIGURES if ran & set(DRAWS[f])]
+
+
+def draw(sources: Sequence[Source], figures: Sequence[str] = FIGURES) -> dict[str, Figure]:
+    """The figures asked for; a file whose JSON lacks what they read is a one-line error
+    naming it."""
+    makers = {"targets": targets_figure, "scaling": scaling_figure}
     try:
-        return {"targets": targets_figure(sources), "scaling": scaling_figure(sources)}
+        return {name: makers[name](sources) for name in figures}
     except LAYOUT_ERRORS as err:
         if isinstance(err, ResultsError):
             raise
         for src in sources:  # which file: the first that fails alone
             try:
-                targets_figure([src]), scaling_figure([src])
+                for name in figures:
+                    makers[name]([src])
             except LAYOUT_ERRORS as alone:
                 raise ResultsError(f"{str(src.path)!r}: not the layout this script reads "
                                  f"({type(alone).__name__}: {alone})") from None
@@ -359,7 +370,7 @@ def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
     paths_out = outputs(folder, stem, formats, figures)
     for t in paths_out:
         refuse_overwrite(t.parent, t.name, force)
-    figs = draw(sources)
+    figs = draw(sources, figures)
     folder.mkdir(parents=True, exist_ok=True)
     for path, name in paths_out.items():
         save(figs[name], path)

@@ -5,7 +5,8 @@
 
 Its last table, Headlines, gives each of issue 6's targets (`targets.py`) beside the run's
 median, its CI and the run's verdict; the JSON holds the same rows under `headlines`. Beside
-the JSON it draws `<stem>_targets.png` and `<stem>_scaling.png` (`plot.py`).
+the JSON it draws `<stem>_targets.png` and `<stem>_scaling.png` (`plot.py`), each only if a
+benchmark it shows ran.
 
 A benchmark that fails or cannot run (e.g. the collapse API is missing) is reported as such
 and the others still run. Timings are side-by-side ratios within one process; nothing here is
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         if name not in MODULES:
             parser.error(f"--only: unknown benchmark {name!r}; expected {', '.join(ORDER)}")
-    drawn = [f for f in plot.FIGURES if not args.no_plot and set(plot.DRAWS[f]) & set(chosen)]
-    figures = plot.outputs(args.out.parent, args.out.stem, ["png"], drawn)
+    # every figure this name could have, drawn this time or not: no earlier run's figure is
+    # left beside a new JSON unless --force
+    figures = {} if args.no_plot else plot.outputs(args.out.parent, args.out.stem, ["png"])
     for fig_path in figures:
         refuse_overwrite(parser, fig_path, args.force)
     bench_args = argparse.Namespace(quick=args.quick, threads=args.threads, repeats=args.repeats,
@@ -189,11 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result(args.out, doc)
     print(f"total {doc['total_seconds']:.0f} s; wrote {args.out}" + (f"; {note}" if note else ""))
-    if figures:
+    drawn = plot.filled(results) if figures else []
+    stale = [str(p) for p, name in figures.items() if name not in drawn and p.exists()]
+    if stale:  # --force: kept, not deleted, and said
+        print(f"kept from an earlier run (this run draws no such figure): {', '.join(stale)}",
+              file=sys.stderr)
+    if drawn:
         try:  # the JSON is written: a figure that fails must not lose it
-            plot.write_figures([args.out], args.out.parent, args.out.stem, force=args.force,
-                               figures=drawn)
-            print("figures: " + ", ".join(str(f) for f in figures))
+            written = plot.write_figures([args.out], args.out.parent, args.out.stem,
+                                         force=args.force, figures=drawn)
+            print("figures: " + ", ".join(str(f) for f in written))
         except Exception as err:
             print(f"figures FAILED ({type(err).__name__}: {err}); the JSON above is complete; "
                   f"retry with: python benchmarks/plot.py {args.out} --out DIR", file=sys.stderr)

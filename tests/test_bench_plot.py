@@ -297,24 +297,53 @@ def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
 
 
+def test_a_figure_is_filled_by_a_benchmark_that_ran() -> None:
+    assert set(plot.DRAWS) == set(plot.FIGURES)
+    assert {b for bs in plot.DRAWS.values() for b in bs} <= set(plot.BENCHMARKS)
+    ok, failed, skipped = {"widths": {}}, {"error": "boom"}, {"skipped": "CPU only"}
+    assert plot.filled({"train_step": ok}) == ["targets"]
+    assert plot.filled({"scaling": ok, "hooks": ok}) == ["scaling"]
+    assert plot.filled({"train_step": failed, "collapse": skipped, "scaling": ok}) == ["scaling"]
+    assert plot.filled({"hooks": ok, "packing": ok}) == []
+
+
 def test_run_all_draws_only_the_figures_its_benchmarks_fill(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--only mfu` draws the targets figure alone (no empty scaling one); `--only hooks`,
-    which neither figure shows, draws none."""
+    which neither figure shows, draws none, nor does a benchmark that failed. Every figure of
+    the name is refused up front, drawn this time or not; with --force one not drawn is kept
+    and named."""
     import types
 
     import run_all
 
     raw = _run_all(1)["results"]
-    for name in ("mfu", "hooks"):
+
+    def broken(args: object) -> dict:
+        raise RuntimeError("boom")
+
+    for name in ("mfu", "hooks", "scaling"):
         fake = types.SimpleNamespace(run=lambda args, name=name: raw.get(name, {"results": []}),
                                      to_markdown=lambda res: "### fake")
         monkeypatch.setitem(run_all.MODULES, name, fake)
     assert run_all.main(["--only", "mfu", "--out", str(tmp_path / "a.json")]) == 0
     assert run_all.main(["--only", "hooks", "--out", str(tmp_path / "b.json")]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "a_targets.png", "b.json"]
+    monkeypatch.setattr(run_all.MODULES["scaling"], "run", broken)
+    assert run_all.main(["--only", "hooks,scaling", "--out", str(tmp_path / "c.json")]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "a_targets.png", "b.json",
+                                                          "c.json"]
     assert (tmp_path / "a_targets.png").read_bytes().startswith(PNG)
+    (tmp_path / "d_scaling.png").write_bytes(b"an earlier run's")
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "mfu", "--out", str(tmp_path / "d.json")])
+    assert not (tmp_path / "d.json").exists()
+    capsys.readouterr()
+    assert run_all.main(["--only", "mfu", "--out", str(tmp_path / "d.json"), "--force"]) == 0
+    assert (tmp_path / "d_scaling.png").read_bytes() == b"an earlier run's"
+    assert (tmp_path / "d_targets.png").read_bytes().startswith(PNG)
+    assert (f"kept from an earlier run (this run draws no such figure): "
+            f"{tmp_path / 'd_scaling.png'}") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
