@@ -198,12 +198,12 @@ def test_run_all_writes_a_new_file_under_runs_bench_by_default(tmp_path: Path, m
     monkeypatch.setitem(run_all.MODULES, "mfu", fake)
     assert run_all.main(["--only", "mfu", "--quick"]) == 0
     written = sorted((tmp_path / "runs" / "bench").iterdir())
-    assert len(written) == 3 and written[0].name.startswith("results-")
+    assert len(written) == 2 and written[0].name.startswith("results-")
     result = written[0]
     assert '"mfu"' in result.read_text() and str(result) in capsys.readouterr().out
-    # the figures of that result, beside it (plot.py; what they show: tests/test_bench_plot.py)
-    assert [p.name for p in written[1:]] == [f"{result.stem}_scaling.png",
-                                             f"{result.stem}_targets.png"]
+    # the figure of that result that MFU fills, beside it (plot.py; what the figures show and
+    # which are drawn: tests/test_bench_plot.py)
+    assert [p.name for p in written[1:]] == [f"{result.stem}_targets.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written[1:])
 
 
