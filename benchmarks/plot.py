@@ -38,6 +38,9 @@ from normlab.io import atomic_write_bytes, refuse_overwrite
 
 BENCHMARKS = ("train_step", "mfu", "packing", "decode", "collapse", "scaling", "hooks")
 FIGURES = ("targets", "scaling")
+#: what a benchmark's JSON holds besides its results (all a skipped one holds; bench_scaling's
+#: "skipped" is None, or names the part skipped beside the rest's results)
+NOT_RESULTS = {"benchmark", "info", "skipped", "load_note"}
 #: the benchmarks each figure draws
 DRAWS = {"targets": ("train_step", "mfu", "decode", "collapse"), "scaling": ("scaling",)}
 FORMATS = ("png", "pdf", "svg")
@@ -321,8 +324,8 @@ LAYOUT_ERRORS = (KeyError, TypeError, IndexError, AttributeError, ValueError)
 def filled(results: dict[str, Any]) -> list[str]:
     """The figures a run's results fill: those showing a benchmark that ran (neither failed
     nor skipped), so a run of `--only hooks` draws none and a failed scaling run no empty one."""
-    ran = {name for name, r in results.items()
-           if isinstance(r, dict) and "error" not in r and "skipped" not in r}
+    ran = {name for name, r in results.items()  # a skipped one holds no more than its record
+           if isinstance(r, dict) and "error" not in r and set(r) - NOT_RESULTS}
     return [f for f in FIGURES if ran & set(DRAWS[f])]
 
 

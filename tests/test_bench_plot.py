@@ -300,11 +300,16 @@ def test_run_all_keeps_its_json_when_a_figure_fails_and_no_plot_draws_none(
 def test_a_figure_is_filled_by_a_benchmark_that_ran() -> None:
     assert set(plot.DRAWS) == set(plot.FIGURES)
     assert {b for bs in plot.DRAWS.values() for b in bs} <= set(plot.BENCHMARKS)
-    ok, failed, skipped = {"widths": {}}, {"error": "boom"}, {"skipped": "CPU only"}
+    ok, failed = {"benchmark": "x", "widths": {}}, {"benchmark": "x", "error": "boom"}
+    skipped = {"benchmark": "x", "info": {}, "skipped": "CPU only"}  # common.cpu_only's shape
+    scaled = {"benchmark": "scaling", "info": {}, "kinds": {}, "skipped": None}  # as it runs
     assert plot.filled({"train_step": ok}) == ["targets"]
-    assert plot.filled({"scaling": ok, "hooks": ok}) == ["scaling"]
-    assert plot.filled({"train_step": failed, "collapse": skipped, "scaling": ok}) == ["scaling"]
-    assert plot.filled({"hooks": ok, "packing": ok}) == []
+    assert plot.filled({"scaling": scaled, "hooks": ok}) == ["scaling"]
+    assert plot.filled({"scaling": {**scaled, "skipped": "collapse sweep skipped"}}) == [
+        "scaling"]  # its training rows still ran
+    assert plot.filled({"train_step": failed, "collapse": skipped, "scaling": scaled}) == [
+        "scaling"]
+    assert plot.filled({"hooks": ok, "packing": ok, "collapse": skipped}) == []
 
 
 def test_run_all_draws_only_the_figures_its_benchmarks_fill(
