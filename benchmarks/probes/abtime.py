@@ -112,8 +112,10 @@ class N5d1Decoder:
         torch.manual_seed(0)
         self.model = build_model(model_config(run, run.model.d_model, placement)).eval()
 
-    def decode(self, cached: bool) -> list[list[int]]:
-        return greedy_decode(self.model, self.prompts, max_new=self.max_new, eos=-1,
+    def decode(self, cached: bool, prompts: list[list[int]] | None = None) -> list[list[int]]:
+        """The cell's prompts, or `prompts` (some of them), decoded."""
+        return greedy_decode(self.model, self.prompts if prompts is None else prompts,
+                             max_new=self.max_new, eos=-1,
                              aux_fn=aux_positions, aux_next=next_aux_position,
                              use_cache=cached)
 
