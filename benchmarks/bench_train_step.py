@@ -222,13 +222,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps, params = contenders_for(run_cfg, d, batch, PLACEMENTS, compile_too=compile_too,
                                        device=device, precision=precision)
         times = paired_timing(steps, repeats=repeats, inner=inner, warmup=1, device=device)
-        median = {name: summary(ts)["median_s"] for name, ts in times.items()}
+        sums = {name: summary(ts) for name, ts in times.items()}
+        median = {name: s["median_s"] for name, s in sums.items()}
         fastest = min([r + c for c in ("", COMPILED) for r in REFERENCES if r + c in times],
                       key=median.__getitem__)
         eager = min([r for r in REFERENCES if r in times], key=median.__getitem__)
         rows = {}
         for name, ts in times.items():
-            s = summary(ts)
+            s = sums[name]
             rows[name] = {
                 **s, "params": params[name], "tokens_per_s": b * t / s["median_s"],
                 "vs_nanogpt": ratio_stats(ts, times["nanogpt"]),
