@@ -22,7 +22,8 @@ DOCS = sorted({ROOT / "README.md", *(ROOT / "docs").glob("*.md"),  # a set: docs
 TOP = ("src/", "tests/", "benchmarks/", "configs/", "docs/", ".ci/")
 # Cited before they exist, and the docs say so: where a lent GPU's results are to be committed.
 NOT_YET = {"benchmarks/results/gpu/"}
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)  # a fenced block: its lines, as code
+# a fenced block, also one indented in a list item: its lines, as code
+FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
 CODE = re.compile(r"`([^`]+)`")  # an inline span, which may wrap onto the next line
 PLACEHOLDER = re.compile(r"[<>\[\]$]|NAME|\.\.\.|_Tt(?![a-z0-9])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -128,17 +129,19 @@ def test_not_yet_is_not_stale() -> None:
 
 def test_the_check_sees_a_broken_citation() -> None:
     """The extraction is not vacuous: it finds paths in commands, braces, globs, spans that
-    wrap onto the next line and fenced blocks."""
+    wrap onto the next line and fenced blocks, also one indented in a list item."""
     text = ("run `python benchmarks/plot.py A.json --out DIR` on "
             "`benchmarks/results/session31/full_{1,2}t.json` and `tests/no_such_*.py`; see\n"
             "`benchmarks/bench_decode.py\n--config configs/addition/pre.toml`, and\n"
             "```bash\nmake bench  # `docs/performance.md`\npython benchmarks/run_all.py\n```\n"
+            "- an item:\n\n  ```bash\n  python benchmarks/targets.py\n  ```\n"
             "`configs/addition/NAME.toml` and `benchmarks/results/full_Tt.json` are placeholders; "
             "`tests/test_docs.py::test_the_check_sees_a_broken_citation` is a test")
     cited = cited_paths(text)
     assert cited == {"benchmarks/plot.py", "benchmarks/results/session31/full_1t.json",
                      "benchmarks/results/session31/full_2t.json", "tests/no_such_*.py",
                      "tests/test_docs.py", "benchmarks/bench_decode.py",
-                     "configs/addition/pre.toml", "docs/performance.md", "benchmarks/run_all.py"}
+                     "configs/addition/pre.toml", "docs/performance.md", "benchmarks/run_all.py",
+                     "benchmarks/targets.py"}
     assert [p for p in sorted(cited) if not exists(p)] == ["tests/no_such_*.py"]
     assert expand("x_{1..3}") == ["x_1", "x_2", "x_3"]
