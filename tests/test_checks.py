@@ -1,6 +1,7 @@
 """normlab.checks: one whole-number check for every layer's arguments."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from normlab import build_model
 from normlab.analysis.data import resolve_sites
 from normlab.analysis.theory import monte_carlo_collapse, predict_collapse
-from normlab.checks import check_int, check_seed, is_int
+from normlab.checks import check_int, check_real, check_seed, check_sigmas, is_int
 from normlab.config import load_config
 from normlab.model import ModelConfig
 from normlab.model.generate import greedy_decode
@@ -132,3 +133,40 @@ def test_the_analyses_refuse_a_model_off_the_cpu_in_one_line() -> None:
             call()
         assert str(info.value) == ("model: expected a model on the CPU, where the analyses run; "
                                    "got one on meta (call model.cpu() first)")
+
+
+@pytest.mark.parametrize("value", [0.5, 2, np.float32(0.25), np.float64(1e-3), np.int64(3)])
+def test_check_real_takes_python_and_numpy_numbers_as_floats(value: object) -> None:
+    out = check_real(value, "x", what="a number > 0", ok=lambda v: v > 0)
+    assert out == float(value) and type(out) is float
+
+
+@pytest.mark.parametrize("value", [True, "1", None, math.nan, math.inf, -math.inf, [1.0], -1.0])
+def test_check_real_refuses_non_numbers_non_finite_and_out_of_range(value: object) -> None:
+    with pytest.raises(ValueError) as info:
+        check_real(value, "x", what="a number > 0", ok=lambda v: v > 0)
+    assert str(info.value) == f"x: expected a number > 0; got {value!r}"
+
+
+def test_check_sigmas_takes_one_number_or_any_sequence_of_them() -> None:
+    assert check_sigmas(0.1) == [0.1]
+    assert check_sigmas((0, 0.2)) == [0.0, 0.2]
+    assert check_sigmas(np.array([0.05, 0.1])) == [0.05, 0.1]  # numpy arrays are no Sequence
+
+
+@pytest.mark.parametrize(
+    ("sigmas", "message"),
+    [
+        ([0.1, -1.0], "sigmas[1]: expected a finite number >= 0; got -1.0"),
+        ([True], "sigmas[0]: expected a finite number >= 0; got True"),
+        (["0.1"], "sigmas[0]: expected a finite number >= 0; got '0.1'"),
+        (math.nan, "sigma: expected a finite number >= 0; got nan"),
+        ("0.1", "sigmas: expected a list of numbers >= 0; got '0.1'"),
+        ({"a": 0.1}, "sigmas: expected a list of numbers >= 0; got {'a': 0.1}"),
+        ([], "sigmas: expected at least one sigma"),
+    ],
+)
+def test_check_sigmas_names_the_bad_one(sigmas: object, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        check_sigmas(sigmas)
+    assert str(info.value) == message

@@ -227,7 +227,9 @@ def test_cross_attention_memory_has_its_own_table() -> None:
      dict(sites=["blocks.9.attn"]), dict(heads=[4]), dict(mode="tokens"),
      dict(noise="cauchy"), dict(targets=("q", "x")), dict(targets=()), dict(n_draws=0),
      dict(sites=["blocks.0.attn", "blocks.0.attn"]), dict(seed=-1), dict(seed=1.5),
-     dict(seed=True), dict(heads=True), dict(heads=1.5), dict(heads=np.array(1))],
+     dict(seed=True), dict(heads=True), dict(heads=1.5), dict(heads=np.array(1)),
+     dict(heads=[0, 0]), dict(max_tokens=0), dict(max_tokens=-5), dict(max_tokens=1.5),
+     dict(max_tokens="x")],
 )
 def test_bad_arguments_are_one_line_value_errors(kwargs: dict) -> None:
     model = small(n_layers=1)
@@ -235,6 +237,23 @@ def test_bad_arguments_are_one_line_value_errors(kwargs: dict) -> None:
     with pytest.raises(ValueError) as err:
         measure_collapse(model, data, **(dict(sigmas=[0.1], n_draws=1) | kwargs))
     assert "\n" not in str(err.value)
+
+
+def test_a_heads_prediction_does_not_depend_on_which_other_sites_were_chosen() -> None:
+    """The theory predicts a head's collapse from its own recorded logits, so choosing fewer
+    sites must not change it; its noise was seeded by the site's place in the selection, and
+    choosing `blocks.1.attn` alone gave that head other draws (the measured rate does change:
+    the noise on `blocks.0.attn` is gone)."""
+    model = small(n_layers=2)
+    data = EvalData.from_problems(problems(8), "decoder")
+    kw = dict(sigmas=[0.1, 0.3], n_draws=2, threshold=0.5, theory_draws=64, seed=5)
+    every = measure_collapse(model, data, **kw)
+    one = measure_collapse(model, data, sites=["blocks.1.attn"], **kw)
+    mine = [h for h in every["per_head"] if h["site"] == "blocks.1.attn"]
+    assert mine and len(mine) == len(one["per_head"])
+    for a, b in zip(mine, one["per_head"], strict=True):
+        assert a["n_sparse"] == b["n_sparse"] > 0
+        assert a["predicted_rate"] == b["predicted_rate"]  # from the same recorded logits
 
 
 def test_a_selection_is_read_as_meant_or_refused() -> None:
@@ -522,14 +541,14 @@ def test_theory_draws_fresh_noise_for_each_head_so_its_error_bar_holds() -> None
         qpos=torch.zeros(R), key=torch.zeros(R), weight=torch.ones(R),
         logits={"blocks.0.attn": torch.tensor([[2.0, 1.6]]).repeat(R, 1)},
         valid_rows={}, counts={})
-    out = _theory(rows, [sigma], "normal", draws, seed=0)
+    out = _theory(rows, ["blocks.0.attn"], [sigma], "normal", draws, seed=0)
     per_head = [v["predicted_rate"][0] for v in out["per_head"].values()]
     assert len(set(per_head)) > 1  # the heads' draws differ
     exact = 0.5 * math.erfc(0.4 / (sigma * math.hypot(2.0, 1.6)) / math.sqrt(2))
     assert abs(exact - 0.3013) < 1e-4
     estimates, ses = [], []
     for seed in range(200):
-        out = _theory(rows, [sigma], "normal", draws, seed=seed)
+        out = _theory(rows, ["blocks.0.attn"], [sigma], "normal", draws, seed=seed)
         estimates.append(out["monte_carlo"][0])
         ses.append(out["monte_carlo_se"][0])
     mean = sum(estimates) / len(estimates)

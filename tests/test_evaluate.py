@@ -95,3 +95,8 @@ def test_a_limit_is_a_number_of_examples_or_none() -> None:
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match=r"^limit: expected an int >= 1"):
             evaluate(model, task, sets, limit=bad, predictor=oracle)
+    # a split (or every cell of one) without problems: an accuracy of 0.0 from count 0 read as
+    # measured
+    empty = {"train": sets["train"], "extra": {cell: [] for cell in sets["train"]}}
+    with pytest.raises(ValueError, match=r"^sets\['extra'\]: expected at least one problem"):
+        evaluate(model, task, empty, predictor=oracle)

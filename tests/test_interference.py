@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,11 +111,60 @@ def test_synthetic_pre_depends_on_b_and_spheres_restore_independence(norm_type: 
 
 @pytest.mark.parametrize("kwargs", [dict(alpha=-1.0), dict(tokens="some"), dict(heads=[9]),
                                     dict(sites=["blocks.0.mlp"]), dict(n_directions=0),
-                                    dict(seed=-1), dict(seed=2.5)])
+                                    dict(seed=-1), dict(seed=2.5), dict(alpha=math.inf),
+                                    dict(alpha=math.nan), dict(max_tokens=0),
+                                    dict(max_tokens=1.5), dict(max_tokens="x"),
+                                    dict(heads=[0, 0])])
 def test_bad_arguments(kwargs: dict) -> None:
+    """alpha = inf gave NaN TVs, max_tokens = 0 or -5 was recorded as given (and "x" was a bare
+    TypeError), and a head given twice was reported twice."""
     with pytest.raises(ValueError) as err:
         interference_probe(model("pre"), data(n=2), **kwargs)
-    assert "\n" not in str(err.value)
+    name = next(iter(kwargs)).rstrip("s")  # "unknown head 9", "heads: expected each head once"
+    assert "\n" not in str(err.value) and name in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(d_model=1), "d_model: expected an int >= 2 (rms norm); got 1"),
+        (dict(d_model=3, norm_type="layer"), "d_model: expected an int >= 4 (layer norm); got 3"),
+        (dict(n_seqs=0), "n_seqs: expected an int >= 1; got 0"),
+        (dict(n_tokens=1), "n_tokens: expected an int >= 2 (a row with two keys); got 1"),
+        (dict(d_head=0), "d_head: expected an int >= 1; got 0"),
+        (dict(logit_std=-1.0), "logit_std: expected a finite number > 0; got -1.0"),
+        (dict(spreads=[]), "spreads: expected at least one spread"),
+        (dict(spreads="0.1"), "spreads: expected a list of numbers in [0, 1); got '0.1'"),
+        (dict(spreads=[0.1, 1.0]), "spread: expected a number in [0, 1); got 1.0"),
+        (dict(norm_type="batch"), "norm_type: expected 'rms' or 'layer'; got 'batch'"),
+        (dict(seed=-1), "seed: expected an int in [0, 2**63); got -1"),
+    ],
+)
+def test_synthetic_study_refuses_bad_sizes_in_one_line(kwargs: dict, message: str) -> None:
+    """Each was a ZeroDivisionError, an IndexError, a math domain error or silent NaN TVs."""
+    with pytest.raises(ValueError) as err:
+        synthetic_interference(**kwargs)
+    assert str(err.value) == message
+
+
+def test_synthetic_norm_h90_is_the_runs_h90() -> None:
+    """The synthetic study's realised spread is `spread_stats`' h90 of ||x|| / median, the
+    number `norm_spread` reports for trained models, not a second definition beside it."""
+    res = synthetic_interference(spreads=[0.0, 0.5], n_seqs=4, n_tokens=5, seed=3)
+    gen = torch.Generator().manual_seed(3)  # the same draws, in the same order, by hand
+    d, dim_a = 16, 8
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen).double())
+    pa, pb = q.float()[:, :dim_a], q.float()[:, dim_a:]
+    torch.randn(dim_a, 8, generator=gen), torch.randn(dim_a, 8, generator=gen)
+    x_a = torch.randn(4, 5, dim_a, generator=gen) @ pa.T
+    torch.randn(4, 5, 8, generator=gen)  # the baseline's B directions
+    u = torch.rand(4, 5, generator=gen) * 2 - 1
+    dirs = torch.randn(4, 5, 8, generator=gen)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    for s, h90 in zip([0.0, 0.5], res["norm_h90"], strict=True):
+        norms = (x_a + (dirs * (math.sqrt(8) * (1 + s * u))[..., None]) @ pb.T).norm(dim=-1)
+        dev = sorted(abs(float(v) / float(np.median(norms.numpy())) - 1) for v in norms.flatten())
+        assert h90 == pytest.approx(dev[math.ceil(0.9 * len(dev)) - 1], rel=1e-6)
 
 
 def test_probe_averages_only_rows_that_can_move() -> None:

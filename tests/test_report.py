@@ -145,8 +145,9 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
     # every error names the sweep file
     at = "^" + re.escape(f"sweep file {str(f)!r}: ")
     for run, match in (('analysis = {n_draw = 8}', r"sweep\.run\.analysis\.n_draw: unknown key"),
-                       ('analysis = {sigmas = [-0.1]}', r"sweep\.run\.analysis: sigma: "),
+                       ('analysis = {sigmas = [-0.1]}', r"sweep\.run\.analysis: sigmas\[0\]: "),
                        ('analysis = {alpha = 0}', r"sweep\.run\.analysis: alpha: "),
+                       ('analysis = {alpha = inf}', r"sweep\.run\.analysis: alpha: "),
                        ('analysis = 3', r"sweep\.run\.analysis: expected a table"),
                        ('analysis = {figures = "no"}', r"sweep\.run\.analysis\.figures: "),
                        ('analysis = {heads = ["0"]}', r"sweep\.run\.analysis\.heads: "),

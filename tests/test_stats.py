@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -41,3 +43,14 @@ def test_median_ci_needs_a_value() -> None:
     with pytest.raises(ValueError, match="median_ci: expected at least one value"):
         median_ci([])
 
+
+
+@pytest.mark.parametrize(("xs", "level", "match"), [
+    ([1.0, math.nan, 2.0], 0.95, "got NaN"),  # sorted() puts NaN anywhere: [1, 2] came back
+    ([1.0, 2.0, 3.0], 1.5, r"a level in \(0, 1\); got 1.5"),
+    ([1.0, 2.0, 3.0], 0.0, r"a level in \(0, 1\); got 0.0"),
+])
+def test_median_ci_refuses_nan_and_a_level_outside_0_1(xs: list[float], level: float,
+                                                      match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        median_ci(xs, level)

@@ -316,7 +316,15 @@ def test_equal_eps_alone_is_a_temperature_change_not_zero() -> None:
         (lambda: union_bound(torch.ones(2, 3), 0.1, torch.ones(2, 3)), "mask"),
         (lambda: union_bound(torch.ones(2, 3), 0.1, torch.ones(3, 2, dtype=torch.bool)), "mask"),
         (lambda: predict_collapse(torch.ones(2, 3), [0.1, -1.0], 10), "sigmas"),
-        (lambda: predict_collapse(torch.ones(2, 3), 0.1, 10), "sigmas"),  # type: ignore[arg-type]
+        (lambda: predict_collapse(torch.ones(2, 3), "0.1", 10), "sigmas"),  # type: ignore[arg-type]
+        (lambda: predict_collapse(torch.ones(2, 3), [True], 10), "sigmas[0]"),
+        (lambda: predict_collapse(torch.ones(2, 3), ["0.1"], 10), "sigmas[0]"),
+        (lambda: predict_collapse(torch.ones(2, 3), [None], 10), "sigmas[0]"),
+        (lambda: predict_collapse(torch.ones(2, 3), [], 10), "sigmas"),
+        (lambda: predict_collapse(torch.ones(2, 3), [0.1], 10, seed=1.7), "seed"),
+        (lambda: predict_collapse(torch.ones(2, 3), [0.1], 10, seed=-1), "seed"),
+        (lambda: predict_collapse(torch.ones(2, 3), [0.1], 10, seed="a"), "seed"),
+        (lambda: pair_flip_probability(1.0, 0.0, None), "sigma"),  # type: ignore[arg-type]
         (lambda: predict_collapse(torch.ones(2, 3), [0.1], 0), "n_draws"),
         (lambda: predict_collapse(torch.ones(2, 3), [0.1], 10, "beta"), "noise"),
         (

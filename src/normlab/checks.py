@@ -8,7 +8,9 @@ Config files are checked against their dataclass's hints instead (`normlab.confi
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
@@ -24,6 +26,35 @@ def check_int(value: object, name: str, *, low: int = 0, what: str | None = None
     if not is_int(value) or value < low:  # type: ignore[operator]
         raise ValueError(f"{name}: expected {what or f'an int >= {low}'}; got {value!r}")
     return int(value)  # type: ignore[call-overload]
+
+
+def is_real(value: object) -> bool:
+    """A real number (Python's or numpy's, float32 included), and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_real(value: object, name: str, *, what: str,
+               ok: Callable[[float], bool] = lambda v: True) -> float:
+    """`value` as a Python float if it is a finite real number for which `ok` holds; else a
+    one-line ValueError "`name`: expected `what`; got `value`". NaN and inf are always
+    refused: every real-valued argument here feeds arithmetic that they would turn to NaN."""
+    if not is_real(value) or not math.isfinite(value) or not ok(float(value)):  # type: ignore[arg-type]
+        raise ValueError(f"{name}: expected {what}; got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_sigmas(sigmas: object, name: str = "sigmas") -> list[float]:
+    """Noise levels: one number or a non-empty sequence of finite numbers >= 0, as floats."""
+    one = is_real(sigmas)
+    if not one and (isinstance(sigmas, str | bytes | Mapping)
+                    or not isinstance(sigmas, Iterable)):
+        raise ValueError(f"{name}: expected a list of numbers >= 0; got {sigmas!r}")
+    items = [sigmas] if one else list(sigmas)  # type: ignore[call-overload]
+    out = [check_real(s, "sigma" if one else f"{name}[{i}]", what="a finite number >= 0",
+                      ok=lambda v: v >= 0) for i, s in enumerate(items)]
+    if not out:
+        raise ValueError(f"{name}: expected at least one sigma")
+    return out
 
 
 def check_seed(value: object, name: str = "seed") -> int:

@@ -175,6 +175,8 @@ def evaluate(
     cells: list[dict[str, Any]] = []
     for split, by_cell in sets.items():
         items = [(cell, q, a) for cell, probs in by_cell.items() for q, a in probs[:limit]]
+        if not items:  # an accuracy of 0.0 would be read as a measured one
+            raise ValueError(f"sets[{split!r}]: expected at least one problem; got none")
         preds = predictor([q for _, q, _ in items])
         hits: dict[Cell, list[int]] = {}
         for (cell, _, a), p in zip(items, preds, strict=True):
@@ -182,7 +184,7 @@ def evaluate(
         correct = sum(sum(h) for h in hits.values())
         count = sum(len(h) for h in hits.values())
         splits[split] = {
-            "accuracy": correct / max(count, 1),
+            "accuracy": correct / count,
             "ci95": list(wilson_ci(correct, count)),
             "count": count,
         }

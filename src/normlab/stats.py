@@ -62,6 +62,10 @@ def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, float]:
     n = len(xs)
     if n == 0:
         raise ValueError("median_ci: expected at least one value")
+    if any(math.isnan(x) for x in xs):  # NaN compares false both ways: `sorted` is no order
+        raise ValueError(f"median_ci: expected numbers, got NaN among {xs}")
+    if not 0 < level < 1:
+        raise ValueError(f"median_ci: expected a level in (0, 1); got {level!r}")
 
     def coverage(k: int) -> float:
         return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0**n

@@ -32,7 +32,6 @@ Measurement vs theory (why they differ, on purpose):
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from normlab.analysis.data import (
     sweep_groups,
 )
 from normlab.analysis.theory import predict_collapse
-from normlab.checks import check_int, check_on_cpu, check_seed
+from normlab.checks import check_int, check_on_cpu, check_seed, check_sigmas
 from normlab.io import save_figure
 from normlab.model import EncoderDecoderLM, Model
 from normlab.model.attention import pattern_formed_anyway
@@ -85,19 +84,6 @@ CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): 
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def check_sigmas(sigmas: Sequence[float]) -> list[float]:
-    if isinstance(sigmas, int | float):
-        sigmas = [sigmas]
-    out = []
-    for s in sigmas:
-        if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or s < 0:
-            raise ValueError(f"sigma: expected a finite number >= 0; got {s!r}")
-        out.append(float(s))
-    if not out:
-        raise ValueError("sigmas: expected at least one sigma")
-    return out
 
 
 def check_threshold(theta: float) -> float:
@@ -359,7 +345,7 @@ class _RowWinners:
         attendable: torch.Tensor,
     ) -> None:
         # cross-attention has RoPE's points too but never rotates (its keys are the source's)
-        rot = "rot_" if hasattr(site.module, "hook_rot_q") and not site.cross else ""
+        rot = "rot_" if hasattr(site.module, "hook_rot_q") else ""
         self.q_name, self.k_name = f"{site.name}.hook_{rot}q", f"{site.name}.hook_{rot}k"
         self.example, self.head, self.qpos = example, head, qpos
         self.kv_head = head // (site.n_heads // site.n_kv_heads)
@@ -457,6 +443,7 @@ def measure_collapse(
     n_draws = check_int(n_draws, "n_draws", low=1)
     theory_draws = check_int(theory_draws, "theory_draws", low=1)
     seed = check_seed(seed)
+    max_tokens = check_int(max_tokens, "max_tokens", low=1)
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
     rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads)
     B, R = data.n_examples, len(rows)
@@ -518,7 +505,7 @@ def measure_collapse(
         c_ex = rows_per_example * draws_used[si]
         collapse_rate.append(float(f_ex.sum() / c_ex.sum()) if R else None)
         ci.append(_cluster_ci(f_ex, c_ex, resamples))
-    theory = _theory(rows, sigmas, noise, theory_draws, seed)
+    theory = _theory(rows, [s.name for s in pert.all_sites], sigmas, noise, theory_draws, seed)
     per_head = []
     for (site_name, h), n_valid in rows.valid_rows.items():
         sel = (rows.site == rows.sites.index(site_name)) & (rows.head == h)
@@ -602,11 +589,14 @@ def group_seed(seed: int, *group: int) -> int:
 
 
 def _theory(
-    rows: SparseRows, sigmas: list[float], noise: str, n_draws: int, seed: int
+    rows: SparseRows, all_sites: list[str], sigmas: list[float], noise: str, n_draws: int,
+    seed: int,
 ) -> dict[str, Any]:
     """`predict_collapse` per (site, head) group, combined into row-weighted means.
 
-    Each group draws its own noise (a seed of its own, from `seed`, the site and the head):
+    Each group draws its own noise (a seed of its own, from `seed`, the site's place among
+    all of the model's sites, `all_sites`, and the head, so a head's prediction does not
+    depend on which other sites were chosen, as its measured noise does not):
     with one seed for all, every group reused the others' draws, and the combined standard
     error, which adds the groups' variances as independent, came out too small by up to the
     square root of the number of groups. Within a group every σ reuses its seed, so
@@ -623,7 +613,7 @@ def _theory(
             sel = (rows.site == si) & (rows.head == h)
             logits = rows.logits[name][sel[site_sel]]
             p = predict_collapse(logits, sigmas, n_draws, noise=noise,
-                                 seed=group_seed(seed, si, h))
+                                 seed=group_seed(seed, all_sites.index(name), h))
             n = p["n_rows"]
             per_head[(name, h)] = {
                 "predicted_rate": p["monte_carlo"],

@@ -269,6 +269,8 @@ def resolve_sites(
             if not is_int(h) or not 0 <= h < n:
                 raise ValueError(f"unknown head {h!r}; expected an int in [0, {n})")
         heads = [int(h) for h in heads]
+        if len(set(heads)) < len(heads):  # reported twice, and recorded so
+            raise ValueError(f"heads: expected each head once; got {heads}")
         if not heads:
             raise ValueError("heads: expected at least one head")
     return chosen, heads

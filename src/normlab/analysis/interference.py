@@ -28,7 +28,7 @@ putting each subspace on a sphere restores independence under pre.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,8 @@ from normlab.analysis.data import (
     resolve_sites,
     stack_of,
 )
-from normlab.checks import check_int, check_on_cpu, check_seed
+from normlab.analysis.norms import spread_stats
+from normlab.checks import check_int, check_on_cpu, check_real, check_seed
 from normlab.io import save_figure
 from normlab.model import Model, ModelConfig, build_model
 from normlab.model.block import PLACEMENTS
@@ -112,10 +113,8 @@ def null_directions(
 
 
 def check_alpha(alpha: object) -> float:
-    """The probe's injected norm fraction: a number > 0."""
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
-        raise ValueError(f"alpha: expected a number > 0; got {alpha!r}")
-    return float(alpha)
+    """The probe's injected norm fraction: a finite number > 0."""
+    return check_real(alpha, "alpha", what="a finite number > 0", ok=lambda v: v > 0)
 
 
 def interference_probe(
@@ -142,6 +141,7 @@ def interference_probe(
     check_alpha(alpha)
     n_directions = check_int(n_directions, "n_directions", low=1)
     seed = check_seed(seed)
+    max_tokens = check_int(max_tokens, "max_tokens", low=1)
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"unknown tokens {tokens!r}; expected one of {', '.join(PROBE_TOKENS)}")
     chosen, head_sel = resolve_sites(model, sites, heads)
@@ -285,11 +285,22 @@ def synthetic_interference(
     query rows with at least two keys (causal model). Expected: `none`, `qkv`, `pre_spheres`
     ~ 0 (float precision); `pre` growing with the spread.
     """
-    spreads = [float(s) for s in spreads]
-    for s in spreads:
-        if not math.isfinite(s) or not 0 <= s < 1:
-            raise ValueError(f"spread: expected a number in [0, 1); got {s!r}")
-    gen = torch.Generator().manual_seed(check_seed(seed))
+    if isinstance(spreads, str | bytes) or not isinstance(spreads, Iterable):
+        raise ValueError(f"spreads: expected a list of numbers in [0, 1); got {spreads!r}")
+    spreads = [check_real(s, "spread", what="a number in [0, 1)", ok=lambda v: 0 <= v < 1)
+               for s in spreads]
+    if not spreads:
+        raise ValueError("spreads: expected at least one spread")
+    if norm_type not in ("rms", "layer"):
+        raise ValueError(f"norm_type: expected 'rms' or 'layer'; got {norm_type!r}")
+    low = 4 if norm_type == "layer" else 2  # subspaces A and B each at least one dim
+    d_model = check_int(d_model, "d_model", low=low, what=f"an int >= {low} ({norm_type} norm)")
+    d_head = check_int(d_head, "d_head", low=1)
+    n_tokens = check_int(n_tokens, "n_tokens", low=2, what="an int >= 2 (a row with two keys)")
+    n_seqs = check_int(n_seqs, "n_seqs", low=1)
+    logit_std = check_real(logit_std, "logit_std", what="a finite number > 0", ok=lambda v: v > 0)
+    seed = check_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     d = d_model
     if norm_type == "layer":
         m = torch.cat([torch.ones(d, 1), torch.randn(d, d - 1, generator=gen)], 1)
@@ -324,7 +335,8 @@ def synthetic_interference(
         rb = radius * (1 + s * u)
         new_b = (new_dirs * rb[..., None]) @ pb.T
         norms = (x_a + new_b).norm(dim=-1)
-        realised.append(float(np.quantile((norms / norms.median() - 1).abs().numpy(), 0.9)))
+        n = norms.numpy().ravel()
+        realised.append(spread_stats(n / np.median(n))["h90"])  # the h90 the runs report
         for cond in SYNTHETIC_CONDITIONS:
             xa = x_a
             if cond == "pre_spheres":

@@ -32,7 +32,6 @@ from normlab.analysis.collapse import (
     MODES,
     NOISES,
     _check_choice,
-    check_sigmas,
     check_targets,
     check_threshold,
     measure_collapse,
@@ -51,7 +50,7 @@ from normlab.analysis.interference import (
     synthetic_interference,
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
-from normlab.checks import check_int, check_seed, is_int
+from normlab.checks import check_int, check_seed, check_sigmas, is_int
 from normlab.io import atomic_write_bytes, provenance, write_json
 
 if TYPE_CHECKING:

@@ -32,7 +32,6 @@ from normlab.analysis.collapse import (
     MODES,
     NOISES,
     _check_choice,
-    check_sigmas,
     check_targets,
     check_threshold,
     measure_collapse,
@@ -41,7 +40,7 @@ from normlab.analysis.collapse import (
 from normlab.analysis.data import EvalData
 from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.analysis.report import write_collapse
-from normlab.checks import check_int, check_seed
+from normlab.checks import check_int, check_seed, check_sigmas
 from normlab.interop.hf import (
     CONVERTERS,
     context_length,
