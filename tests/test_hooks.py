@@ -104,6 +104,20 @@ def test_encoder_decoder_names() -> None:
     torch.testing.assert_close(cross.sum(-1), torch.ones(2, 4, 4))
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("placement", ["pre", "qkv"])
+def test_every_listed_hook_point_fires_with_rope(arch: str, placement: str) -> None:
+    """A listed name must fire: cross-attention had `hook_rot_q`/`hook_rot_k`, which RoPE never
+    rotates, so caching them gave an empty cache without an error."""
+    model = build_model(cfg(arch=arch, norm_placement=placement, pos_encoding="rope"))
+    x = torch.randint(0, 16, (2, 7))
+    args = (x, x[:, :4]) if arch == "encoder_decoder" else (x,)
+    _, cache = model.run_with_cache(*args)
+    assert set(model.hook_names()) == set(cache)
+    rot = [n for n in cache if "hook_rot_" in n]
+    assert rot and not any("cross_attn" in n for n in rot)
+
+
 def test_replacing_hook_changes_output_and_unknown_hook_errors() -> None:
     model = build_model(cfg())
     tokens = torch.randint(0, 16, (2, 6))

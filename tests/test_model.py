@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -254,6 +256,10 @@ def test_qkv_norm_scope_all_normalises_whole_projection() -> None:
         ({"rope_theta": float("inf")}, "rope_theta"),
         ({"init_std": float("nan")}, "init_std"),
         ({"norm_eps": True}, "norm_eps"),
+        # finite in float64, not in the model's float32: inf weights, or an eps of 0 (0/0)
+        ({"init_std": 1e39}, "init_std"),
+        ({"norm_eps": 1e-60}, "norm_eps"),
+        ({"norm_eps": -1e-5}, "norm_eps"),
         ({"norm_bias": "false"}, "norm_bias"),  # was taken as true
         ({"tie_embeddings": 1}, "tie_embeddings"),
     ],
@@ -264,6 +270,15 @@ def test_bad_config_is_a_one_line_error(kwargs: dict, field: str) -> None:
     msg = str(err.value)
     assert f"ModelConfig.{field}" in msg and "\n" not in msg
     assert "expected" in msg
+
+
+def test_numpy_floats_are_taken_as_python_floats() -> None:
+    """np.float32(1e-5) was refused as "not a positive finite number"; a numpy float kept in
+    the config would not serialise to JSON."""
+    c = tiny(norm_eps=np.float32(1e-5), init_std=np.float64(0.02), dropout=np.float32(0.25))
+    assert all(type(v) is float for v in (c.norm_eps, c.init_std, c.dropout))
+    assert c.dropout == 0.25
+    json.dumps(c.to_dict())
 
 
 def test_unknown_field_from_dict() -> None:

@@ -215,3 +215,27 @@ def test_positions_count_the_tokens_an_integer_mask_marks_real() -> None:
     mask[:, :2] = False
     as_bool = model(tokens, attention_mask=mask)
     assert torch.equal(model(tokens, attention_mask=mask.long() * 2), as_bool)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_a_half_precision_rope_model_rotates_in_its_own_dtype(dtype: torch.dtype,
+                                                              arch: str) -> None:
+    """`model.to(bfloat16)` rounded `inv_freq`, and its float32 tables promoted q and k but not
+    v: every forward failed. The tables are now the model's dtype, from float32 angles."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch=arch, d_model=32, n_heads=2, n_layers=1, max_len=2048,
+                      pos_encoding="rope")
+    model = build_model(cfg)
+    ref = torch.randint(3, cfg.vocab_size, (2, 9))
+    args = (ref, ref) if arch == "encoder_decoder" else (ref,)
+    want = model(*args)
+    got = model.to(dtype)(*args)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
+    rotary = Rotary(16, 10000.0).to(dtype)
+    positions = torch.tensor([[1000]])
+    rope = rotary(positions)
+    truth = Rotary(16, 10000.0)(positions)  # float32 throughout
+    assert rope.cos.dtype == dtype
+    torch.testing.assert_close(rope.cos.float(), truth.cos.to(dtype).float(), atol=0, rtol=0)

@@ -9,7 +9,7 @@ Hook points (all [batch, pos, head, d_head] unless noted):
       (only present where that vector is normalised)
   hook_q / hook_k / hook_v   the vectors actually used in scores and mixing (after the norm;
       TransformerLens' hook_q fires *before* its QK-norm, ours after)
-  hook_rot_q / hook_rot_k    after RoPE (only with pos_encoding='rope')
+  hook_rot_q / hook_rot_k    after RoPE (only with pos_encoding='rope'; not cross-attention)
   hook_attn_scores [batch, head, qpos, kpos]  scaled, masked, pre-softmax
   hook_pattern     [batch, head, qpos, kpos]  softmax
   hook_z           [batch, qpos, head, d_head] pattern-weighted values
@@ -146,8 +146,11 @@ def learned_scale_init(cfg: ModelConfig) -> float:
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, *, causal: bool, qk_norm: bool = False, v_norm: bool = False
+        self, cfg: ModelConfig, *, causal: bool, qk_norm: bool = False, v_norm: bool = False,
+        rotary: bool = True,
     ) -> None:
+        """`rotary=False` for cross-attention, which RoPE never rotates: it then has no
+        `hook_rot_*`, which would be listed and never fire."""
         super().__init__()
         h, kvh, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head
         self.n_heads, self.n_kv_heads, self.d_head, self.causal = h, kvh, e, causal
@@ -175,7 +178,7 @@ class Attention(nn.Module):
             if getattr(self, f"{name}_norm") is not None:
                 setattr(self, f"hook_{name}_pre_norm", HookPoint())
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
-        if cfg.pos_encoding == "rope":
+        if cfg.pos_encoding == "rope" and rotary:
             self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()

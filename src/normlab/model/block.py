@@ -88,7 +88,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg, causal=causal, qk_norm=p.qk_norm, v_norm=p.v_norm)
         if cross:
             self.ln_cross = make_norm(cfg, cfg.d_model) if p.attn else None
-            self.cross_attn = Attention(cfg, causal=False, qk_norm=p.qk_norm, v_norm=p.v_norm)
+            self.cross_attn = Attention(cfg, causal=False, qk_norm=p.qk_norm, v_norm=p.v_norm,
+                                        rotary=False)
             self.hook_cross_attn_out = HookPoint()
             self.hook_resid_mid_cross = HookPoint()
         else:

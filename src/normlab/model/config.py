@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from normlab.checks import check_int, is_int
+from normlab.checks import check_int, is_int, is_real
 
 ARCHS = ("decoder", "encoder_decoder")
 PLACEMENTS = ("none", "post", "pre", "qk", "qkv", "pre_qk")
@@ -119,16 +120,18 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads: expected a divisor of n_heads={self.n_heads}; "
                 f"got {self.n_kv_heads}"
             )
-        if not _is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+        if not is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(
                 f"ModelConfig.dropout: expected a number in [0, 1); got {self.dropout!r}"
             )
+        self.dropout = float(self.dropout)  # numpy's too, as a plain float for TOML and JSON
         for name in ("norm_eps", "rope_theta", "init_std"):  # NaN or inf: no model at all
             value = getattr(self, name)
-            if not _is_number(value) or not 0 < value < math.inf:
-                raise ValueError(
-                    f"ModelConfig.{name}: expected a positive finite number; got {value!r}"
-                )
+            # as float32 holds it: 1e39 is inf there, and 1e-60 is 0 (an eps of 0 is 0/0)
+            if not is_real(value) or not 0 < _float32(value) < math.inf:
+                raise ValueError(f"ModelConfig.{name}: expected a positive number float32 "
+                                 f"holds (1.4e-45 to 3.4e38); got {value!r}")
+            setattr(self, name, float(value))
         for name in ("norm_bias", "attn_bias", "mlp_bias", "norm_gain_offset", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):  # "false" would be true
                 raise ValueError(f"ModelConfig.{name}: expected true or false; got "
@@ -152,5 +155,9 @@ class ModelConfig:
         return cls(**data)
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+def _float32(value: float) -> float:
+    """`value` rounded to float32: 0.0 below its smallest subnormal, inf past its largest."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf

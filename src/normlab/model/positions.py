@@ -112,11 +112,19 @@ class Rotary(nn.Module):
 
     def __init__(self, d_head: int, theta: float) -> None:
         super().__init__()
-        inv = 1.0 / theta ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.d_head, self.theta = d_head, theta
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        e = torch.arange(0, self.d_head, 2, dtype=torch.float32, device=device) / self.d_head
+        return 1.0 / self.theta**e
 
     def forward(self, positions: torch.Tensor) -> Rope:
-        """The rotation for integer positions [batch, pos] (tables [batch, pos, 1, d_head])."""
-        angles = positions[..., None].float() * self.inv_freq
+        """The rotation for integer positions [batch, pos] (tables [batch, pos, 1, d_head]),
+        in the model's dtype. A half-precision model's angles are still float32 ones: its
+        `inv_freq`, rounded by `model.to(bfloat16)`, would put position 1000 off by radians."""
+        inv, half = self.inv_freq, self.inv_freq.dtype in (torch.float16, torch.bfloat16)
+        angles = positions[..., None].float() * (self._inv_freq(inv.device) if half else inv)
         angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-        return Rope(angles.cos(), angles.sin())
+        cos, sin = angles.cos(), angles.sin()
+        return Rope(cos.to(inv.dtype), sin.to(inv.dtype)) if half else Rope(cos, sin)
