@@ -883,3 +883,100 @@ def test_bfloat16_training_evaluates_in_float32(tmp_path: Path, monkeypatch) -> 
             "train.checkpoint_every=10")
     train(c, tmp_path / "run", progress=False)
     assert states == [False, False]
+
+
+# ---- the thirty-fifth session's audit: nothing lost, every bad input one line --------------
+
+
+def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path, capsys) -> None:
+    """`train --force` emptied a finished run, then failed drawing its first batch (7 TiB) with
+    a traceback: the batch and the evaluation sets are now made before the folder is touched,
+    and running out of memory or range is one line."""
+    good = tmp_path / "good.toml"
+    good.write_text("[task]\ngrid = 'smoke'\n[train]\nsteps = 2\n[model]\nd_model = 16\n"
+                    "n_layers = 1\n")
+    out = str(tmp_path / "run")
+    assert main(["train", "--config", str(good), "--out", out, "--quiet"]) == 0
+    before = sorted(p.name for p in Path(out).rglob("*"))
+    for size, match in ((10**12, "out of memory or range"),
+                        (10**20, "train.batch_size: expected integers in [-2**63, 2**63)")):
+        code, err = _cli(capsys, "train", "--config", str(good), "--out", out, "--quiet",
+                         "--force", "--set", f"train.batch_size={size}")
+        assert code == 2 and match in err and "\n" not in err, err
+        assert sorted(p.name for p in Path(out).rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("train.steps=3\nlr=5.0", "--set 'train.steps': expected one TOML value after '='"),
+        ('task.grid="smoke"\n[train]\nsteps=2', "--set 'task.grid': expected one TOML value"),
+        ("task.train=[[1, 5000]]", "model.max_len: expected >= 10005 for this task"),
+        ("train.early_stop_accuracy=nan", "train.early_stop_accuracy: expected a number >= 0"),
+        ("task.eval_seed=-1", "task.eval_seed: expected an int in [0, 2**63)"),
+    ],
+)
+def test_odd_overrides_are_one_line_errors(override: str, match: str) -> None:
+    """A newline in --set dropped what followed it unseen; a 5000-digit cell hit Python's
+    4300-digit str limit (no field named); NaN early stopping never fired."""
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["task.grid='smoke'", override])
+    assert match in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_damaged_run_folder_is_named_not_the_users_config(tmp_path: Path, capsys) -> None:
+    """A bad key in the run's own config.toml read as if the user's --config held it, and an
+    empty train_done.json was "Expecting value: line 1 column 1" with no file named."""
+    c = cfg("train.steps=2", "train.checkpoint_every=2", "train.eval_every=2")
+    train(c, tmp_path / "run", progress=False)
+    (tmp_path / "c.toml").write_text(dump_toml(c.to_dict()))
+    argv = ["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"),
+            "--resume", "--quiet"]
+    done = tmp_path / "run" / "train_done.json"
+    saved = done.read_text()
+    done.write_text("")
+    code, err = _cli(capsys, *argv)
+    assert code == 2 and f"{str(done)!r}: expected a finished run's last record" in err
+    done.write_text(saved)
+    with (tmp_path / "run" / "config.toml").open("a") as f:
+        f.write("\n[extra]\nfoo = 1\n")
+    code, err = _cli(capsys, *argv)
+    assert code == 2 and err.startswith(f"normlab: error: {str(tmp_path / 'run/config.toml')!r}: ")
+
+
+def test_compare_names_a_damaged_eval_json_or_log(tmp_path: Path, capsys) -> None:
+    """Each was a KeyError, TypeError or AttributeError traceback (or a float() error naming no
+    file) from `compare` and `compare --curve`."""
+    run = tmp_path / "a"
+    run.mkdir()
+    split = '{"accuracy": 0.5, "ci95": [0, 1]}'
+    for text in ('{"splits": {"a": {}}, "config": {}, "seed": 0}',
+                 f'{{"splits": {{"a": {split}}}, "config": {{}}, "seed": 0}}',
+                 '{"splits": "abc", "config": {"model": {"norm_placement": "pre"}}, "seed": 0}',
+                 f'{{"splits": {{"a": {split}}}, "config": {{"model": 3}}, "seed": 0}}'):
+        (run / "eval.json").write_text(text)
+        code, err = _cli(capsys, "compare", str(run))
+        assert code == 2 and "eval.json" in err and "expected normlab eval results" in err, err
+    for line in ('{"step": 1, "accuracy": 5}', '{"step": 1, "accuracy": {"train": "x"}}'):
+        (run / "metrics.jsonl").write_text(line + "\n" + '{"step": 2}\n')
+        code, err = _cli(capsys, "compare", "--curve", "train", str(run))
+        assert code == 2 and "metrics.jsonl' line 1: expected 'accuracy'" in err, err
+
+
+def test_compare_plot_name_is_a_name_not_a_pattern(tmp_path: Path, capsys) -> None:
+    """`--plot 'p[1].png'` matched `p1.png` (wrongly refused) and never itself (overwritten)."""
+    c = cfg("train.steps=2", "train.checkpoint_every=2", "train.eval_every=2")
+    train(c, tmp_path / "run", progress=False)
+    plot = tmp_path / "p[1].png"
+    argv = ["compare", "--curve", "train", str(tmp_path / "run"), "--plot"]
+    (tmp_path / "p1.png").write_bytes(b"another figure")
+    assert main([*argv, str(plot)]) == 0 and plot.is_file()
+    code, err = _cli(capsys, *argv, str(plot))
+    assert code == 2 and f"{str(plot)!r} already exists" in err
+    assert (tmp_path / "p1.png").read_bytes() == b"another figure"
+
+
+def test_analyze_threads_has_the_train_config_s_ceiling(tmp_path: Path, capsys) -> None:
+    """--threads 100000 crashed libgomp (exit 139); train.threads was capped already."""
+    code, err = _cli(capsys, "analyze", str(tmp_path), "--threads", "100000")
+    assert code == 2 and err == "normlab: error: --threads: expected at most 1024; got 100000"

@@ -3,25 +3,32 @@
 `step_0001000.safetensors` holds model weights (`model/...`) and optimiser moments
 (`optim/...`); `step_0001000.json` holds config, step, RNG and stream state, versions and
 the SHA-256 of the tensor file. A checkpoint exists once its sidecar does (written last,
-atomically), and is only trusted if the hash matches. The two newest are kept.
+atomically), and is only trusted if the hash matches and the sidecar's fields are of the
+types their readers take (`check_sidecar`: the hash does not cover them). The two newest are
+kept.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from normlab.checks import is_int, is_real
 from normlab.io import atomic_write_bytes, provenance, write_json
 
 KEEP = 2
 SIDECAR_KEYS = ("step", "sha256", "torch_rng")  # what every reader needs (load_checkpoint)
+CPU_RNG_BYTES = torch.get_rng_state().numel()  # what `torch.set_rng_state` takes back
+STREAM_KEYS = ("cells", "weights", "bit_generator")  # what `TrainStream.load_state_dict` reads
 
 
 class CheckpointError(ValueError):
@@ -108,7 +115,93 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         tensors = load(blob)
     except (SafetensorError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(tens)!r} cannot be read ({err})") from None
+    check_sidecar(meta, side, tensors)
     return tensors, meta
+
+
+def check_sidecar(meta: dict[str, Any], side: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The sidecar's fields are of the types their readers take (a resume, `load_run`,
+    `normlab eval`): the SHA-256 covers the tensor file only, so a damaged or hand-edited
+    sidecar is one line naming it and the field, and `latest_checkpoint` falls back to the
+    previous checkpoint as for bad tensors. Fields absent here are `require`'s to report."""
+
+    def expect(field: str, value: Any, ok: bool, what: str) -> None:
+        if not ok:
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise CheckpointError(f"checkpoint sidecar {str(side)!r}: {field}: expected {what}; "
+                                  f"got {shown}")
+
+    step, digits = meta["step"], side.stem.removeprefix("step_")
+    expect("step", step, is_int(step) and step >= 0, "a whole number >= 0")
+    if digits.isdigit():
+        expect("step", step, step == int(digits), f"{int(digits)}, the step in its file name")
+    expect("torch_rng", meta["torch_rng"], _decodes(meta["torch_rng"], CPU_RNG_BYTES),
+           f"base64 of torch's {CPU_RNG_BYTES}-byte CPU random state")
+    if "cuda_rng" in meta:
+        expect("cuda_rng", meta["cuda_rng"], _decodes(meta["cuda_rng"]),
+               "base64 of a CUDA random state")
+    if "config" in meta:
+        expect("config", meta["config"], isinstance(meta["config"], dict), "a table")
+    for key in ("elapsed_s", "best"):
+        if key in meta:
+            expect(key, meta[key], is_real(meta[key]), "a number")
+    if "stale" in meta:
+        expect("stale", meta["stale"], is_int(meta["stale"]) and meta["stale"] >= 0,
+               "a whole number >= 0")
+    if "early_stopped" in meta:
+        expect("early_stopped", meta["early_stopped"], isinstance(meta["early_stopped"], bool),
+               "true or false")
+    if "stream" in meta:
+        stream = meta["stream"]
+        expect("stream", stream, isinstance(stream, dict) and all(k in stream for k in STREAM_KEYS),
+               f"a table with {', '.join(STREAM_KEYS)}")
+        cells = stream["cells"]
+        expect("stream.cells", cells,
+               isinstance(cells, list) and all(isinstance(c, str) for c in cells),
+               "a list of cell labels")
+        expect("stream.bit_generator", stream["bit_generator"],
+               _is_generator_state(stream["bit_generator"]), "a numpy PCG64 generator's state")
+    # moments in the tensor file need their param_groups here (`optimizer_state`); a
+    # checkpoint saved without an optimizer has neither
+    opt, moments = meta.get("optimizer"), any(k.startswith("optim/") for k in tensors)
+    if opt is not None or moments:
+        groups = opt.get("param_groups") if isinstance(opt, dict) else None
+        expect("optimizer", opt, isinstance(groups, list) and bool(groups)
+               and all(isinstance(g, dict) for g in groups),
+               "a table with param_groups, a list of tables"
+               + (" (the tensor file holds the optimizer's moments)" if moments else ""))
+        for i, group in enumerate(groups):
+            at = f"optimizer.param_groups[{i}]"
+            params = group.get("params")
+            expect(f"{at}.params", params,
+                   isinstance(params, list) and all(is_int(p) for p in params),
+                   "a list of parameter numbers")
+            for key in ("lr", "eps", "weight_decay"):
+                expect(f"{at}.{key}", group.get(key), is_real(group.get(key, 0.0)), "a number")
+            betas = group.get("betas", [0.0, 0.0])
+            expect(f"{at}.betas", betas, isinstance(betas, list) and len(betas) == 2
+                   and all(is_real(b) for b in betas), "two numbers")
+
+
+def _decodes(text: Any, size: int | None = None) -> bool:
+    """`text` is base64 of `size` bytes (of some bytes, without `size`)."""
+    if not isinstance(text, str):
+        return False
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return len(raw) == size if size is not None else len(raw) > 0
+
+
+def _is_generator_state(state: Any) -> bool:
+    """What `TrainStream.load_state_dict` sets on its (PCG64) generator: tried on one."""
+    try:
+        np.random.default_rng(0).bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError):
+        return False
+    return True
 
 
 def require(meta: dict[str, Any], keys: tuple[str, ...], folder: Path) -> None:
@@ -123,18 +216,23 @@ def require(meta: dict[str, Any], keys: tuple[str, ...], folder: Path) -> None:
 def latest_checkpoint(
     folder: Path, warn: Any = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The newest checkpoint that verifies; a bad newer one is reported and skipped."""
+    """The newest checkpoint that verifies; a bad newer one is reported (`warn`) and skipped.
+    With none left, one error naming the newest one's fault (no warnings before it: the
+    command's error is then its one line)."""
     found = list_checkpoints(Path(folder))
     if not found:
         raise CheckpointError(f"no checkpoint in {str(folder)!r}")
     errors = []
     for side in reversed(found):
         try:
-            return load_checkpoint(side)
+            loaded = load_checkpoint(side)
         except CheckpointError as err:
             errors.append(str(err))
-            if warn is not None:
+            continue
+        if warn is not None:
+            for err in errors:
                 warn(f"skipping bad checkpoint: {err}")
+        return loaded
     raise CheckpointError(f"no readable checkpoint in {str(folder)!r}: {errors[0]}")
 
 

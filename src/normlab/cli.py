@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 from collections.abc import Sequence
@@ -101,19 +102,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     """Split accuracies (with CI) of several evaluated runs, as table rows."""
     from normlab.curves import run_labels
+    from normlab.io import read_json
 
     results = []
     for d in run_dirs:
         path = Path(d) / "eval.json"
         if not path.is_file():
             raise ValueError(f"{str(path)!r} not found; run `normlab eval {d}` first")
-        try:
-            r = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{str(path)!r}: not valid JSON ({err})") from None
-        if not isinstance(r, dict) or not {"splits", "config", "seed"} <= set(r):
-            raise ValueError(f"{str(path)!r}: expected normlab eval results (splits, config, "
-                             "seed)")
+        r = read_json(path, "normlab eval results")
+        if not _is_eval(r):
+            raise ValueError(f"{str(path)!r}: expected normlab eval results (splits with an "
+                             "accuracy and a ci95 each, config.model.norm_placement, seed)")
         results.append((Path(d), r))
     splits = list(dict.fromkeys(s for _, r in results for s in r["splits"]))
     header = ["run", "placement", "seed", *splits]
@@ -130,6 +129,22 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
             )
         rows.append([label, r["config"]["model"]["norm_placement"], str(r["seed"]), *cells])
     return header, rows
+
+
+def _is_eval(r: Any) -> bool:
+    """`r` holds what `compare_rows` reads from an `eval.json`, with those types."""
+    from normlab.checks import is_real
+
+    def split_ok(v: Any) -> bool:
+        ci = v.get("ci95") if isinstance(v, dict) else None
+        return (isinstance(v, dict) and is_real(v.get("accuracy")) and isinstance(ci, list)
+                and len(ci) == 2 and all(is_real(x) for x in ci))
+
+    model = r.get("config", {}).get("model") if isinstance(r, dict) and isinstance(
+        r.get("config"), dict) else None
+    return (isinstance(r, dict) and isinstance(r.get("splits"), dict)
+            and all(split_ok(v) for v in r["splits"].values()) and isinstance(model, dict)
+            and isinstance(model.get("norm_placement"), str) and "seed" in r)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -152,7 +167,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         header, rows = curve_table(curves)
         title = f"exact match % on {args.curve} (training seconds)"
         if args.plot:
-            refuse_overwrite(Path(args.plot).parent, Path(args.plot).name, args.force)
+            # the name as it is, not a pattern: "p[1].png" matched "p1.png" and not itself
+            refuse_overwrite(Path(args.plot).parent, glob.escape(Path(args.plot).name),
+                             args.force)
             plot_curves(curves, Path(args.plot), args.curve)
     else:
         if args.plot:
@@ -205,6 +222,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
     _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1})
+    from normlab.config import MAX_THREADS
+
+    if args.threads is not None and args.threads > MAX_THREADS:  # libgomp crashes far above
+        raise ValueError(f"--threads: expected at most {MAX_THREADS}; got {args.threads}")
     check_seed(args.seed, "--seed")
     if args.threads is not None:
         import torch
@@ -340,6 +361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as err:  # OSError names its file (a full disk)
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"normlab: error: {msg}", file=sys.stderr)
+        return 2
+    except (MemoryError, OverflowError) as err:  # a size in the config past what fits
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"normlab: error: out of memory or range ({msg}); is a size in the config too "
+              "large?", file=sys.stderr)
         return 2
 
 

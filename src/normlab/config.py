@@ -98,6 +98,9 @@ class TrainConfig:
                              f"{self.precision!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"train.compile: expected true or false; got {self.compile!r}")
+        if not 0 <= self.early_stop_accuracy <= math.inf:  # NaN: early stopping never fired
+            raise ValueError(f"train.early_stop_accuracy: expected a number >= 0 (above 1: "
+                             f"never stop); got {self.early_stop_accuracy}")
         for name in ("weight_decay", "grad_clip"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"train.{name}: expected a finite number >= 0; got "
@@ -145,6 +148,17 @@ def typed(cls: type, table: Any, where: str) -> Any:
     return cls(**values)
 
 
+def _fits_toml(value: Any) -> bool:
+    """Every integer in `value` (lists and tables included) is a TOML (64-bit) integer."""
+    if isinstance(value, int):
+        return -(2**63) <= value < 2**63
+    if isinstance(value, list | tuple):
+        return all(_fits_toml(v) for v in value)
+    if isinstance(value, dict):
+        return all(_fits_toml(v) for v in value.values())
+    return True
+
+
 @dataclass
 class RunConfig:
     """One training run: what model, which task, how to train."""
@@ -163,6 +177,11 @@ class RunConfig:
         train = typed(TrainConfig, data.get("train", {}), "train")
         cfg = cls(model, task, train)
         cfg.validate()
+        for name in ("model", "task", "train"):  # after the fields' own range checks
+            for key, value in data.get(name, {}).items():
+                if not _fits_toml(value):  # config.toml could not hold it; numpy overflowed
+                    raise ValueError(f"{name}.{key}: expected integers in [-2**63, 2**63), "
+                                     f"which TOML holds; got {value!r}")
         return cfg
 
     def validate(self) -> ResolvedTask:
@@ -223,10 +242,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     path = config_key(key, f"--set {key!r}")
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        doc = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare word is a string: --set model.norm_placement=qkv
-    return path, value
+        return path, raw  # a bare word is a string: --set model.norm_placement=qkv
+    if set(doc) != {"v"}:  # "3\nlr = 5.0": what followed the newline was dropped unseen
+        raise ValueError(f"--set {key!r}: expected one TOML value after '='; got {raw!r}")
+    return path, doc["v"]
 
 
 def load_config(

@@ -6,8 +6,10 @@ import io
 import json
 import os
 import platform
+import reprlib
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch
 
 import normlab
 from normlab import allocator
+from normlab.checks import is_real
 from normlab.model import native
 
 
@@ -87,6 +90,20 @@ def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
         raise ValueError(f"{str(found[0])!r} already exists; pass --force to overwrite it")
 
 
+def read_json(path: Path, what: str = "JSON",
+              valid: Callable[[Any], bool] = lambda doc: True) -> Any:
+    """A JSON file's contents, or one line naming the file and `what` it should hold: an empty
+    or cut-short file (a full disk, a hand edit) said only "Expecting value: line 1 column 1",
+    and a wrong shape failed later with a KeyError."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise ValueError(f"{str(path)!r}: expected {what}; not valid JSON ({err})") from None
+    if not valid(doc):
+        raise ValueError(f"{str(path)!r}: expected {what}; got {reprlib.repr(doc)}")
+    return doc
+
+
 def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
 
@@ -111,6 +128,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{str(path)!r} line {i}: not valid JSON") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             raise ValueError(f"{str(path)!r} line {i}: expected an object with an int 'step'")
+        acc = rec.get("accuracy", {})  # what the learning curves read
+        if not isinstance(acc, dict) or not all(is_real(v) for v in acc.values()):
+            raise ValueError(f"{str(path)!r} line {i}: expected 'accuracy' to map splits to "
+                             f"numbers; got {acc!r}")
         records.append(rec)
     return records
 

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from normlab import allocator
-from normlab.checks import check_int
+from normlab.checks import check_int, is_int, is_real
 from normlab.config import config_key, load_config
-from normlab.io import write_json
+from normlab.io import read_json, write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
 SWEEP_REMEDY = ("sweep", "the sweep file changed since that run was made: give the sweep "
@@ -80,10 +80,7 @@ def expand(
         sets = [f"{k}={_toml(v)}" for k, v in {**fixed, **chosen}.items()]
         cfg = load_config(base, sets)
         short = {k.split(".")[-1]: v for k, v in chosen.items()}
-        try:
-            run_name = (name or "-".join("{" + k + "}" for k in short)).format(**short)
-        except KeyError as err:
-            raise ValueError(f"sweep.name: {err} is not a grid key") from None
+        run_name = _run_name(name or "-".join("{" + k + "}" for k in short), short)
         model_task = json.dumps([cfg.to_dict()[k] for k in ("model", "task")], sort_keys=True)
         if analyze and model_task not in fitted:  # now, not after every run has trained
             from normlab.analysis.report import check_analysis_fits
@@ -99,6 +96,22 @@ def expand(
     if len({s.name for s in specs}) != len(specs):
         raise ValueError("sweep.name: two runs get the same folder name; include every grid key")
     return specs
+
+
+def _run_name(template: str, fields: dict[str, Any]) -> str:
+    """A run's folder name, `template` filled in from its grid values: one folder right inside
+    the sweep's --out, never a path that leads out of it."""
+    try:
+        run_name = template.format(**fields)
+    except KeyError as err:
+        raise ValueError(f"sweep.name: {err} is not a grid key") from None
+    except (IndexError, ValueError, AttributeError, TypeError) as err:  # "{}", "{seed", ...
+        raise ValueError(f"sweep.name: invalid template {template!r} ({err}); expected "
+                         "fields named by grid keys, as {seed}") from None
+    if run_name in ("", ".", "..") or Path(run_name).name != run_name:
+        raise ValueError(f"sweep.name: run name {run_name!r} is not a single folder name (no "
+                         "path separators, not '.' or '..', not empty)")
+    return run_name
 
 
 def _toml(v: Any) -> str:
@@ -123,7 +136,9 @@ def load_sweep(path: Path, out: Path) -> list[RunSpec]:
     if not Path(path).is_file():
         raise ValueError(f"sweep file {str(path)!r} not found")
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:  # a ValueError that would name no file
+        raise ValueError(f"sweep file {str(path)!r}: not UTF-8 text, as TOML is ({err})") from None
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"sweep file {str(path)!r}: invalid TOML ({err})") from None
     try:
@@ -136,10 +151,10 @@ def _sweep_specs(data: dict[str, Any], path: Path, out: Path) -> list[RunSpec]:
     for key in data:
         if key not in SWEEP_KEYS:
             raise ValueError(f"sweep.{key}: unknown key; expected one of {', '.join(SWEEP_KEYS)}")
-    base = data.get("base")
+    base = _sweep_value(data, "base", str, None, "a string, the run config's path")
     if base is not None:
         base = path.parent / base
-    run = data.get("run", {})
+    run = _sweep_value(data, "run", dict, {}, "a table")
     for key in run:
         if key not in ("analyze", "analysis"):
             raise ValueError(f"sweep.run.{key}: unknown key; expected analyze or analysis")
@@ -151,8 +166,20 @@ def _sweep_specs(data: dict[str, Any], path: Path, out: Path) -> list[RunSpec]:
     from normlab.analysis.report import check_analysis_args
 
     check_analysis_args(analysis, "sweep.run.analysis")  # now, not after every run's training
-    return expand(base, data.get("grid", {}), data.get("set", {}), out, data.get("name", ""),
+    return expand(base, _sweep_value(data, "grid", dict, {}, "a table"),
+                  _sweep_value(data, "set", dict, {}, "a table"), out,
+                  _sweep_value(data, "name", str, "", "a string, the run folder names' template"),
                   analyze, analysis)
+
+
+def _sweep_value(data: dict[str, Any], key: str, kind: type, default: Any, what: str) -> Any:
+    """The sweep file's top-level `key` (`default` when absent), refused in one line when it
+    is not a `kind`."""
+    if key not in data:
+        return default
+    if not isinstance(data[key], kind):
+        raise ValueError(f"sweep.{key}: expected {what}; got {data[key]!r}")
+    return data[key]
 
 
 def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
@@ -178,7 +205,10 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             log.flush()
 
         timings_path = out / "timings.json"
-        timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+        timings: dict[str, float] = {}
+        if timings_path.is_file():
+            timings = read_json(timings_path, "a JSON object of step name -> seconds",
+                                  lambda d: isinstance(d, dict) and all(map(is_real, d.values())))
 
         def step(name: str, fn: Callable[[], Any]) -> None:
             t = time.time()
@@ -196,7 +226,8 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
         # run stopped, evaluated or analysed by hand, then resumed by the sweep kept the
         # earlier checkpoint's results. The sweep owns the folder: they are made again (the
         # JSON files replaced atomically, as `normlab eval --force` replaces eval.json).
-        final = json.loads((out / DONE).read_text())["step"]  # the last checkpoint's step
+        final = read_json(out / DONE, 'a JSON object with an int "step", where training ended',
+                            lambda d: isinstance(d, dict) and is_int(d.get("step")))["step"]
         if _checkpoint_step(out / "eval.json", "checkpoint", "step") != final:
             step("eval", lambda: eval_run(out, force=True))
             _check_made_from(out / "eval.json", ("checkpoint", "step"), final)

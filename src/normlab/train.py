@@ -30,7 +30,7 @@ from normlab.checkpoint import (
 )
 from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
-from normlab.io import atomic_write_text, provenance, read_metrics, write_json
+from normlab.io import atomic_write_text, provenance, read_json, read_metrics, write_json
 from normlab.model import Model, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
@@ -213,7 +213,8 @@ def train(
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)
-        return json.loads((out / DONE).read_text())
+        return read_json(out / DONE, "a finished run's last record (an object)",
+                         lambda d: isinstance(d, dict))
     resuming = (
         resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
     )
@@ -222,9 +223,6 @@ def train(
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model).to(device)
     opt = make_optimizer(model, tc)
-    # the folder is touched (with --force: emptied) only now, after everything that can refuse
-    # the config (the device, the optimizer's settings): a refusal leaves the old run as it was
-    prepare_run_dir(out, resume=resume, force=force)
     stream = TrainStream(
         task.train_cells,
         seed=tc.seed,
@@ -235,6 +233,14 @@ def train(
         digit_positions=task.digit_positions,
         pack=task.pack,
     )
+    start = stream.state_dict()  # one batch drawn and put back: a size too large fails here
+    next(stream)
+    stream.load_state_dict(start)
+    sets = eval_sets(task)
+    # the folder is touched (with --force: emptied) only now, after everything that can refuse
+    # the config (the device, the optimizer's settings, a batch or the evaluation sets too
+    # large for memory): a refusal leaves the old run as it was
+    prepare_run_dir(out, resume=resume, force=force)
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
     last: dict[str, Any] = {"step": step}
@@ -269,7 +275,6 @@ def train(
     if tc.compile:
         torch._dynamo.reset()
     step_model = torch.compile(model) if tc.compile else model
-    sets = eval_sets(task)
     # resumed: events a killed attempt logged past the checkpoint are purged, as the metrics
     # lines are (TensorBoard would show their steps twice)
     # (killed before its first checkpoint: all of them, since the run starts again)
@@ -407,9 +412,14 @@ def check_saved_config(out: Path, cfg: RunConfig,
     """A run folder's `config.toml`, where there is one, must be `cfg`'s (up to where and how
     it runs): a finished run is taken as done, or a killed one restarted, only as itself.
     `remedy` (who, what to do) words the error for the command the user ran."""
-    if (Path(out) / "config.toml").is_file():
-        _check_same_config(load_config(Path(out) / "config.toml").to_dict(), cfg, Path(out),
-                           remedy)
+    path = Path(out) / "config.toml"
+    if path.is_file():
+        try:
+            saved = load_config(path).to_dict()
+        except ValueError as err:  # a damaged run folder, not the user's --config: name it
+            msg = str(err)
+            raise ValueError(msg if str(path) in msg else f"{str(path)!r}: {msg}") from None
+        _check_same_config(saved, cfg, Path(out), remedy)
 
 
 def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str, Any],

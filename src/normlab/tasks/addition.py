@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from normlab.checks import check_seed
+
 __all__ = [
     "ANSWER_FORMATS",
     "ARCHS",
@@ -362,10 +364,17 @@ def max_lengths(cells: Iterable[Cell]) -> tuple[int, int]:
     for cell in cells:
         d = max(cell.digits)
         q_max = max(q_max, cell.n * (d + 1) + cell.n - 1)
-        a_max = max(a_max, len(str(cell.n * (10**d - 1))) + 1)
+        a_max = max(a_max, _n_digits(cell.n * (10**d - 1)) + 1)
     if q_max == 0:
         raise ValueError("max_lengths needs at least one cell")
     return q_max, a_max
+
+
+def _n_digits(x: int) -> int:
+    """Decimal digits of an int x >= 1, without `str` (which refuses past 4300 digits, so a
+    cell such as [1, 5000] failed with an error that named no field)."""
+    k = max(1, int(x.bit_length() * 0.30102999566398120))  # log10(2): exact or one short
+    return k + 1 if x >= 10**k else k
 
 
 def max_seq_len(cells: Iterable[Cell], arch: str) -> int:
@@ -524,8 +533,7 @@ class TaskConfig:
                 raise ValueError(f"task.{name}: must be an int, got {value!r}")
         if self.eval_size < 1:
             raise ValueError(f"task.eval_size: must be >= 1, got {self.eval_size}")
-        if self.eval_seed < 0:
-            raise ValueError(f"task.eval_seed: must be >= 0, got {self.eval_seed}")
+        check_seed(self.eval_seed, "task.eval_seed")  # every seed's range
         for name in ("pack", "reverse_answer", "complement_answer", "digit_positions"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"task.{name}: must be true or false, got {getattr(self, name)!r}")

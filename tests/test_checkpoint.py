@@ -1,0 +1,145 @@
+"""A checkpoint sidecar's contents are checked, not only its keys: the SHA-256 covers the
+tensor file alone, so a damaged or hand-edited sidecar (a null config, a step that is not its
+file's, an RNG state that does not decode...) is a one-line error naming the file and the
+field, and the newest good checkpoint is used instead, as for bad tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from normlab.cli import main
+from normlab.config import load_config
+from normlab.train import load_run, train
+
+TINY = [
+    "task.grid='smoke'",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.d_mlp=64",
+    "train.batch_size=32",
+    "train.warmup_steps=5",
+    "train.log_every=5",
+    "train.eval_examples=16",
+    "task.eval_size=32",
+    "train.steps=20",
+    "train.checkpoint_every=10",
+    "train.eval_every=20",
+]
+
+# (field as the error names it, how the newest sidecar is damaged)
+DAMAGE = [
+    ("config", lambda m: m.update(config=None)),  # `normlab eval`: 'NoneType' not iterable
+    ("optimizer", lambda m: m.update(optimizer=None)),  # resume: TypeError
+    ("stream", lambda m: m.update(stream={})),  # resume: KeyError 'cells'
+    ("elapsed_s", lambda m: m.update(elapsed_s="x")),
+    ("best", lambda m: m.update(best=None)),
+    ("step", lambda m: m.update(step="abc")),
+    ("torch_rng", lambda m: m.update(torch_rng="abc")),  # "Incorrect padding", naming nothing
+    ("step", lambda m: m.update(step=1)),  # in step_0000020.json: resumed "from step 1"
+    ("stale", lambda m: m.update(stale=True)),
+    ("early_stopped", lambda m: m.update(early_stopped="no")),  # truthy: stopped the resume
+    ("cuda_rng", lambda m: m.update(cuda_rng=5)),
+    ("stream.cells", lambda m: m["stream"].update(cells=None)),
+    ("stream.bit_generator", lambda m: m["stream"].update(bit_generator={"state": 1})),
+    ("optimizer", lambda m: m["optimizer"].update(param_groups={})),
+    ("optimizer.param_groups[0].params", lambda m: m["optimizer"]["param_groups"][0].update(
+        params=None)),
+    ("optimizer.param_groups[1].betas", lambda m: m["optimizer"]["param_groups"][1].update(
+        betas=[0.9])),
+]
+IDS = [f"{field}-{i}" for i, (field, _) in enumerate(DAMAGE)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny run with checkpoints at steps 10 and 20 (about a second), copied per test."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train(load_config(None, TINY), run, progress=False)
+    return run
+
+
+@pytest.fixture
+def run(trained: Path, tmp_path: Path) -> Path:
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _damage(run: Path, how: Any) -> Path:
+    """Damage the newest sidecar (step 20's) and return it."""
+    newest = list_checkpoints(run / "checkpoints")[-1]
+    meta = json.loads(newest.read_text())
+    how(meta)
+    newest.write_text(json.dumps(meta))
+    return newest
+
+
+def _only_newest(run: Path) -> None:
+    older = list_checkpoints(run / "checkpoints")[0]
+    older.with_suffix(".safetensors").unlink()
+    older.unlink()
+
+
+def test_the_undamaged_checkpoints_load(run: Path) -> None:
+    _, meta = latest_checkpoint(run / "checkpoints")
+    assert meta["step"] == 20
+    _, meta = load_checkpoint(list_checkpoints(run / "checkpoints")[0])
+    assert meta["step"] == 10
+
+
+@pytest.mark.parametrize(("field", "how"), DAMAGE, ids=IDS)
+def test_a_damaged_sidecar_falls_back_to_the_older_checkpoint(
+    run: Path, field: str, how: Any
+) -> None:
+    newest = _damage(run, how)
+    warnings: list[str] = []
+    _, meta = latest_checkpoint(run / "checkpoints", warn=warnings.append)
+    assert meta["step"] == 10
+    assert len(warnings) == 1 and newest.name in warnings[0] and f": {field}: " in warnings[0]
+
+
+@pytest.mark.parametrize(("field", "how"), DAMAGE, ids=IDS)
+def test_a_damaged_sidecar_alone_is_one_line_naming_file_and_field(
+    run: Path, field: str, how: Any
+) -> None:
+    newest = _damage(run, how)
+    _only_newest(run)
+    for load in (lambda: load_checkpoint(newest), lambda: latest_checkpoint(newest.parent)):
+        with pytest.raises(CheckpointError) as err:
+            load()
+        msg = str(err.value)
+        assert "\n" not in msg and newest.name in msg and f": {field}: expected" in msg, msg
+
+
+def test_resume_from_a_damaged_newest_sidecar_uses_the_older_checkpoint(run: Path) -> None:
+    """The resume read `optimizer` as a table: null was a TypeError."""
+    newest = _damage(run, lambda m: m.update(optimizer=None))
+    (run / "train_done.json").unlink()  # killed after its last checkpoint
+    logs: list[str] = []
+    last = train(load_config(None, TINY), run, progress=False, resume=True, log=logs.append)
+    assert last["step"] == 20
+    assert any("skipping bad checkpoint" in s and newest.name in s for s in logs)
+    assert any(s.endswith("from step 10") for s in logs)
+
+
+def test_load_run_falls_back_past_a_null_config(run: Path) -> None:
+    _damage(run, lambda m: m.update(config=None))
+    _, _, meta = load_run(run)
+    assert meta["step"] == 10
+
+
+def test_cli_eval_of_a_run_whose_only_sidecar_is_damaged_is_one_line_exit_2(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    newest = _damage(run, lambda m: m.update(config=None))
+    _only_newest(run)
+    assert main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("normlab: error: ")
+    assert newest.name in err and ": config: expected a table" in err

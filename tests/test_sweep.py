@@ -1,0 +1,124 @@
+"""Bad sweep input is refused in one line naming the sweep file (or the run's state file) and
+the field: wrong-typed top-level keys, a file that is not UTF-8, run names that would lead out
+of --out, and an empty or malformed train_done.json or timings.json found during a sweep."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from normlab import allocator, cli, sweep
+from normlab.sweep import load_sweep
+
+GRID = '[grid]\n"train.seed" = [0]\n'
+NOT_ONE_FOLDER = "is not a single folder name (no path separators, not '.' or '..', not empty)"
+
+
+@pytest.mark.parametrize(("top", "message"), [
+    ("grid = 5", "sweep.grid: expected a table; got 5"),
+    ('grid = ["train.seed"]', "sweep.grid: expected a table; got ['train.seed']"),
+    ("set = 5", "sweep.set: expected a table; got 5"),
+    ("run = 5", "sweep.run: expected a table; got 5"),
+    ("base = 5", "sweep.base: expected a string, the run config's path; got 5"),
+    ("name = 5", "sweep.name: expected a string, the run folder names' template; got 5"),
+    ('name = "{}"', "sweep.name: invalid template '{}' (Replacement index 0 out of range for "
+                    "positional args tuple); expected fields named by grid keys, as {seed}"),
+    ('name = "{seed"', "sweep.name: invalid template '{seed' (expected '}' before end of "
+                       "string); expected fields named by grid keys, as {seed}"),
+    ('name = "{seed.x}"', "sweep.name: invalid template '{seed.x}' ('int' object has no "
+                          "attribute 'x'); expected fields named by grid keys, as {seed}"),
+])
+def test_a_wrong_typed_top_level_key_is_named(tmp_path: Path, top: str, message: str) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text(top + "\n" + ("" if top.startswith("grid") else GRID))
+    with pytest.raises(ValueError) as err:
+        load_sweep(f, tmp_path / "out")
+    assert str(err.value) == f"sweep file {str(f)!r}: {message}"
+
+
+@pytest.mark.parametrize(("data", "position"), [
+    (b"\x85" + GRID.encode(), "byte 0x85 in position 0: invalid start byte"),
+    (b"# caf\xe9\n" + GRID.encode(), "byte 0xe9 in position 5: invalid continuation byte"),
+])
+def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path, data: bytes,
+                                                position: str) -> None:
+    f = tmp_path / "s.toml"
+    f.write_bytes(data)
+    with pytest.raises(ValueError) as err:
+        load_sweep(f, tmp_path / "out")
+    assert str(err.value) == (f"sweep file {str(f)!r}: not UTF-8 text, as TOML is ('utf-8' "
+                              f"codec can't decode {position})")
+
+
+@pytest.mark.parametrize(("name", "run_name"), [
+    ("../escaped{seed}", "../escaped0"),
+    ("{ABS}/abs{seed}", "{ABS}/abs0"),  # {ABS}: this test's own folder, as an absolute path
+    ("nested/{seed}", "nested/0"),
+    ("..", ".."),
+    (".", "."),
+    ("{seed!s:.0}", ""),
+])
+def test_a_run_name_must_be_one_folder_inside_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 name: str, run_name: str) -> None:
+    """Nothing is made outside --out: the runs a sweep would execute make their folders."""
+    name, run_name = (s.replace("{ABS}", str(tmp_path)) for s in (name, run_name))
+    f = tmp_path / "s.toml"
+    f.write_text(f"name = {name!r}\n{GRID}")
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+
+    def execute(specs: list[sweep.RunSpec], **_: object) -> list[dict[str, object]]:
+        for spec in specs:  # what each run would do first
+            Path(spec.out).mkdir(parents=True, exist_ok=True)
+        return []
+
+    monkeypatch.setattr(sweep, "execute", execute)
+    with pytest.raises(ValueError) as err:
+        sweep.run_sweep(f, Path("out"))
+    assert str(err.value) == f"sweep file {str(f)!r}: sweep.name: run name {run_name!r} " + (
+        NOT_ONE_FOLDER)
+    assert sorted(os.listdir(tmp_path)) == ["cwd", "s.toml"] and not os.listdir(here)
+
+
+DONE_EXPECTED = 'expected a JSON object with an int "step", where training ended'
+TIMINGS_EXPECTED = "expected a JSON object of step name -> seconds"
+NOT_JSON = "not valid JSON (Expecting value: line 1 column 1 (char 0))"
+
+
+@pytest.mark.parametrize(("file", "text", "message"), [
+    ("train_done.json", "", f"{DONE_EXPECTED}; {NOT_JSON}"),
+    ("train_done.json", "{}", f"{DONE_EXPECTED}; got {{}}"),
+    ("train_done.json", '{"step": "7"}', f"{DONE_EXPECTED}; got {{'step': '7'}}"),
+    ("timings.json", "", f"{TIMINGS_EXPECTED}; {NOT_JSON}"),
+    ("timings.json", '{"train": "1s"}', f"{TIMINGS_EXPECTED}; got {{'train': '1s'}}"),
+])
+def test_a_runs_bad_state_file_fails_that_run_naming_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, text: str,
+        message: str) -> None:
+    """Reported as any failed run is (the sweep goes on), with the file and what it should
+    hold. A train_done.json makes the run count as trained, so no training runs here."""
+    f = tmp_path / "s.toml"
+    f.write_text(GRID)
+    (spec,) = load_sweep(f, tmp_path / "out")
+    Path(spec.out).mkdir(parents=True)
+    (Path(spec.out) / "train_done.json").write_text('{"step": 7}')
+    (Path(spec.out) / file).write_text(text)
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: True)
+    res = sweep._safe_run(spec, "cpu")
+    assert {k: res[k] for k in ("ok", "name", "error")} == {
+        "ok": False, "name": "0",
+        "error": f"ValueError: {str(Path(spec.out) / file)!r}: {message}"}
+
+
+def test_the_command_refuses_a_wrong_typed_key_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text("grid = 5\n")
+    assert cli.main(["sweep", "--config", str(f), "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"normlab: error: sweep file {str(f)!r}: sweep.grid: expected a table; got 5"]
+    assert not (tmp_path / "out").exists()
