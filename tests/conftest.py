@@ -8,6 +8,20 @@ import torch.nn.functional as F
 
 from normlab.model import attention, native
 
+#: A run small enough to train in about a second: `load_config(None, [*TINY_RUN, ...])`.
+TINY_RUN = [
+    "task.grid='smoke'",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.d_mlp=64",
+    "train.batch_size=32",
+    "train.warmup_steps=5",
+    "train.log_every=5",
+    "train.eval_examples=16",
+    "task.eval_size=32",
+]
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

@@ -12,26 +12,13 @@ from typing import Any
 
 import pytest
 
+from conftest import TINY_RUN
 from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from normlab.cli import main
 from normlab.config import load_config
 from normlab.train import load_run, train
 
-TINY = [
-    "task.grid='smoke'",
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.d_mlp=64",
-    "train.batch_size=32",
-    "train.warmup_steps=5",
-    "train.log_every=5",
-    "train.eval_examples=16",
-    "task.eval_size=32",
-    "train.steps=20",
-    "train.checkpoint_every=10",
-    "train.eval_every=20",
-]
+TINY = [*TINY_RUN, "train.steps=20", "train.checkpoint_every=10", "train.eval_every=20"]
 
 # (field as the error names it, how the newest sidecar is damaged)
 DAMAGE = [

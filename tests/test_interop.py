@@ -189,6 +189,9 @@ def test_missing_or_empty_folder(tmp_path: Path) -> None:
         from_hf_pretrained(tmp_path / "nope")
     with pytest.raises(ValueError, match=r"has no config\.json"):
         from_hf_pretrained(tmp_path)
+    (tmp_path / "model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        from_hf_pretrained(tmp_path / "model.bin")
 
 
 @pytest.mark.parametrize("kind", ["linear", "dynamic"])

@@ -144,6 +144,8 @@ def test_errors(folders: dict[str, Path], tmp_path: Path,
     assert "does not exist" in msg and "nope" in msg
     assert "has no config.json" in _error([*base, str(tmp_path), "--tokens", toks, "--out",
                                            out], capsys)
+    assert f"{str(text)!r} is a file, not a folder" in _error(  # it said "does not exist"
+        [*base, str(text), "--tokens", toks, "--out", out], capsys)
     assert "exactly one of --tokens FILE or --text FILE" in _error(
         [*base, g, "--tokens", toks, "--text", str(text), "--out", out], capsys)
     assert "exactly one of" in _error([*base, g, "--out", out], capsys)

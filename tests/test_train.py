@@ -10,24 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 import normlab.train as tr
+from conftest import TINY_RUN as TINY
 from normlab import allocator, build_model
 from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from normlab.cli import eval_run, main
 from normlab.config import dump_toml, load_config
 from normlab.train import TrainingError, loss_on, lr_at, train
-
-TINY = [
-    "task.grid='smoke'",
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.d_mlp=64",
-    "train.batch_size=32",
-    "train.warmup_steps=5",
-    "train.log_every=5",
-    "train.eval_examples=16",
-    "task.eval_size=32",
-]
 
 
 def cfg(*extra: str):
@@ -679,8 +667,9 @@ def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Pa
 def test_cli_messages_name_what_is_wrong(tmp_path: Path, capsys) -> None:
     """`analyze --sigmas 0,x`, `reproduce --jobs -1` (it wrote manifest.json first), `compare`
     on a damaged or foreign eval.json: one line naming the option or file."""
-    code, err = _cli(capsys, "analyze", str(tmp_path), "--sigmas", "0,x")
-    assert code == 2 and err.startswith("normlab: error: --sigmas: expected numbers")
+    for sigmas in ("0,x", ""):  # "" was taken as the default sigmas
+        code, err = _cli(capsys, "analyze", str(tmp_path), "--sigmas", sigmas)
+        assert code == 2 and err.startswith("normlab: error: --sigmas: expected numbers")
     code, err = _cli(capsys, "reproduce", "--profile", "smoke", "--out", str(tmp_path / "r"),
                      "--jobs", "-1")
     assert code == 2 and "--jobs: expected an int >= 1" in err

@@ -202,7 +202,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "targets": tuple(args.targets.split(",")),
     }
-    if args.sigmas:
+    if args.sigmas is not None:  # "" was taken as the defaults unseen
         try:
             kwargs["sigmas"] = [float(s) for s in args.sigmas.split(",")]
         except ValueError:

@@ -172,7 +172,8 @@ def analyze_hf(
 def _hf_config(folder: Path) -> tuple[Any, str]:
     """The folder's config and the causal-LM class it loads as; unsupported ones refused."""
     if not (folder / "config.json").is_file():
-        what = "has no config.json" if folder.is_dir() else "does not exist"
+        what = ("has no config.json" if folder.is_dir() else "is a file, not a folder"
+                if folder.exists() else "does not exist")
         raise ValueError(f"--hf folder {str(folder)!r} {what}; expected a Hugging Face "
                          "save_pretrained folder")
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig

@@ -214,7 +214,8 @@ def from_hf_pretrained(path: str | Path) -> DecoderLM:
     require_transformers("from_hf_pretrained")
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        what = "has no config.json" if folder.is_dir() else "does not exist"
+        what = ("has no config.json" if folder.is_dir() else "is a file, not a folder"
+                if folder.exists() else "does not exist")
         raise ValueError(f"from_hf_pretrained: folder {str(folder)!r} {what}; expected a "
                          "Hugging Face save_pretrained folder")
     from transformers import AutoModelForCausalLM
