@@ -170,3 +170,25 @@ def test_check_sigmas_names_the_bad_one(sigmas: object, message: str) -> None:
     with pytest.raises(ValueError) as info:
         check_sigmas(sigmas)
     assert str(info.value) == message
+
+
+def test_check_real_names_an_int_too_large_for_a_float() -> None:
+    """float(10**400) raised OverflowError, past the field's name, out of a sweep file."""
+    with pytest.raises(ValueError, match=r"^alpha: expected a number > 0; got 1000"):
+        check_real(10**400, "alpha", what="a number > 0", ok=lambda v: v > 0)
+
+
+def test_check_sigmas_refuses_a_0d_tensor_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^sigmas: expected a list of numbers >= 0; got tensor"):
+        check_sigmas(torch.tensor(0.1))
+
+
+def test_one_sigma_is_named_sigma_and_a_numpy_threshold_is_a_number() -> None:
+    """A single `sigma` argument's error named it `sigmas[0]`; `threshold` alone refused numpy
+    floats, which every other real-valued argument takes."""
+    from normlab.analysis.collapse import Perturbation, check_threshold
+
+    model = build_model(ModelConfig(d_model=32, n_heads=2, n_layers=1, max_len=16))
+    with pytest.raises(ValueError, match=r"^sigma: expected a finite number >= 0; got -0\.1$"):
+        Perturbation(model).draw(-0.1, 1, {"tgt": 4}, torch.Generator())
+    assert check_threshold(np.float32(0.5)) == 0.5

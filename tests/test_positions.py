@@ -239,3 +239,19 @@ def test_a_half_precision_rope_model_rotates_in_its_own_dtype(dtype: torch.dtype
     truth = Rotary(16, 10000.0)(positions)  # float32 throughout
     assert rope.cos.dtype == dtype
     torch.testing.assert_close(rope.cos.float(), truth.cos.to(dtype).float(), atol=0, rtol=0)
+    back = rotary.float()(positions)  # the round trip kept the rounded frequencies
+    assert torch.equal(back.cos, truth.cos) and torch.equal(back.sin, truth.sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_full_precision_tables_are_the_textbook_ones(dtype: torch.dtype) -> None:
+    """float32 and float64 models keep their tables exactly as before the half-precision fix:
+    angles from float32 frequencies (float64 ones for a float64 model), the model's dtype."""
+    positions = torch.tensor([[0, 1, 7, 1000]])
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    angles = positions[..., None].float() * inv.to(dtype)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    rope = Rotary(16, 10000.0).to(dtype)(positions)
+    assert rope.cos.dtype == dtype and torch.equal(rope.cos, angles.cos())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves the tables float32
+        assert Rotary(16, 10000.0)(positions).cos.dtype == torch.float32

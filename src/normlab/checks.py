@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 from torch import nn
 
@@ -38,23 +38,46 @@ def check_real(value: object, name: str, *, what: str,
     """`value` as a Python float if it is a finite real number for which `ok` holds; else a
     one-line ValueError "`name`: expected `what`; got `value`". NaN and inf are always
     refused: every real-valued argument here feeds arithmetic that they would turn to NaN."""
-    if not is_real(value) or not math.isfinite(value) or not ok(float(value)):  # type: ignore[arg-type]
+    try:  # a 400-digit int overflows float(): refused here, where the field is named
+        number = float(value) if is_real(value) else math.nan  # type: ignore[arg-type]
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number) or not ok(number):
         raise ValueError(f"{name}: expected {what}; got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return number
+
+
+def check_sigma(value: object, name: str = "sigma") -> float:
+    """One noise level: a finite number >= 0."""
+    return check_real(value, name, what="a finite number >= 0", ok=lambda v: v >= 0)
 
 
 def check_sigmas(sigmas: object, name: str = "sigmas") -> list[float]:
     """Noise levels: one number or a non-empty sequence of finite numbers >= 0, as floats."""
-    one = is_real(sigmas)
-    if not one and (isinstance(sigmas, str | bytes | Mapping)
-                    or not isinstance(sigmas, Iterable)):
-        raise ValueError(f"{name}: expected a list of numbers >= 0; got {sigmas!r}")
-    items = [sigmas] if one else list(sigmas)  # type: ignore[call-overload]
-    out = [check_real(s, "sigma" if one else f"{name}[{i}]", what="a finite number >= 0",
-                      ok=lambda v: v >= 0) for i, s in enumerate(items)]
-    if not out:
+    if is_real(sigmas):
+        return [check_sigma(sigmas)]
+    try:
+        if isinstance(sigmas, str | bytes | Mapping):
+            raise TypeError
+        items = list(sigmas)  # type: ignore[call-overload]
+    except TypeError:  # not a collection (None, a 0-d tensor)
+        raise ValueError(f"{name}: expected a list of numbers >= 0; got {sigmas!r}") from None
+    if not items:
         raise ValueError(f"{name}: expected at least one sigma")
-    return out
+    return [check_sigma(s, f"{name}[{i}]") for i, s in enumerate(items)]
+
+
+#: torch threads a run or an analysis may ask for (a sweep's runs may be for bigger hosts);
+#: libgomp crashes the process (exit 139) far above this
+MAX_THREADS = 1024
+
+
+def check_threads(value: object, name: str) -> int:
+    """A torch thread count: an int in [1, MAX_THREADS]."""
+    n = check_int(value, name, low=1)
+    if n > MAX_THREADS:
+        raise ValueError(f"{name}: expected at most {MAX_THREADS}; got {n}")
+    return n
 
 
 def check_seed(value: object, name: str = "seed") -> int:

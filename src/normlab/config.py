@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normlab.checks import check_seed
+from normlab.checks import check_seed, check_threads
 from normlab.model.config import ModelConfig
 from normlab.tasks.addition import VOCAB_SIZE, ResolvedTask, TaskConfig
 
 SCHEDULES = ("linear", "cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("float32", "bfloat16")  # float16 would need loss scaling; not offered
-MAX_THREADS = 1024  # torch threads a run may ask for (a sweep's runs may be for bigger hosts)
 
 
 @dataclass
@@ -72,8 +71,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: expected >= 0; got {getattr(self, name)}")
         check_seed(self.seed, "train.seed")
-        if self.threads > MAX_THREADS:  # libgomp crashes the process (exit 139) far above this
-            raise ValueError(f"train.threads: expected at most {MAX_THREADS}; got {self.threads}")
+        check_threads(self.threads, "train.threads")
         # finite and in range here, where the field is named, not in torch's AdamW
         if not 0 < self.lr < math.inf:
             raise ValueError(f"train.lr: expected a positive finite number; got {self.lr}")

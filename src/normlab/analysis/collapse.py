@@ -51,7 +51,14 @@ from normlab.analysis.data import (
     sweep_groups,
 )
 from normlab.analysis.theory import predict_collapse
-from normlab.checks import check_int, check_on_cpu, check_seed, check_sigmas
+from normlab.checks import (
+    check_int,
+    check_on_cpu,
+    check_real,
+    check_seed,
+    check_sigma,
+    check_sigmas,
+)
 from normlab.io import save_figure
 from normlab.model import EncoderDecoderLM, Model
 from normlab.model.attention import pattern_formed_anyway
@@ -87,9 +94,7 @@ CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): 
 
 
 def check_threshold(theta: float) -> float:
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta <= 1:
-        raise ValueError(f"threshold: expected a number in (0, 1]; got {theta!r}")
-    return float(theta)
+    return check_real(theta, "threshold", what="a number in (0, 1]", ok=lambda v: 0 < v <= 1)
 
 
 def check_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
@@ -153,7 +158,7 @@ class Perturbation:
         self, sigma: float, n_rows: int, lengths: Mapping[str, int], generator: torch.Generator
     ) -> Tables:
         """eps tables keyed by (site, target): [n_rows, L] (token) or [n_rows, L, heads]."""
-        sigma = check_sigmas([sigma])[0]
+        sigma = check_sigma(sigma)
 
         def z(*shape: int) -> torch.Tensor:
             if self.noise == "normal":
@@ -652,7 +657,7 @@ def perturbed_predictor(
     (one draw per question); with sigma = 0 it returns the unperturbed greedy answers.
     """
     check_on_cpu(model)
-    sigma = check_sigmas([sigma])[0]
+    sigma = check_sigma(sigma)
     seed = check_seed(seed)
     arch = model.cfg.arch
     max_new = task.max_new()

@@ -30,15 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from normlab.checks import check_int, check_real, check_seed, check_sigmas
+from normlab.checks import check_int, check_seed, check_sigma, check_sigmas
 
 NOISES = ("normal", "uniform")
 # Elements (R * K * draws) held at once by monte_carlo_collapse when chunk is None.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 22
-
-
-def _check_sigma(sigma: float) -> float:
-    return check_real(sigma, "sigma", what="a finite number >= 0", ok=lambda v: v >= 0)
 
 
 def _check_noise(noise: str) -> str:
@@ -78,7 +74,7 @@ def pair_flip_probability(s_win: Tensor, s_other: Tensor, sigma: float) -> Tenso
     variance is zero (σ = 0, or s* = s' = 0) nothing moves, so the result is
     ``1[s' > s*]``: exactly 0 for a true winner. Inputs broadcast; the result is float64.
     """
-    sigma = _check_sigma(sigma)
+    sigma = check_sigma(sigma)
     s_w = torch.as_tensor(s_win).to(torch.float64)
     s_o = torch.as_tensor(s_other).to(torch.float64)
     s_w, s_o = torch.broadcast_tensors(s_w, s_o)
@@ -91,7 +87,7 @@ def pair_flip_probability(s_win: Tensor, s_other: Tensor, sigma: float) -> Tenso
 
 def _competitor_probabilities(logits: Tensor, sigma: float, mask: Tensor | None) -> Tensor:
     """[R, K] pair flip probability of every competitor against its row's winner (0 elsewhere)."""
-    sigma = _check_sigma(sigma)
+    sigma = check_sigma(sigma)
     s, valid, winner = _prepare(logits, mask)
     s_win = s.gather(-1, winner[:, None])
     competitor = valid.clone()
@@ -153,7 +149,7 @@ def monte_carlo_collapse(
     processed ``chunk`` at a time (default: about 4M elements of R*K*chunk) to bound memory.
     The binomial standard error of row r is ``sqrt(p_r (1 − p_r) / n_draws)``.
     """
-    sigma = _check_sigma(sigma)
+    sigma = check_sigma(sigma)
     _check_noise(noise)
     n_draws = check_int(n_draws, "n_draws", low=1)
     if chunk is not None:

@@ -43,6 +43,7 @@ from normlab.analysis.report import write_collapse
 from normlab.checks import check_int, check_seed, check_sigmas
 from normlab.interop.hf import (
     CONVERTERS,
+    check_hf_folder,
     context_length,
     from_hf_pretrained,
     require_transformers,
@@ -171,11 +172,7 @@ def analyze_hf(
 
 def _hf_config(folder: Path) -> tuple[Any, str]:
     """The folder's config and the causal-LM class it loads as; unsupported ones refused."""
-    if not (folder / "config.json").is_file():
-        what = ("has no config.json" if folder.is_dir() else "is a file, not a folder"
-                if folder.exists() else "does not exist")
-        raise ValueError(f"--hf folder {str(folder)!r} {what}; expected a Hugging Face "
-                         "save_pretrained folder")
+    check_hf_folder(folder, "--hf folder")
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     try:

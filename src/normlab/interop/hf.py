@@ -209,15 +209,21 @@ def require_transformers(what: str) -> None:
                          "'normlab[hf]'") from None
 
 
+def check_hf_folder(folder: Path, name: str) -> None:
+    """A local `save_pretrained` folder (one holding config.json), or one line saying what
+    `folder` is instead, led by `name` (the option or function that was given it)."""
+    if not (folder / "config.json").is_file():
+        what = ("has no config.json" if folder.is_dir() else "is a file, not a folder"
+                if folder.exists() else "does not exist")
+        raise ValueError(f"{name} {str(folder)!r} {what}; expected a Hugging Face "
+                         "save_pretrained folder")
+
+
 def from_hf_pretrained(path: str | Path) -> DecoderLM:
     """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`."""
     require_transformers("from_hf_pretrained")
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        what = ("has no config.json" if folder.is_dir() else "is a file, not a folder"
-                if folder.exists() else "does not exist")
-        raise ValueError(f"from_hf_pretrained: folder {str(folder)!r} {what}; expected a "
-                         "Hugging Face save_pretrained folder")
+    check_hf_folder(folder, "from_hf_pretrained: folder")
     from transformers import AutoModelForCausalLM
 
     # the saved dtype is kept here; from_hf upcasts to float32 (lossless from bf16/fp16)

@@ -7,7 +7,7 @@ import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from normlab.checks import check_int, is_int, is_real
+from normlab.checks import check_int, check_real, is_int, is_real
 
 ARCHS = ("decoder", "encoder_decoder")
 PLACEMENTS = ("none", "post", "pre", "qk", "qkv", "pre_qk")
@@ -120,11 +120,9 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads: expected a divisor of n_heads={self.n_heads}; "
                 f"got {self.n_kv_heads}"
             )
-        if not is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(
-                f"ModelConfig.dropout: expected a number in [0, 1); got {self.dropout!r}"
-            )
-        self.dropout = float(self.dropout)  # numpy's too, as a plain float for TOML and JSON
+        # numpy's too, kept as a plain float for TOML and JSON
+        self.dropout = check_real(self.dropout, "ModelConfig.dropout", what="a number in [0, 1)",
+                                  ok=lambda v: 0 <= v < 1)
         for name in ("norm_eps", "rope_theta", "init_std"):  # NaN or inf: no model at all
             value = getattr(self, name)
             # as float32 holds it: 1e39 is inf there, and 1e-60 is 0 (an eps of 0 is 0/0)

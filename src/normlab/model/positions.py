@@ -113,18 +113,28 @@ class Rotary(nn.Module):
     def __init__(self, d_head: int, theta: float) -> None:
         super().__init__()
         self.d_head, self.theta = d_head, theta
-        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+        self._exact: dict[torch.device, torch.Tensor] = {}  # float32 frequencies per device
+        # the buffer follows the model's device and dtype (the tables' dtype); float64 models
+        # take their frequencies from it
+        self.register_buffer("inv_freq", self._float32_inv_freq(torch.device("cpu")).clone(),
+                             persistent=False)
 
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        e = torch.arange(0, self.d_head, 2, dtype=torch.float32, device=device) / self.d_head
-        return 1.0 / self.theta**e
+    def _float32_inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._exact:
+            e = torch.arange(0, self.d_head, 2, dtype=torch.float32, device=device) / self.d_head
+            self._exact[device] = 1.0 / self.theta**e
+        return self._exact[device]
 
     def forward(self, positions: torch.Tensor) -> Rope:
-        """The rotation for integer positions [batch, pos] (tables [batch, pos, 1, d_head]),
-        in the model's dtype. A half-precision model's angles are still float32 ones: its
-        `inv_freq`, rounded by `model.to(bfloat16)`, would put position 1000 off by radians."""
-        inv, half = self.inv_freq, self.inv_freq.dtype in (torch.float16, torch.bfloat16)
-        angles = positions[..., None].float() * (self._inv_freq(inv.device) if half else inv)
+        """The rotation for integer positions [batch, pos] (tables [batch, pos, 1, d_head]).
+        The angles are float32 (float64 for a float64 model) from frequencies no cast has
+        rounded: `model.to(bfloat16)` rounds the buffer, which put position 1000 off by
+        radians, and a round trip back to float32 kept it so. A half-precision model gets
+        its tables in its own dtype (float32 ones promoted q and k but not v)."""
+        buf = self.inv_freq
+        inv = buf if buf.dtype == torch.float64 else self._float32_inv_freq(buf.device)
+        angles = positions[..., None].float() * inv
         angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
         cos, sin = angles.cos(), angles.sin()
-        return Rope(cos.to(inv.dtype), sin.to(inv.dtype)) if half else Rope(cos, sin)
+        half = buf.dtype in (torch.float16, torch.bfloat16)
+        return Rope(cos.to(buf.dtype), sin.to(buf.dtype)) if half else Rope(cos, sin)
