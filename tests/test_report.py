@@ -54,9 +54,9 @@ def test_verdict_rules() -> None:
 
 def _run(placement: str, seed: int, train: float, held: float, h90: float, rate: float):
     ev = {"config": {"model": {"norm_placement": placement}, "train": {"seed": seed}},
-          "splits": {"train": {"accuracy": train, "count": 1280},
-                     "interpolation": {"accuracy": held, "count": 256},
-                     "extrapolation": {"accuracy": held, "count": 768}}}
+          "splits": {split: {"accuracy": acc, "count": n, "ci95": [0.0, 1.0]}  # CI unread
+                     for split, acc, n in (("train", train, 1280), ("interpolation", held, 256),
+                                           ("extrapolation", held, 768))}}
     norms = {"summary": {"all": {"h90": h90}}}
     col = {"sigmas": [0.0, 0.1], "collapse_rate": [0.0, rate]}
     return {"eval": ev, "norms": norms, "collapse": col, "dir": Path(f"{placement}-s{seed}")}
@@ -103,7 +103,7 @@ def test_collect_refuses_two_runs_of_one_placement_and_seed(tmp_path: Path) -> N
     # a split only some placements have: a dash for the others, not an error
     runs = {"pre": {0: _run("pre", 0, 0.99, 0.5, 0.2, 0.01)},
             "qkv": {0: _run("qkv", 0, 0.99, 0.5, 0.2, 0.01)}}
-    runs["qkv"][0]["eval"]["splits"]["long"] = {"accuracy": 0.25}
+    runs["qkv"][0]["eval"]["splits"]["long"] = {"accuracy": 0.25, "count": 256}
     table = split_table(runs)
     assert table[0] == ["placement", "seeds", "train", "interpolation", "extrapolation", "long"]
     assert table[1][-1] == "—" and table[2][-1] == "25.0"
@@ -297,6 +297,7 @@ def test_an_analysis_that_failed_part_way_is_run_again(tmp_path: Path, monkeypat
         (out / "analysis" / "collapse.json").write_text("{}")
         if fail:
             raise ValueError("the interference probe failed")
+        (out / "analysis" / "norms.json").write_text("{}")
         (out / "analysis" / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", lambda out, **kw: analyze_run(out, True, **kw))
@@ -353,6 +354,7 @@ def test_a_finished_analysis_with_other_settings_is_not_taken_as_done(
             "targets": ("q", "k", "v"), "noise": "normal", "n_examples": 256,
             "splits": ("train",), "sites": None, "heads": None, "alpha": 0.5}).items()})
         (folder / "collapse.json").write_text(json.dumps({"params": params, "seed": 0}))
+        (folder / "norms.json").write_text("{}")
         (folder / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", analyze_run)
@@ -396,6 +398,8 @@ def test_results_made_before_the_sweep_resumed_training_are_made_again(
 
     def analyze_run(run: Path, **kw) -> None:  # records its checkpoint as the real one does
         analysed.append(run)
+        for name in ("norms.json", "collapse.json"):
+            (run / "analysis" / name).write_text("{}")
         (run / "analysis" / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", analyze_run)
@@ -680,3 +684,87 @@ def test_a_task_without_held_out_splits_gives_no_number_for_h4(tmp_path: Path) -
     h4 = {r["id"]: r for r in claims_table(runs)}["H4"]
     assert h4["ours"] is None and h4["n_seeds"] == 0 and h4["verdict"] == "inconclusive"
     json.dumps(h4, allow_nan=False)
+
+
+def test_settings_are_compared_across_every_run_not_only_the_first(tmp_path: Path) -> None:
+    """Each run was compared with the first run's settings only: a first run without a
+    collapse.json let every other run's analysis settings differ unseen."""
+    from normlab.report import collect
+
+    dirs = _quick_copy(tmp_path)
+    (dirs[0] / "analysis" / "collapse.json").unlink()
+    path = dirs[3] / "analysis" / "collapse.json"
+    col = json.loads(path.read_text())
+    col["params"]["threshold"] = 0.5
+    path.write_text(json.dumps(col))
+    with pytest.raises(ValueError, match=r"qkv-s1' was made with analysis threshold = 0\.5, "
+                                         r".*pre-s1' with 0\.9; a report pools"):
+        collect(dirs)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "what"),
+    [
+        ("analysis/norms.json", '{"summary": ', "normlab norm spread"),
+        ("analysis/norms.json", '{"runs": []}', "normlab norm spread"),
+        ("analysis/collapse.json", '{"sigmas": [0.1, 0.2], "collapse_rate": [0.0]}',
+         "normlab collapse results"),
+        ("eval.json", '{"splits": {}}', "normlab eval results"),
+        ("timings.json", "[1]", "an object"),
+    ],
+)
+def test_a_damaged_result_file_is_named_in_one_line(tmp_path: Path, name: str, text: str,
+                                                     what: str) -> None:
+    """A cut-short norms.json was "Unterminated string ..." naming no file; a collapse rate
+    short of its sigmas a zip() error; a norms.json without its summary a KeyError."""
+    from normlab.report import collect
+
+    dirs = _quick_copy(tmp_path)
+    (dirs[1] / name).write_text(text)
+    with pytest.raises(ValueError) as err:
+        collect(dirs)
+    msg = str(err.value)
+    assert msg.startswith(f"{str(dirs[1] / name)!r}: expected {what}") and "\n" not in msg
+
+
+def test_the_split_table_keeps_each_accuracys_measurement_error(tmp_path: Path) -> None:
+    """Two seeds of 99.8% gave "99.8 [99.8, 99.8]", the zero-width interval the claims were
+    fixed to avoid; the table now floors it at the accuracies' binomial variance, as they do."""
+    from normlab.report import collect, split_table
+    from normlab.stats import mean_ci
+
+    runs = collect(_quick_copy(tmp_path))
+    table = split_table(runs)
+    row = next(r for r in table if r[0] == "pre")
+    splits = [r["eval"]["splits"]["train"] for r in runs["pre"].values()]
+    accs = [s["accuracy"] for s in splits]
+    assert accs[0] == accs[1]  # the committed runs: the case that gave zero width
+    m, (lo, hi) = mean_ci(accs, [a * (1 - a) / s["count"] for a, s in zip(accs, splits,
+                                                                            strict=True)])
+    assert lo < m < hi
+    cell = row[table[0].index("train")]
+    assert cell == f"{100 * m:.1f} [{100 * max(lo, 0):.1f}, {100 * min(hi, 1):.1f}]"
+    assert cell != f"{100 * m:.1f} [{100 * m:.1f}, {100 * m:.1f}]"
+
+
+def test_a_worker_that_dies_fails_its_runs_not_the_sweep(tmp_path: Path, monkeypatch) -> None:
+    """A worker killed (by the out-of-memory killer) broke the pool: `fut.result()` raised, no
+    report was written and no run was named. Each run the pool held now fails, named."""
+    import concurrent.futures as cf
+    from concurrent.futures.process import BrokenProcessPool
+
+    import normlab.sweep as sweep
+
+    def backend(jobs: int, device: str):
+        def submit(spec):
+            fut: cf.Future = cf.Future()
+            fut.set_exception(BrokenProcessPool("a child process terminated abruptly"))
+            return fut
+        return submit, lambda futs: futs
+
+    monkeypatch.setattr(sweep, "_local_backend", backend)
+    specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
+    results = sweep.execute(specs, jobs=1, progress=False)
+    assert sorted(r["name"] for r in results) == sorted(s.name for s in specs)
+    for r in results:
+        assert not r["ok"] and r["error"].startswith("BrokenProcessPool: a worker process died")

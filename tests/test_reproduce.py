@@ -75,3 +75,40 @@ def test_a_foreign_manifest_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
         assert main(["reproduce", "--profile", "smoke", "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip()
         assert "is not a normlab reproduce manifest" in err and "\n" not in err
+
+
+def test_a_folder_of_other_runs_without_a_manifest_is_refused_before_anything_is_written(
+        smoke: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A study made before manifests existed (the committed `docs/results/quick`) has none:
+    every run of another profile then failed its config check, and the empty report of that
+    profile was written over the study's own."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(smoke, old)
+    (old / "manifest.json").unlink()
+    before = {p: p.read_bytes() for p in old.rglob("*") if p.is_file()}
+    assert main(["reproduce", "--profile", "quick", "--out", str(old)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("normlab: error: reproduce: the config differs from the one saved in")
+    assert f"--out {str(old)!r} holds other runs" in err and "\n" not in err
+    assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
+
+
+def test_an_evaluation_made_by_hand_with_a_limit_is_made_again(
+        smoke: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`normlab eval RUN --limit 4` left an eval.json the rerun took as done; the report then
+    refused to pool it, on every rerun. A damaged analysis file is made again too."""
+    import shutil
+
+    out = tmp_path / "again"
+    shutil.copytree(smoke, out)
+    run = out / "runs" / "pre-s0"
+    assert main(["eval", str(run), "--limit", "4", "--force"]) == 0
+    (run / "analysis" / "norms.json").write_text('{"summary": ')  # cut short
+    capsys.readouterr()
+    assert main(["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1"]) == 0
+    assert json.loads((run / "eval.json").read_text())["limit"] is None
+    assert json.loads((run / "analysis" / "norms.json").read_text())["summary"]
+    err = capsys.readouterr().err
+    assert "pre-s0: ok (eval, analyze" in err, err

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.allocator import keep_freed_memory
-from normlab.checks import check_int, check_seed
+from normlab.checks import check_int, check_seed, check_threads
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -102,6 +102,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     """Split accuracies (with CI) of several evaluated runs, as table rows."""
     from normlab.curves import run_labels
+    from normlab.evaluate import EVAL_RESULT, is_eval_result
     from normlab.io import read_json
 
     results = []
@@ -109,10 +110,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
         path = Path(d) / "eval.json"
         if not path.is_file():
             raise ValueError(f"{str(path)!r} not found; run `normlab eval {d}` first")
-        r = read_json(path, "normlab eval results")
-        if not _is_eval(r):
-            raise ValueError(f"{str(path)!r}: expected normlab eval results (splits with an "
-                             "accuracy and a ci95 each, config.model.norm_placement, seed)")
+        r = read_json(path, EVAL_RESULT, is_eval_result)
         results.append((Path(d), r))
     splits = list(dict.fromkeys(s for _, r in results for s in r["splits"]))
     header = ["run", "placement", "seed", *splits]
@@ -129,22 +127,6 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
             )
         rows.append([label, r["config"]["model"]["norm_placement"], str(r["seed"]), *cells])
     return header, rows
-
-
-def _is_eval(r: Any) -> bool:
-    """`r` holds what `compare_rows` reads from an `eval.json`, with those types."""
-    from normlab.checks import is_real
-
-    def split_ok(v: Any) -> bool:
-        ci = v.get("ci95") if isinstance(v, dict) else None
-        return (isinstance(v, dict) and is_real(v.get("accuracy")) and isinstance(ci, list)
-                and len(ci) == 2 and all(is_real(x) for x in ci))
-
-    model = r.get("config", {}).get("model") if isinstance(r, dict) and isinstance(
-        r.get("config"), dict) else None
-    return (isinstance(r, dict) and isinstance(r.get("splits"), dict)
-            and all(split_ok(v) for v in r["splits"].values()) and isinstance(model, dict)
-            and isinstance(model.get("norm_placement"), str) and "seed" in r)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -222,10 +204,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
     _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1})
-    from normlab.config import MAX_THREADS
-
-    if args.threads is not None and args.threads > MAX_THREADS:  # libgomp crashes far above
-        raise ValueError(f"--threads: expected at most {MAX_THREADS}; got {args.threads}")
+    if args.threads is not None:
+        check_threads(args.threads, "--threads")
     check_seed(args.seed, "--seed")
     if args.threads is not None:
         import torch

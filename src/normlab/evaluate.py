@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from normlab.checks import check_int, check_on_cpu
+from normlab.checks import check_int, check_on_cpu, is_int, is_real
 from normlab.io import save_figure
 from normlab.model import Model
 from normlab.model.generate import greedy_decode
@@ -25,6 +25,28 @@ from normlab.tasks.addition import (
     next_aux_position,
     parse_answer,
 )
+
+#: what `is_eval_result` asks of an eval.json, as its readers' errors say it
+EVAL_RESULT = ("normlab eval results (splits with an accuracy, a ci95 and a count each, "
+               "config.model.norm_placement, config.train.seed)")
+
+
+def is_eval_result(doc: Any) -> bool:
+    """`doc` holds what `normlab compare` and the study report read from an `eval.json`, with
+    those types: a damaged or foreign file is then one line naming it, not a KeyError."""
+
+    def split_ok(v: Any) -> bool:
+        ci = v.get("ci95") if isinstance(v, dict) else None
+        return (isinstance(v, dict) and is_real(v.get("accuracy")) and is_int(v.get("count"))
+                and isinstance(ci, list) and len(ci) == 2 and all(is_real(x) for x in ci))
+
+    cfg = doc.get("config") if isinstance(doc, dict) else None
+    model, train = ((cfg.get("model"), cfg.get("train")) if isinstance(cfg, dict)
+                    else (None, None))
+    return (isinstance(doc, dict) and isinstance(doc.get("splits"), dict)
+            and all(split_ok(v) for v in doc["splits"].values())
+            and isinstance(model, dict) and isinstance(model.get("norm_placement"), str)
+            and isinstance(train, dict) and is_int(train.get("seed")))
 
 
 def wilson_ci(correct: int, count: int, z: float = 1.96) -> tuple[float, float]:

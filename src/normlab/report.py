@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from normlab.io import atomic_write_text, provenance, save_figure, write_json
+from normlab.evaluate import EVAL_RESULT, is_eval_result
+from normlab.io import atomic_write_text, provenance, read_json, save_figure, write_json
 from normlab.stats import mean_ci, verdict_band, verdict_sign
 
 SIGMA_H2 = 0.1
@@ -42,15 +42,39 @@ def verdict_rules() -> list[str]:
     return ["- " + " ".join(item.split()) for item in text.split("\n- ")]
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+def _norms_ok(doc: Any) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("summary"), dict) and isinstance(
+        doc["summary"].get("all"), dict)
+
+
+def _collapse_ok(doc: Any) -> bool:
+    return (isinstance(doc, dict) and isinstance(doc.get("sigmas"), list)
+            and isinstance(doc.get("collapse_rate"), list)
+            and len(doc["sigmas"]) == len(doc["collapse_rate"]))
+
+
+#: what the report reads from each file of a run, and what it must hold
+_FILES: dict[str, tuple[str, Any]] = {
+    "eval.json": (EVAL_RESULT, is_eval_result),
+    "analysis/norms.json": ("normlab norm spread (summary.all)", _norms_ok),
+    "analysis/collapse.json": ("normlab collapse results (sigmas and a collapse_rate each)",
+                               _collapse_ok),
+    "timings.json": ("an object", lambda d: isinstance(d, dict)),
+    "train_done.json": ("an object", lambda d: isinstance(d, dict)),
+}
+
+
+def _load(run_dir: Path, name: str) -> Any:
+    """One of a run's files, None if absent; a damaged one is one line naming it."""
+    path = run_dir / name
+    return read_json(path, *_FILES[name]) if path.is_file() else None
 
 
 def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
     """placement -> seed -> {eval, norms, collapse, timings, done, dir} for finished runs."""
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     for d in run_dirs:
-        ev = _load(d / "eval.json")
+        ev = _load(d, "eval.json")
         if ev is None:
             continue
         cfg = ev["config"]
@@ -60,9 +84,9 @@ def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
                              f"is {str(runs[placement][seed]['dir'])!r}); expected one run per "
                              "placement and seed")
         runs.setdefault(placement, {})[seed] = {
-            "dir": d, "eval": ev, "norms": _load(d / "analysis" / "norms.json"),
-            "collapse": _load(d / "analysis" / "collapse.json"),
-            "timings": _load(d / "timings.json") or {}, "done": _load(d / "train_done.json"),
+            "dir": d, "eval": ev, "norms": _load(d, "analysis/norms.json"),
+            "collapse": _load(d, "analysis/collapse.json"),
+            "timings": _load(d, "timings.json") or {}, "done": _load(d, "train_done.json"),
         }
     _check_comparable([r for by in runs.values() for r in by.values()])
     return runs
@@ -88,14 +112,13 @@ def _settings(run: dict[str, Any]) -> dict[str, Any]:
 def _check_comparable(runs: list[dict[str, Any]]) -> None:
     """Claims pool runs over seeds and placements: runs made with other settings (another
     grid, another threshold or sigma list) would be averaged without a word."""
-    if not runs:
-        return
-    first, ref = runs[0], _settings(runs[0])
-    for run in runs[1:]:
+    ref: dict[str, tuple[Any, Path]] = {}  # each setting as the first run recording it has it
+    for run in runs:  # every pair compared, not only with the first run's settings
         for key, value in _settings(run).items():
-            if key in ref and value != ref[key]:
+            seen, where = ref.setdefault(key, (value, run["dir"]))
+            if value != seen:
                 raise ValueError(f"{str(run['dir'])!r} was made with {key} = {value!r}, "
-                                 f"{str(first['dir'])!r} with {ref[key]!r}; a report pools "
+                                 f"{str(where)!r} with {seen!r}; a report pools "
                                  "runs of one task, evaluation and analysis setting")
 
 
@@ -174,12 +197,13 @@ def split_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
     for p, by in runs.items():
         cells = []
         for s in splits:
-            vals = [r["eval"]["splits"][s]["accuracy"] for r in by.values()
-                    if s in r["eval"]["splits"]]
-            if not vals:  # no run of this placement has the split
+            got = [r["eval"]["splits"][s] for r in by.values() if s in r["eval"]["splits"]]
+            if not got:  # no run of this placement has the split
                 cells.append("—")
                 continue
-            m, (lo, hi) = mean_ci(vals)
+            # floored at the accuracies' own binomial variance, as the claims are: two equal
+            # accuracies gave an interval of zero width
+            m, (lo, hi) = mean_ci([g["accuracy"] for g in got], [_binomial_var(g) for g in got])
             cells.append(_pct(m, lo, hi))
         rows.append([p, str(len(by)), *cells])
     return rows
@@ -264,7 +288,8 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
                 if r["norms"] and r["norms"]["summary"]["all"].get("h90") is not None]
         if vals:
             h = [v["h90"] for v in vals]
-            ax.bar(i, sum(h) / len(h), yerr=(max(h) - min(h)) / 2, capsize=4)  # seeds' range
+            m = sum(h) / len(h)  # the whisker spans the seeds' range, lowest to highest
+            ax.bar(i, m, yerr=[[m - min(h)], [max(h) - m]], capsize=4)
     ax.axhline(0.2, color="k", ls="--", lw=1, label="paper: ±20%")
     ax.set_xticks(range(len(runs)), list(runs))
     ax.set_ylabel("h90 of norm-input ratios (bar: seeds' range)")

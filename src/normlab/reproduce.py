@@ -84,6 +84,16 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str =
         if before != profile:
             raise ValueError(f"--out {str(out)!r} holds the {before!r} profile's runs; give "
                              f"the {profile!r} profile a folder of its own")
+    elif out.is_dir() and any(out.iterdir()):
+        # made before manifests existed, or by hand: its runs must be this profile's, checked
+        # now; each run found changed only failed, and its report was written over
+        from normlab.config import RunConfig
+        from normlab.train import check_saved_config
+
+        for s in specs:
+            check_saved_config(Path(s.out), RunConfig.from_dict(s.config), (
+                "reproduce", f"--out {str(out)!r} holds other runs: give the {profile!r} "
+                "profile a folder of its own"))
     out.mkdir(parents=True, exist_ok=True)
     write_json(manifest, {"profile": profile, "runs": [s.__dict__ for s in specs]})
     results = execute(specs, jobs=jobs, device=device, progress=progress)

@@ -29,6 +29,7 @@ import time
 import tomllib
 import traceback
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,7 +209,7 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
         timings: dict[str, float] = {}
         if timings_path.is_file():
             timings = read_json(timings_path, "a JSON object of step name -> seconds",
-                                  lambda d: isinstance(d, dict) and all(map(is_real, d.values())))
+                                lambda d: isinstance(d, dict) and all(map(is_real, d.values())))
 
         def step(name: str, fn: Callable[[], Any]) -> None:
             t = time.time()
@@ -227,8 +228,11 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
         # earlier checkpoint's results. The sweep owns the folder: they are made again (the
         # JSON files replaced atomically, as `normlab eval --force` replaces eval.json).
         final = read_json(out / DONE, 'a JSON object with an int "step", where training ended',
-                            lambda d: isinstance(d, dict) and is_int(d.get("step")))["step"]
-        if _checkpoint_step(out / "eval.json", "checkpoint", "step") != final:
+                          lambda d: isinstance(d, dict) and is_int(d.get("step")))["step"]
+        # ... and with the sweep's own settings: an eval.json made by hand with --limit was
+        # taken as done, and the report then refused to pool it, on every rerun
+        if (_recorded(out / "eval.json", "checkpoint", "step") != final
+                or _recorded(out / "eval.json", "limit") is not None):
             step("eval", lambda: eval_run(out, force=True))
             _check_made_from(out / "eval.json", ("checkpoint", "step"), final)
         # interference.json is the last result analyze_run writes: an analysis that failed
@@ -236,8 +240,9 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
         if spec.analyze:
             from normlab.analysis.report import analyze_run, check_same_analysis
 
-            done_at = _checkpoint_step(out / "analysis" / "interference.json", "checkpoint_step")
-            if done_at != final:
+            done_at = _recorded(out / "analysis" / "interference.json", "checkpoint_step")
+            others = [_recorded(out / "analysis" / f) for f in ("norms.json", "collapse.json")]
+            if done_at != final or None in others:  # a file damaged since is made again
                 step("analyze", lambda: analyze_run(out, **spec.analysis))
                 _check_made_from(out / "analysis" / "interference.json", ("checkpoint_step",),
                                  final)
@@ -246,8 +251,9 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
     return {"name": spec.name, "did": done, "seconds": time.time() - t0}
 
 
-def _checkpoint_step(path: Path, *keys: str) -> Any:
-    """The checkpoint step a result file records under `keys` (None: no file, or no step)."""
+def _recorded(path: Path, *keys: str) -> Any:
+    """What a result file records under `keys` (None: no file, one that does not parse, or
+    no such key): the checkpoint step it was made from, or its settings."""
     try:
         doc = json.loads(path.read_text())
         for key in keys:
@@ -260,7 +266,7 @@ def _checkpoint_step(path: Path, *keys: str) -> Any:
 def _check_made_from(path: Path, keys: tuple[str, ...], final: int) -> None:
     """A result just made is from the final checkpoint, or the run fails: the newest checkpoint
     that verifies is an earlier one when the final one is damaged."""
-    made = _checkpoint_step(path, *keys)
+    made = _recorded(path, *keys)
     if made != final:
         raise ValueError(f"{str(path)!r}: made from checkpoint step {made}, but training "
                          f"finished at step {final}, whose checkpoint does not verify")
@@ -327,7 +333,12 @@ def execute(
             finished = wait(list(pending))
             for fut in finished:
                 spec = pending.pop(fut)
-                res = fut.result() if hasattr(fut, "result") else _ray_get(fut)
+                try:
+                    res = fut.result() if hasattr(fut, "result") else _ray_get(fut)
+                except BrokenProcessPool as err:  # a worker killed (out of memory): every
+                    # run in the pool fails with it, each named in the report, not the study
+                    res = {"ok": False, "name": spec.name, "error": f"BrokenProcessPool: a "
+                           f"worker process died, and the pool with it ({err}); rerun to retry"}
                 results.append(res)
                 watch.finished(spec, res)
                 if on_result:
