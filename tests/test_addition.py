@@ -7,6 +7,7 @@ import dataclasses
 import json
 import random
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -540,3 +541,66 @@ def test_a_held_out_cell_never_shares_problems_with_a_train_cell(train, split, s
                                          rf"train cell {shared}$"):
         TaskConfig(train=train, splits={"x": split}).resolve()
     TaskConfig(train=[[2, 1]], splits={"x": [[2, 2], [3, 1]]}).resolve()  # no overlap: fine
+
+
+# --------------------------------------------------------------------------- the audit's cases
+
+
+def test_a_cell_whose_sums_python_cannot_write_is_refused_by_name() -> None:
+    """[2, 4300] passed validation, then sampling failed at a random step (when a sum carried
+    to 4,301 digits) with Python's int-to-text limit, naming no field."""
+    limit = sys.get_int_max_str_digits()
+    assert limit  # the interpreter's default, 4300
+    with pytest.raises(ValueError, match=r"^task\.splits\.x\[0\]: cell n2d4300 has sums of up "
+                                         r"to 4301 digits; Python writes at most 4300"):
+        TaskConfig(grid="smoke", splits={"x": [[2, limit]]}).resolve()
+    TaskConfig(grid="smoke", splits={"x": [[2, limit - 1]]}).resolve()  # at the limit: fine
+
+
+@pytest.mark.parametrize("answer", ["-5", "N0", "N05", "05", "", "5N", 5])
+def test_only_canonical_answers_are_written(answer: object) -> None:
+    """`-5` was written with the minus operator as its sign (and 5N under lsd_complement), `N0`
+    became `0N`, which reads back as N10, `N05` read back as N5."""
+    for fmt in A.ANSWER_FORMATS:
+        with pytest.raises(ValueError, match=r"^answer: expected an integer as N"):
+            A.format_answer(answer, fmt)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^answer: "):
+        A.make_batch([("2-7", answer)], "decoder")  # type: ignore[list-item]
+
+
+def test_digit_positions_need_a_reversed_answer_everywhere() -> None:
+    """Only the task config refused msd with digit positions; through `make_batch` the
+    hundreds digit of 633 was labelled as units."""
+    for call in (lambda: A.make_batch(PROBLEMS, "decoder", "msd", digit_positions=True),
+                 lambda: A.TrainStream([Cell(2, 1)], 0, 4, "decoder", "msd",
+                                       digit_positions=True)):
+        with pytest.raises(ValueError, match=r"^digit_positions: needs a least-significant"):
+            call()
+    A.make_batch(PROBLEMS, "decoder", "lsd", digit_positions=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(batch_size=True), r"^batch_size: expected an int >= 1; got True"),
+        (dict(batch_size=2.5), r"^batch_size: expected an int >= 1; got 2\.5"),
+        (dict(seed=-1), r"^seed: expected an int in \[0, 2\*\*63\)"),
+        (dict(cells=[Cell(2, 1), Cell(2, 1)]), r"^cells: expected each cell once"),
+    ],
+)
+def test_a_train_stream_checks_its_arguments(kwargs: dict, match: str) -> None:
+    """A bool or 2.5 batch size failed at the first batch with numpy's TypeError; a repeated
+    cell skewed the mix, which the task config refuses."""
+    args = dict(cells=[Cell(2, 1)], seed=0, batch_size=4, arch="decoder") | kwargs
+    with pytest.raises(ValueError, match=match):
+        A.TrainStream(**args)
+
+
+@pytest.mark.parametrize("label", ["n3d1-1", "n3d2_1", "n03d01", "n3d3-1", "n0d1"])
+def test_a_cell_label_parses_only_as_it_is_written(label: str) -> None:
+    """`n3d1-1` read as n3d1 and `n3d3-1` failed with "d must not be empty": labels are keys
+    of metrics and paths, so only a cell's own label reads back."""
+    with pytest.raises(ValueError, match="is not a cell label like"):
+        Cell.parse(label)
+    for cell in (Cell(3, 2), Cell(3, (1, 2, 3)), Cell(3, (1, 4))):
+        assert Cell.parse(cell.label) == cell

@@ -919,7 +919,7 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
     [
         ("train.steps=3\nlr=5.0", "--set 'train.steps': expected one TOML value after '='"),
         ('task.grid="smoke"\n[train]\nsteps=2', "--set 'task.grid': expected one TOML value"),
-        ("task.train=[[1, 5000]]", "model.max_len: expected >= 10005 for this task"),
+        ("task.train=[[1, 5000]]", "task.train[0]: cell n1d5000 has sums of up to 5001 digits"),
         ("train.early_stop_accuracy=nan", "train.early_stop_accuracy: expected a number >= 0"),
         ("task.eval_seed=-1", "task.eval_seed: expected an int in [0, 2**63)"),
     ],

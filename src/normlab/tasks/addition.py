@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import random
 import re
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from normlab.checks import check_seed
+from normlab.checks import check_int, check_seed
 
 __all__ = [
     "ANSWER_FORMATS",
@@ -110,6 +111,9 @@ def decode(ids: Sequence[int] | torch.Tensor | np.ndarray) -> str:
     return "".join(out)
 
 
+_ANSWER_RE = re.compile(r"N?(0|[1-9][0-9]*)")  # an answer as `_fmt_int` writes it
+
+
 def _fmt_int(v: int) -> str:
     """Write an integer with the ``N`` sign token; zero is ``0``, never ``N0``."""
     return f"N{-v}" if v < 0 else str(v)
@@ -130,7 +134,7 @@ def _complement(answer: str) -> str:
     """``N37`` -> ``36N`` (100 - 37 = 63, units first, then the sign); ``37`` -> ``73``.
 
     A negative result ``v`` is written as the ``w`` digits of ``10**w + v`` for the smallest
-    ``w`` with ``10**w >= -v`` (zero-padded), units first, then ``N``. Every digit is then a
+    ``w >= 1`` with ``10**w >= -v`` (zero-padded), units first, then ``N``. Every digit is then a
     column sum plus a signed carry from the column below, and the sign is the last carry: no
     digit waits on the global comparison that a sign-first answer must make up front.
     """
@@ -184,8 +188,13 @@ def format_answer(answer: str, fmt: str = "msd") -> str:
 
     ``lsd`` lets a left-to-right decoder emit each digit after the carries it depends on but
     still needs the sign first; ``lsd_complement`` moves the sign decision to the end (our
-    options; the paper writes ``msd``).
+    options; the paper writes ``msd``). Only an answer as `_fmt_int` writes it is taken:
+    ``-5`` (the minus operator as a sign), ``N0`` or ``N05`` were written, each format its
+    own way, and some did not read back as themselves.
     """
+    if not isinstance(answer, str) or not _ANSWER_RE.fullmatch(answer) or answer == "N0":
+        raise ValueError(f"answer: expected an integer as N?digits, no leading zeros and no "
+                         f"N0; got {answer!r}")
     return _WRITE_READ[check_answer_format(fmt)][0](answer)
 
 
@@ -330,11 +339,18 @@ class Cell:
         if m is None:
             raise ValueError(f"{label!r} is not a cell label like 'n3d2' or 'n3d1-2'")
         n, d0, hi, rest = m.groups()
-        if hi is not None:
-            return cls(int(n), tuple(range(int(d0), int(hi) + 1)))
-        if rest is not None:
-            return cls(int(n), (int(d0), *map(int, rest[1:].split("_"))))
-        return cls(int(n), int(d0))
+        try:
+            if hi is not None:
+                cell = cls(int(n), tuple(range(int(d0), int(hi) + 1)))
+            elif rest is not None:
+                cell = cls(int(n), (int(d0), *map(int, rest[1:].split("_"))))
+            else:
+                cell = cls(int(n), int(d0))
+        except ValueError:
+            cell = None
+        if cell is None or cell.label != label:  # n3d1-1, n03d1, n3d3-1: no cell's label
+            raise ValueError(f"{label!r} is not a cell label like 'n3d2' or 'n3d1-2'")
+        return cell
 
     @classmethod
     def from_pair(cls, pair: Any, where: str = "cell") -> Cell:
@@ -570,8 +586,7 @@ class TaskConfig:
                 if cell in train_set:
                     raise ValueError(f"{where}: cell {cell} is also a train cell{from_grid}")
                 # n2d1 is inside n2d1-2: a held-out question could be a training one
-                shared = next((c for c in train if c.n == cell.n
-                               and set(c.digits) & set(cell.digits)), None)
+                shared = _sharing(cell, train)
                 if shared is not None:
                     raise ValueError(f"{where}: cell {cell} shares problems with train cell "
                                      f"{shared}{from_grid}")
@@ -598,12 +613,24 @@ def _cells_from(pairs: Any, where: str) -> list[Cell]:
     if isinstance(pairs, str) or not isinstance(pairs, Sequence):
         raise ValueError(f"{where}: expected a list of [n, d] pairs, got {pairs!r}")
     cells: list[Cell] = []
+    limit = sys.get_int_max_str_digits()  # 0: no limit
     for i, pair in enumerate(pairs):
         cell = Cell.from_pair(pair, f"{where}[{i}]")
         if cell in cells:
             raise ValueError(f"{where}[{i}]: cell {cell} is listed twice")
+        width = max(cell.digits) + len(str(cell.n))  # a sum's digits, at most
+        if limit and width > limit:  # sampling failed at a random step, naming no field
+            raise ValueError(f"{where}[{i}]: cell {cell} has sums of up to {width} digits; "
+                             f"Python writes at most {limit}-digit integers as text")
         cells.append(cell)
     return cells
+
+
+def _sharing(cell: Cell, cells: Iterable[Cell]) -> Cell | None:
+    """The first of `cells` with problems `cell` can also draw: the same operand count and a
+    digit count in common."""
+    return next((c for c in cells if c.n == cell.n and set(c.digits) & set(cell.digits)),
+                None)
 
 
 # --------------------------------------------------------------------------- tensors
@@ -695,6 +722,14 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
+def _check_digit_positions(answer_format: str, digit_positions: bool) -> None:
+    """Digit positions count an answer's digits from its units, which comes first only in a
+    reversed format: with ``msd`` the hundreds digit of 633 was labelled as units."""
+    if digit_positions and check_answer_format(answer_format) == "msd":
+        raise ValueError("digit_positions: needs a least-significant-first answer format "
+                         "(lsd or lsd_complement), not msd")
+
+
 def make_batch(
     problems: Sequence[tuple[str, str]],
     arch: str,
@@ -714,6 +749,7 @@ def make_batch(
     ``tgt_in`` = ``B answer`` (PAD-padded) and ``tgt_out`` = ``answer E`` (IGNORE_INDEX-padded).
     """
     _check_arch(arch)
+    _check_digit_positions(answer_format, digit_positions)
     if not problems:
         raise ValueError("make_batch needs at least one problem")
     if pack and arch != "decoder":
@@ -828,9 +864,11 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         pack: bool = False,
     ) -> None:
         _check_arch(arch)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_digit_positions(answer_format, digit_positions)
+        batch_size = check_int(batch_size, "batch_size", low=1)
         self.cells = list(cells)
+        if len(set(self.cells)) < len(self.cells):  # weights skewed toward the repeated one
+            raise ValueError(f"cells: expected each cell once; got {[str(c) for c in cells]}")
         self.probabilities = cell_weights(self.cells, weights)
         self.batch_size = batch_size
         self.arch = arch
@@ -838,7 +876,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         self.weights = weights
         self.digit_positions = digit_positions
         self.pack = pack
-        self._rng = np.random.Generator(np.random.PCG64(seed))
+        self._rng = np.random.Generator(np.random.PCG64(check_seed(seed)))
 
     def problems(self, count: int) -> list[tuple[str, str]]:
         """The next ``count`` problems of the stream, as strings."""
