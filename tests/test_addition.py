@@ -554,7 +554,8 @@ def test_a_cell_whose_sums_python_cannot_write_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"^task\.splits\.x\[0\]: cell n2d4300 has sums of up "
                                          r"to 4301 digits; Python writes at most 4300"):
         TaskConfig(grid="smoke", splits={"x": [[2, limit]]}).resolve()
-    TaskConfig(grid="smoke", splits={"x": [[2, limit - 1]]}).resolve()  # at the limit: fine
+    for n, d in ((2, limit - 1), (1, limit), (9, limit - 1)):  # sums of `limit` digits: fine
+        TaskConfig(grid="smoke", splits={"x": [[n, d]]}).resolve()
 
 
 @pytest.mark.parametrize("answer", ["-5", "N0", "N05", "05", "", "5N", 5])

@@ -54,6 +54,7 @@ def test_verdict_rules() -> None:
 
 def _run(placement: str, seed: int, train: float, held: float, h90: float, rate: float):
     ev = {"config": {"model": {"norm_placement": placement}, "train": {"seed": seed}},
+          "checkpoint": {"step": 100},
           "splits": {split: {"accuracy": acc, "count": n, "ci95": [0.0, 1.0]}  # CI unread
                      for split, acc, n in (("train", train, 1280), ("interpolation", held, 256),
                                            ("extrapolation", held, 768))}}
@@ -253,6 +254,9 @@ TINY_SET = ('[set]\n"task.grid" = "smoke"\n"task.eval_size" = 8\n"model.d_model"
 
 # what analyze_run records of the checkpoint it analysed: the tiny runs' last is step 6
 DONE_AT_6 = json.dumps({"checkpoint_step": 6})
+# the least a norms.json and a collapse.json hold for the report (and so for the sweep) to read
+NORMS = json.dumps({"summary": {"all": {"h90": 0.5}}})
+COLLAPSE = json.dumps({"sigmas": [0.0], "collapse_rate": [0.0]})
 
 
 def _tiny_sweep(tmp_path: Path, seeds: str = "[0, 1]") -> Path:
@@ -294,10 +298,10 @@ def test_an_analysis_that_failed_part_way_is_run_again(tmp_path: Path, monkeypat
     def analyze_run(out: Path, fail: bool = False, **kw) -> None:
         calls.append(kw)
         (out / "analysis").mkdir(exist_ok=True)
-        (out / "analysis" / "collapse.json").write_text("{}")
+        (out / "analysis" / "collapse.json").write_text(COLLAPSE)
         if fail:
             raise ValueError("the interference probe failed")
-        (out / "analysis" / "norms.json").write_text("{}")
+        (out / "analysis" / "norms.json").write_text(NORMS)
         (out / "analysis" / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", lambda out, **kw: analyze_run(out, True, **kw))
@@ -353,8 +357,9 @@ def test_a_finished_analysis_with_other_settings_is_not_taken_as_done(
             "sigmas": [0.0, 0.1], "n_draws": 8, "threshold": 0.9, "mode": "token",
             "targets": ("q", "k", "v"), "noise": "normal", "n_examples": 256,
             "splits": ("train",), "sites": None, "heads": None, "alpha": 0.5}).items()})
-        (folder / "collapse.json").write_text(json.dumps({"params": params, "seed": 0}))
-        (folder / "norms.json").write_text("{}")
+        (folder / "collapse.json").write_text(json.dumps({"params": params, "seed": 0,
+                                                          **json.loads(COLLAPSE)}))
+        (folder / "norms.json").write_text(NORMS)
         (folder / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", analyze_run)
@@ -398,8 +403,8 @@ def test_results_made_before_the_sweep_resumed_training_are_made_again(
 
     def analyze_run(run: Path, **kw) -> None:  # records its checkpoint as the real one does
         analysed.append(run)
-        for name in ("norms.json", "collapse.json"):
-            (run / "analysis" / name).write_text("{}")
+        (run / "analysis" / "norms.json").write_text(NORMS)
+        (run / "analysis" / "collapse.json").write_text(COLLAPSE)
         (run / "analysis" / "interference.json").write_text(DONE_AT_6)
 
     monkeypatch.setattr(report, "analyze_run", analyze_run)
@@ -709,7 +714,15 @@ def test_settings_are_compared_across_every_run_not_only_the_first(tmp_path: Pat
         ("analysis/norms.json", '{"runs": []}', "normlab norm spread"),
         ("analysis/collapse.json", '{"sigmas": [0.1, 0.2], "collapse_rate": [0.0]}',
          "normlab collapse results"),
+        ("analysis/norms.json", '{"summary": {"all": {"h90": "0.5"}}}', "normlab norm spread"),
+        ("analysis/collapse.json", '{"sigmas": [0.1], "collapse_rate": [0.0], "accuracy": []}',
+         "normlab collapse results"),
+        ("analysis/collapse.json", '{"sigmas": [0.1], "collapse_rate": [0.0], "params": 3}',
+         "normlab collapse results"),
         ("eval.json", '{"splits": {}}', "normlab eval results"),
+        ("eval.json", json.dumps({"splits": {}, "config": {"model": {"norm_placement": "pre"},
+                                                           "train": {"seed": 0}}}),
+         "normlab eval results"),  # no checkpoint
         ("timings.json", "[1]", "an object"),
     ],
 )

@@ -105,7 +105,7 @@ def test_an_evaluation_made_by_hand_with_a_limit_is_made_again(
     shutil.copytree(smoke, out)
     run = out / "runs" / "pre-s0"
     assert main(["eval", str(run), "--limit", "4", "--force"]) == 0
-    (run / "analysis" / "norms.json").write_text('{"summary": ')  # cut short
+    (run / "analysis" / "norms.json").write_text('{"summary": {}}')  # JSON, not what it reads
     capsys.readouterr()
     assert main(["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1"]) == 0
     assert json.loads((run / "eval.json").read_text())["limit"] is None

@@ -919,7 +919,7 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
     [
         ("train.steps=3\nlr=5.0", "--set 'train.steps': expected one TOML value after '='"),
         ('task.grid="smoke"\n[train]\nsteps=2', "--set 'task.grid': expected one TOML value"),
-        ("task.train=[[1, 5000]]", "task.train[0]: cell n1d5000 has sums of up to 5001 digits"),
+        ("task.train=[[1, 5000]]", "task.train[0]: cell n1d5000 has sums of up to 5000 digits"),
         ("train.early_stop_accuracy=nan", "train.early_stop_accuracy: expected a number >= 0"),
         ("task.eval_seed=-1", "task.eval_seed: expected an int in [0, 2**63)"),
     ],
@@ -969,6 +969,19 @@ def test_compare_names_a_damaged_eval_json_or_log(tmp_path: Path, capsys) -> Non
         (run / "metrics.jsonl").write_text(line + "\n" + '{"step": 2}\n')
         code, err = _cli(capsys, "compare", "--curve", "train", str(run))
         assert code == 2 and "metrics.jsonl' line 1: expected 'accuracy'" in err, err
+
+
+def test_compare_reads_the_seed_where_eval_json_records_it(tmp_path: Path, capsys) -> None:
+    """`compare` printed the top-level `seed`, which its check no longer asked for: an
+    eval.json without it gave a KeyError. The seed is the config's, as the report reads it."""
+    quick = Path(__file__).resolve().parents[1] / "docs/results/quick/runs/pre-s1"
+    run = tmp_path / "pre-s1"
+    run.mkdir()
+    ev = json.loads((quick / "eval.json").read_text())
+    ev.pop("seed", None)
+    (run / "eval.json").write_text(json.dumps(ev))
+    assert main(["compare", "--markdown", str(run)]) == 0
+    assert "| pre-s1 | pre | 1 |" in capsys.readouterr().out
 
 
 def test_compare_plot_name_is_a_name_not_a_pattern(tmp_path: Path, capsys) -> None:

@@ -125,7 +125,8 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
                 else f"{100 * v['accuracy']:.1f} [{100 * v['ci95'][0]:.1f}, "
                 f"{100 * v['ci95'][1]:.1f}]"
             )
-        rows.append([label, r["config"]["model"]["norm_placement"], str(r["seed"]), *cells])
+        rows.append([label, r["config"]["model"]["norm_placement"],
+                     str(r["config"]["train"]["seed"]), *cells])
     return header, rows
 
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import base64
 import html
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from normlab.checks import is_int, is_real
 from normlab.evaluate import EVAL_RESULT, is_eval_result
 from normlab.io import atomic_write_text, provenance, read_json, save_figure, write_json
 from normlab.stats import mean_ci, verdict_band, verdict_sign
@@ -43,31 +45,55 @@ def verdict_rules() -> list[str]:
 
 
 def _norms_ok(doc: Any) -> bool:
-    return isinstance(doc, dict) and isinstance(doc.get("summary"), dict) and isinstance(
-        doc["summary"].get("all"), dict)
+    every = doc.get("summary", {}).get("all") if isinstance(doc, dict) and isinstance(
+        doc.get("summary"), dict) else None
+    return isinstance(every, dict) and (every.get("h90") is None or is_real(every["h90"]))
 
 
 def _collapse_ok(doc: Any) -> bool:
-    return (isinstance(doc, dict) and isinstance(doc.get("sigmas"), list)
-            and isinstance(doc.get("collapse_rate"), list)
-            and len(doc["sigmas"]) == len(doc["collapse_rate"]))
+    """The per-sigma columns the claims and figures read: numbers (None: no sparse rows), as
+    many as the sigmas; `params`, where recorded, an object."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("sigmas"), list):
+        return False
+    n = len(doc["sigmas"])
+    columns = [doc.get(k) for k in ("collapse_rate", "predicted_rate", "accuracy")]
+    return (all(is_real(x) for x in doc["sigmas"]) and isinstance(columns[0], list)
+            and all(c is None or (isinstance(c, list) and len(c) == n
+                                  and all(x is None or is_real(x) for x in c)) for c in columns)
+            and isinstance(doc.get("params", {}), dict))
 
 
-#: what the report reads from each file of a run, and what it must hold
-_FILES: dict[str, tuple[str, Any]] = {
-    "eval.json": (EVAL_RESULT, is_eval_result),
-    "analysis/norms.json": ("normlab norm spread (summary.all)", _norms_ok),
-    "analysis/collapse.json": ("normlab collapse results (sigmas and a collapse_rate each)",
-                               _collapse_ok),
-    "timings.json": ("an object", lambda d: isinstance(d, dict)),
-    "train_done.json": ("an object", lambda d: isinstance(d, dict)),
+def _eval_ok(doc: Any) -> bool:
+    return is_eval_result(doc) and isinstance(doc.get("checkpoint"), dict)
+
+
+#: Each file of a run the report reads: what it must hold, in words and as a test. The sweep
+#: takes a result as done only if it passes the same test (`holds_result`).
+RESULT_FILES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "eval.json": (EVAL_RESULT + " and its checkpoint", _eval_ok),
+    "analysis/norms.json": ("normlab norm spread (summary.all with its h90)", _norms_ok),
+    "analysis/collapse.json": ("normlab collapse results (sigmas and per-sigma columns as "
+                               "long)", _collapse_ok),
+    "timings.json": ("an object of step name -> seconds",
+                     lambda d: isinstance(d, dict) and all(map(is_real, d.values()))),
+    "train_done.json": ('an object with an int "step", where training ended',
+                        lambda d: isinstance(d, dict) and is_int(d.get("step"))),
 }
 
 
 def _load(run_dir: Path, name: str) -> Any:
-    """One of a run's files, None if absent; a damaged one is one line naming it."""
-    path = run_dir / name
-    return read_json(path, *_FILES[name]) if path.is_file() else None
+    """One of a run's files (a key of `RESULT_FILES`), None if absent; a damaged one is one
+    line naming it."""
+    path = Path(run_dir) / name
+    return read_json(path, *RESULT_FILES[name]) if path.is_file() else None
+
+
+def holds_result(run_dir: Path, name: str) -> bool:
+    """`run_dir` has file `name`, and it holds what the report reads from it."""
+    try:
+        return _load(run_dir, name) is not None
+    except ValueError:
+        return False
 
 
 def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab import allocator
-from normlab.checks import check_int, is_int, is_real
+from normlab.checks import check_int
 from normlab.config import config_key, load_config
 from normlab.io import read_json, write_json
 
@@ -189,6 +189,7 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
 
     from normlab.cli import eval_run
     from normlab.config import RunConfig
+    from normlab.report import RESULT_FILES, holds_result
     from normlab.train import DONE, check_saved_config, train
 
     t0 = time.time()
@@ -208,8 +209,7 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
         timings_path = out / "timings.json"
         timings: dict[str, float] = {}
         if timings_path.is_file():
-            timings = read_json(timings_path, "a JSON object of step name -> seconds",
-                                lambda d: isinstance(d, dict) and all(map(is_real, d.values())))
+            timings = read_json(timings_path, *RESULT_FILES["timings.json"])
 
         def step(name: str, fn: Callable[[], Any]) -> None:
             t = time.time()
@@ -227,12 +227,12 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
         # run stopped, evaluated or analysed by hand, then resumed by the sweep kept the
         # earlier checkpoint's results. The sweep owns the folder: they are made again (the
         # JSON files replaced atomically, as `normlab eval --force` replaces eval.json).
-        final = read_json(out / DONE, 'a JSON object with an int "step", where training ended',
-                          lambda d: isinstance(d, dict) and is_int(d.get("step")))["step"]
+        final = read_json(out / DONE, *RESULT_FILES[DONE])["step"]
         # ... and with the sweep's own settings: an eval.json made by hand with --limit was
         # taken as done, and the report then refused to pool it, on every rerun
         if (_recorded(out / "eval.json", "checkpoint", "step") != final
-                or _recorded(out / "eval.json", "limit") is not None):
+                or _recorded(out / "eval.json", "limit") is not None
+                or not holds_result(out, "eval.json")):  # what the report reads, as it does
             step("eval", lambda: eval_run(out, force=True))
             _check_made_from(out / "eval.json", ("checkpoint", "step"), final)
         # interference.json is the last result analyze_run writes: an analysis that failed
@@ -241,8 +241,8 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             from normlab.analysis.report import analyze_run, check_same_analysis
 
             done_at = _recorded(out / "analysis" / "interference.json", "checkpoint_step")
-            others = [_recorded(out / "analysis" / f) for f in ("norms.json", "collapse.json")]
-            if done_at != final or None in others:  # a file damaged since is made again
+            if done_at != final or not all(holds_result(out, f"analysis/{f}")  # damaged since
+                                               for f in ("norms.json", "collapse.json")):
                 step("analyze", lambda: analyze_run(out, **spec.analysis))
                 _check_made_from(out / "analysis" / "interference.json", ("checkpoint_step",),
                                  final)

@@ -618,7 +618,9 @@ def _cells_from(pairs: Any, where: str) -> list[Cell]:
         cell = Cell.from_pair(pair, f"{where}[{i}]")
         if cell in cells:
             raise ValueError(f"{where}[{i}]: cell {cell} is listed twice")
-        width = max(cell.digits) + len(str(cell.n))  # a sum's digits, at most
+        width = max(cell.digits) + len(str(cell.n))  # a sum's digits, at most: cheap
+        if limit and width > limit:  # then exact: n (10**d - 1) is the largest sum
+            width = _n_digits(cell.n * (10 ** max(cell.digits) - 1))
         if limit and width > limit:  # sampling failed at a random step, naming no field
             raise ValueError(f"{where}[{i}]: cell {cell} has sums of up to {width} digits; "
                              f"Python writes at most {limit}-digit integers as text")
