@@ -615,16 +615,24 @@ def test_the_report_lists_failures_one_line_each_and_names_the_measured_splits(
 def test_seeds_that_agree_exactly_keep_their_measurement_error() -> None:
     """Two seeds with the same train-accuracy difference gave H3 an interval of zero width
     (the committed quick report's +0.16% [0.16%, 0.16%] -> agrees). The seeds' variance is now
-    floored at the differences' binomial variance. By hand: each seed's difference 0.99 - 0.98
-    over 1280 questions has variance v = (0.99 * 0.01 + 0.98 * 0.02) / 1280; two seeds, t(1)
-    = 12.706: half-width 12.706 * sqrt(v) / sqrt(2)."""
+    floored at the differences' binomial variance, Agresti-Coull's. By hand: 0.99 and 0.98 of
+    1280 questions are 1267.2 and 1254.4 right; over 1284 "questions" with two more right,
+    p~ = 1269.2 / 1284 and 1256.4 / 1284, and the difference's variance is
+    v = sum p~ (1 - p~) / 1284; two seeds, t(1) = 12.706: half-width 12.706 sqrt(v) / sqrt(2).
+    A placement at 100% keeps a variance too: p (1 - p) / n gave it none."""
     runs = {"pre": {s: _run("pre", s, 0.98, 0.5, 0.2, 0.01) for s in (0, 1)},
             "qkv": {s: _run("qkv", s, 0.99, 0.5, 0.1, 0.01) for s in (0, 1)}}
     h3 = {r["id"]: r for r in claims_table(runs)}["H3"]
-    v = (0.99 * 0.01 + 0.98 * 0.02) / 1280
+    pq, pp = 1269.2 / 1284, 1256.4 / 1284
+    v = (pq * (1 - pq) + pp * (1 - pp)) / 1284
     half = 12.706 * math.sqrt(v) / math.sqrt(2)
     assert h3["ci95"] == pytest.approx([0.01 - half, 0.01 + half])
-    assert h3["verdict"] == "inconclusive"  # [-0.0244, 0.0444] reaches past the ±0.02 band
+    assert h3["verdict"] == "inconclusive"  # [-0.0258, 0.0458] reaches past the ±0.02 band
+    runs = {"pre": {s: _run("pre", s, 1.0, 0.5, 0.2, 0.01) for s in (0, 1)},
+            "qkv": {s: _run("qkv", s, 1.0, 0.5, 0.1, 0.01) for s in (0, 1)}}
+    lo, hi = {r["id"]: r for r in claims_table(runs)}["H3"]["ci95"]
+    p1 = 1282 / 1284
+    assert hi == pytest.approx(-lo) == pytest.approx(12.706 * math.sqrt(p1 * (1 - p1) / 1284))
     _, (lo, hi) = mean_ci([0.2, 0.4], within_var=[1e-6, 1e-6])  # the seeds' spread is larger
     assert (lo, hi) == mean_ci([0.2, 0.4])[1]
     with pytest.raises(ValueError, match="expected 2 within-seed variances"):
@@ -752,8 +760,9 @@ def test_the_split_table_keeps_each_accuracys_measurement_error(tmp_path: Path) 
     splits = [r["eval"]["splits"]["train"] for r in runs["pre"].values()]
     accs = [s["accuracy"] for s in splits]
     assert accs[0] == accs[1]  # the committed runs: the case that gave zero width
-    m, (lo, hi) = mean_ci(accs, [a * (1 - a) / s["count"] for a, s in zip(accs, splits,
-                                                                            strict=True)])
+    n_t = [s["count"] + 4 for s in splits]  # Agresti-Coull's, as the claims use
+    p_t = [(a * s["count"] + 2) / n for a, s, n in zip(accs, splits, n_t, strict=True)]
+    m, (lo, hi) = mean_ci(accs, [p * (1 - p) / n for p, n in zip(p_t, n_t, strict=True)])
     assert lo < m < hi
     cell = row[table[0].index("train")]
     assert cell == f"{100 * m:.1f} [{100 * max(lo, 0):.1f}, {100 * min(hi, 1):.1f}]"

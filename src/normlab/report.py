@@ -8,8 +8,9 @@ Verdict rules (computed, never set by hand; `normlab.stats`):
   around 1%), same rule.
 - H3 in-distribution parity: per-seed difference qkv - pre of train-cell accuracy. `agrees` if
   the CI lies in [-0.02, +0.02], `disagrees` if it misses it. The seeds' variance is floored at
-  the differences' mean binomial variance (each accuracy's p(1 - p) / questions), so seeds that
-  happen to agree exactly do not give an interval of zero width.
+  the differences' mean binomial variance (each accuracy's, Agresti-Coull's p~(1 - p~) / n~
+  with n~ = questions + 4 and p~ = (right + 2) / n~), so seeds that happen to agree exactly, or
+  score 100%, do not give an interval of zero width.
 - H4 out-of-distribution gap: per-seed difference qkv - pre of held-out accuracy (mean over
   the held-out splits). `agrees` if the CI is below 0 (QKV-Norm worse), `disagrees` if above.
   The same binomial floor as H3.
@@ -155,9 +156,15 @@ def held_out(ev: dict[str, Any]) -> float:
 
 
 def _binomial_var(split: dict[str, Any]) -> float:
-    """An accuracy's sampling variance over its questions, p (1 - p) / n."""
+    """An accuracy's sampling variance over its n questions, Agresti-Coull's p~ (1 - p~) / n~
+    with n~ = n + 4 and p~ = (p n + 2) / n~: p (1 - p) / n is 0 at 0% or 100%, and gave a
+    placement right on every question of both seeds an interval of zero width."""
     p, n = split["accuracy"], split["count"]
-    return p * (1 - p) / n if n else 0.0
+    if not n:
+        return 0.0
+    n_t = n + 4
+    p_t = (p * n + 2) / n_t
+    return p_t * (1 - p_t) / n_t
 
 
 def held_out_var(ev: dict[str, Any]) -> float:
