@@ -3,7 +3,9 @@
 A whole-number argument (a seed, a count, a size) passes when it is an integer, numpy's
 included, and at least `low`. A bool is refused: `True` would pass as 1 unseen. So is a float,
 even a whole one: `int()` would round 1.7 down unseen, and a size read as 2.0 is a typo.
-Config files are checked against their dataclass's hints instead (`normlab.config.typed`).
+A real-valued argument (a noise level, a fraction) passes when it is a finite real number,
+numpy's included and a bool not, in its range. Config files are checked against their
+dataclass's hints instead (`normlab.config.typed`).
 """
 
 from __future__ import annotations
