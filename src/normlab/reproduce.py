@@ -2,7 +2,7 @@
 
 Profiles:
 - `smoke`: tiny models on the smoke grid, 2 placements x 2 seeds, a minute or two (tests).
-- `quick`: `pre` and `qkv` on the quick grid, 2 seeds each, about 45 minutes on 2 CPU cores
+- `quick`: `pre` and `qkv` on the quick grid, 2 seeds each, about 30 minutes on 2 CPU cores
   (two runs at a time, one torch thread each).
 - `paper`: every placement, 5 seeds, on the paper grid (`configs/addition/paper/`), for a
   GPU or a cluster (`--device cuda`, or `normlab sweep --backend ray` with the same configs).
