@@ -11,7 +11,6 @@ kept.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import json
 from pathlib import Path
@@ -185,14 +184,12 @@ def check_sidecar(meta: dict[str, Any], side: Path, tensors: dict[str, torch.Ten
 
 
 def _decodes(text: Any, size: int | None = None) -> bool:
-    """`text` is base64 of `size` bytes (of some bytes, without `size`)."""
-    if not isinstance(text, str):
-        return False
+    """`text` is a state `_decode` reads, of `size` bytes (of some bytes, without `size`)."""
     try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
+        n = _decode(text).numel()
+    except (TypeError, ValueError):  # not a string; not base64 (binascii.Error)
         return False
-    return len(raw) == size if size is not None else len(raw) > 0
+    return n == size if size is not None else n > 0
 
 
 def _is_generator_state(state: Any) -> bool:

@@ -204,14 +204,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         if given or args.seq_len is not None:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
-    _check_flags(args, {"--threads": 1, "--draws": 1, "--examples": 1, "--seq-len": 1})
-    if args.threads is not None:
-        check_threads(args.threads, "--threads")
+    _check_flags(args, {"--draws": 1, "--examples": 1, "--seq-len": 1})
     check_seed(args.seed, "--seed")
     if args.threads is not None:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(check_threads(args.threads, "--threads"))
     if args.hf:
         from normlab.interop.analyze import analyze_hf
 
@@ -339,14 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("normlab: interrupted; finished checkpoints are kept (use --resume)", file=sys.stderr)
         return 130
-    except (ValueError, OSError, RuntimeError) as err:  # OSError names its file (a full disk)
+    # OSError names its file (a full disk); MemoryError and OverflowError come from a size in
+    # the config past what fits
+    except (ValueError, OSError, RuntimeError, MemoryError, OverflowError) as err:
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if isinstance(err, MemoryError | OverflowError):
+            msg = f"out of memory or range ({msg}); is a size in the config too large?"
         print(f"normlab: error: {msg}", file=sys.stderr)
-        return 2
-    except (MemoryError, OverflowError) as err:  # a size in the config past what fits
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"normlab: error: out of memory or range ({msg}); is a size in the config too "
-              "large?", file=sys.stderr)
         return 2
 
 

@@ -25,10 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from normlab.checks import is_int, is_real
+from normlab.checks import is_real
 from normlab.evaluate import EVAL_RESULT, is_eval_result
 from normlab.io import atomic_write_text, provenance, read_json, save_figure, write_json
 from normlab.stats import mean_ci, verdict_band, verdict_sign
+from normlab.train import DONE, DONE_RECORD
 
 SIGMA_H2 = 0.1
 CLAIMS = {
@@ -69,7 +70,7 @@ def _eval_ok(doc: Any) -> bool:
 
 
 #: Each file of a run the report reads: what it must hold, in words and as a test. The sweep
-#: takes a result as done only if it passes the same test (`holds_result`).
+#: takes a result as done only if it passes the same test (`read_result`).
 RESULT_FILES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "eval.json": (EVAL_RESULT + " and its checkpoint", _eval_ok),
     "analysis/norms.json": ("normlab norm spread (summary.all with its h90)", _norms_ok),
@@ -77,8 +78,7 @@ RESULT_FILES: dict[str, tuple[str, Callable[[Any], bool]]] = {
                                "long)", _collapse_ok),
     "timings.json": ("an object of step name -> seconds",
                      lambda d: isinstance(d, dict) and all(map(is_real, d.values()))),
-    "train_done.json": ('an object with an int "step", where training ended',
-                        lambda d: isinstance(d, dict) and is_int(d.get("step"))),
+    DONE: DONE_RECORD,
 }
 
 
@@ -89,12 +89,13 @@ def _load(run_dir: Path, name: str) -> Any:
     return read_json(path, *RESULT_FILES[name]) if path.is_file() else None
 
 
-def holds_result(run_dir: Path, name: str) -> bool:
-    """`run_dir` has file `name`, and it holds what the report reads from it."""
+def read_result(run_dir: Path, name: str) -> Any:
+    """`run_dir`'s file `name` if it holds what the report reads from it; None if it is absent
+    or does not (for the sweep, which makes such a file again rather than taking it as done)."""
     try:
-        return _load(run_dir, name) is not None
+        return _load(run_dir, name)
     except ValueError:
-        return False
+        return None
 
 
 def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:

@@ -189,8 +189,8 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
 
     from normlab.cli import eval_run
     from normlab.config import RunConfig
-    from normlab.report import RESULT_FILES, holds_result
-    from normlab.train import DONE, check_saved_config, train
+    from normlab.report import RESULT_FILES, read_result
+    from normlab.train import DONE, DONE_RECORD, check_saved_config, train
 
     t0 = time.time()
     out = Path(spec.out)
@@ -227,12 +227,12 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
         # run stopped, evaluated or analysed by hand, then resumed by the sweep kept the
         # earlier checkpoint's results. The sweep owns the folder: they are made again (the
         # JSON files replaced atomically, as `normlab eval --force` replaces eval.json).
-        final = read_json(out / DONE, *RESULT_FILES[DONE])["step"]
-        # ... and with the sweep's own settings: an eval.json made by hand with --limit was
-        # taken as done, and the report then refused to pool it, on every rerun
-        if (_recorded(out / "eval.json", "checkpoint", "step") != final
-                or _recorded(out / "eval.json", "limit") is not None
-                or not holds_result(out, "eval.json")):  # what the report reads, as it does
+        final = read_json(out / DONE, *DONE_RECORD)["step"]
+        # ... holding what the report reads, and made with the sweep's own settings: an
+        # eval.json made by hand with --limit was taken as done, and the report then refused
+        # to pool it, on every rerun
+        ev = read_result(out, "eval.json")
+        if ev is None or ev["checkpoint"].get("step") != final or ev.get("limit") is not None:
             step("eval", lambda: eval_run(out, force=True))
             _check_made_from(out / "eval.json", ("checkpoint", "step"), final)
         # interference.json is the last result analyze_run writes: an analysis that failed
@@ -241,8 +241,8 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
             from normlab.analysis.report import analyze_run, check_same_analysis
 
             done_at = _recorded(out / "analysis" / "interference.json", "checkpoint_step")
-            if done_at != final or not all(holds_result(out, f"analysis/{f}")  # damaged since
-                                               for f in ("norms.json", "collapse.json")):
+            if done_at != final or any(read_result(out, f"analysis/{f}") is None  # or damaged
+                                       for f in ("norms.json", "collapse.json")):
                 step("analyze", lambda: analyze_run(out, **spec.analysis))
                 _check_made_from(out / "analysis" / "interference.json", ("checkpoint_step",),
                                  final)

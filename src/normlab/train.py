@@ -28,6 +28,7 @@ from normlab.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from normlab.checks import is_int
 from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import atomic_write_text, provenance, read_json, read_metrics, write_json
@@ -35,6 +36,9 @@ from normlab.model import Model, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
 DONE = "train_done.json"  # written once training has finished (all steps or early stop)
+#: what `DONE` holds, in words and as a test, for the sweep and the report (`io.read_json`)
+DONE_RECORD = ('an object with an int "step", where training ended',
+               lambda d: isinstance(d, dict) and is_int(d.get("step")))
 
 
 class TrainingError(RuntimeError):

@@ -349,7 +349,7 @@ class _RowWinners:
         self, site: Site, example: torch.Tensor, head: torch.Tensor, qpos: torch.Tensor,
         attendable: torch.Tensor,
     ) -> None:
-        # cross-attention has RoPE's points too but never rotates (its keys are the source's)
+        # only a site RoPE rotates has these points (cross-attention's keys are the source's)
         rot = "rot_" if hasattr(site.module, "hook_rot_q") else ""
         self.q_name, self.k_name = f"{site.name}.hook_{rot}q", f"{site.name}.hook_{rot}k"
         self.example, self.head, self.qpos = example, head, qpos

@@ -7,7 +7,7 @@ import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from normlab.checks import check_int, check_real, is_int, is_real
+from normlab.checks import check_int, check_real, is_int
 
 ARCHS = ("decoder", "encoder_decoder")
 PLACEMENTS = ("none", "post", "pre", "qk", "qkv", "pre_qk")
@@ -124,12 +124,11 @@ class ModelConfig:
         self.dropout = check_real(self.dropout, "ModelConfig.dropout", what="a number in [0, 1)",
                                   ok=lambda v: 0 <= v < 1)
         for name in ("norm_eps", "rope_theta", "init_std"):  # NaN or inf: no model at all
-            value = getattr(self, name)
             # as float32 holds it: 1e39 is inf there, and 1e-60 is 0 (an eps of 0 is 0/0)
-            if not is_real(value) or not 0 < _float32(value) < math.inf:
-                raise ValueError(f"ModelConfig.{name}: expected a positive number float32 "
-                                 f"holds (1.4e-45 to 3.4e38); got {value!r}")
-            setattr(self, name, float(value))
+            setattr(self, name, check_real(
+                getattr(self, name), f"ModelConfig.{name}",
+                what="a positive number float32 holds (1.4e-45 to 3.4e38)",
+                ok=lambda v: 0 < _float32(v) < math.inf))
         for name in ("norm_bias", "attn_bias", "mlp_bias", "norm_gain_offset", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):  # "false" would be true
                 raise ValueError(f"ModelConfig.{name}: expected true or false; got "

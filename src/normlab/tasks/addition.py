@@ -111,7 +111,7 @@ def decode(ids: Sequence[int] | torch.Tensor | np.ndarray) -> str:
     return "".join(out)
 
 
-_ANSWER_RE = re.compile(r"N?(0|[1-9][0-9]*)")  # an answer as `_fmt_int` writes it
+_ANSWER_RE = re.compile(r"0|N?[1-9][0-9]*")  # an answer as `_fmt_int` writes it
 
 
 def _fmt_int(v: int) -> str:
@@ -192,7 +192,7 @@ def format_answer(answer: str, fmt: str = "msd") -> str:
     ``-5`` (the minus operator as a sign), ``N0`` or ``N05`` were written, each format its
     own way, and some did not read back as themselves.
     """
-    if not isinstance(answer, str) or not _ANSWER_RE.fullmatch(answer) or answer == "N0":
+    if not isinstance(answer, str) or not _ANSWER_RE.fullmatch(answer):
         raise ValueError(f"answer: expected an integer as N?digits, no leading zeros and no "
                          f"N0; got {answer!r}")
     return _WRITE_READ[check_answer_format(fmt)][0](answer)
@@ -380,15 +380,16 @@ def max_lengths(cells: Iterable[Cell]) -> tuple[int, int]:
     for cell in cells:
         d = max(cell.digits)
         q_max = max(q_max, cell.n * (d + 1) + cell.n - 1)
-        a_max = max(a_max, _n_digits(cell.n * (10**d - 1)) + 1)
+        a_max = max(a_max, _sum_digits(cell) + 1)
     if q_max == 0:
         raise ValueError("max_lengths needs at least one cell")
     return q_max, a_max
 
 
-def _n_digits(x: int) -> int:
-    """Decimal digits of an int x >= 1, without `str` (which refuses past 4300 digits, so a
-    cell such as [1, 5000] failed with an error that named no field)."""
+def _sum_digits(cell: Cell) -> int:
+    """Digits of the largest |sum| a cell has, n (10**d - 1), counted without `str` (which
+    refuses past 4300 digits, so a cell such as [1, 5000] failed naming no field)."""
+    x = cell.n * (10 ** max(cell.digits) - 1)
     k = max(1, int(x.bit_length() * 0.30102999566398120))  # log10(2): exact or one short
     return k + 1 if x >= 10**k else k
 
@@ -586,7 +587,8 @@ class TaskConfig:
                 if cell in train_set:
                     raise ValueError(f"{where}: cell {cell} is also a train cell{from_grid}")
                 # n2d1 is inside n2d1-2: a held-out question could be a training one
-                shared = _sharing(cell, train)
+                shared = next((c for c in train if c.n == cell.n
+                               and set(c.digits) & set(cell.digits)), None)
                 if shared is not None:
                     raise ValueError(f"{where}: cell {cell} shares problems with train cell "
                                      f"{shared}{from_grid}")
@@ -618,21 +620,14 @@ def _cells_from(pairs: Any, where: str) -> list[Cell]:
         cell = Cell.from_pair(pair, f"{where}[{i}]")
         if cell in cells:
             raise ValueError(f"{where}[{i}]: cell {cell} is listed twice")
-        width = max(cell.digits) + len(str(cell.n))  # a sum's digits, at most: cheap
-        if limit and width > limit:  # then exact: n (10**d - 1) is the largest sum
-            width = _n_digits(cell.n * (10 ** max(cell.digits) - 1))
+        width = max(cell.digits) + len(str(cell.n))  # at most; cheap, as 10**d is not
+        if limit and width > limit:
+            width = _sum_digits(cell)  # exact
         if limit and width > limit:  # sampling failed at a random step, naming no field
             raise ValueError(f"{where}[{i}]: cell {cell} has sums of up to {width} digits; "
                              f"Python writes at most {limit}-digit integers as text")
         cells.append(cell)
     return cells
-
-
-def _sharing(cell: Cell, cells: Iterable[Cell]) -> Cell | None:
-    """The first of `cells` with problems `cell` can also draw: the same operand count and a
-    digit count in common."""
-    return next((c for c in cells if c.n == cell.n and set(c.digits) & set(cell.digits)),
-                None)
 
 
 # --------------------------------------------------------------------------- tensors
