@@ -272,6 +272,46 @@ def test_bad_config_is_a_one_line_error(kwargs: dict, field: str) -> None:
     assert "expected" in msg
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "named", "largest"),
+    [
+        # 256 PiB of positions: past any machine's address space, so refused everywhere
+        ({"max_len": 10**15, "pos_encoding": "learned"}, "max_len = 1000000000000000",
+         "pos_embed.W_pos, is [1000000000000000, 32]"),
+        ({"vocab_size": 10**15}, "vocab_size = 1000000000000000", "W_U, is [32, "),
+        # d_model**2 overflows torch's size arithmetic before any allocation
+        ({"d_model": 2**40, "n_heads": 1}, "d_model = 1099511627776, ModelConfig.d_head = "
+         "1099511627776", None),
+        # and d_mlp, 4 d_model by default, is named with d_model
+        ({"d_model": 2**27, "n_heads": 2, "d_mlp": None}, "d_mlp = 536870912, ModelConfig.d_model "
+         "= 134217728", "blocks.0.mlp.W_in, is [134217728, 536870912]"),
+    ],
+)
+def test_a_model_too_large_to_allocate_names_its_field(kwargs: dict, named: str,
+                                                       largest: str | None) -> None:
+    """torch's allocator said "DefaultCPUAllocator: can't allocate memory: you tried to
+    allocate 512000000000000 bytes", and its size check "Storage size calculation overflowed":
+    neither names the config field that asked for it."""
+    with pytest.raises(ValueError) as err:
+        build_model(tiny(**kwargs))
+    msg = str(err.value)
+    assert msg.startswith(f"ModelConfig.{named}: ") and "\n" not in msg
+    assert msg.endswith("expected a smaller size")
+    if largest:
+        assert f"(the largest, {largest}" in msg and " GiB, more than could be allocated" in msg
+
+
+def test_other_errors_building_a_model_are_not_taken_for_its_size(monkeypatch) -> None:
+    from normlab.model.transformer import DecoderLM
+
+    def broken(self, cfg):
+        raise RuntimeError("a bug, not a size")
+
+    monkeypatch.setattr(DecoderLM, "__init__", broken)
+    with pytest.raises(RuntimeError, match="a bug, not a size"):
+        build_model(tiny())
+
+
 def test_numpy_floats_are_taken_as_python_floats() -> None:
     """np.float32(1e-5) was refused as "not a positive finite number"; a numpy float kept in
     the config would not serialise to JSON."""

@@ -28,6 +28,29 @@ def test_mean_ci_hand_computed() -> None:
         mean_ci([])
 
 
+def test_an_interval_is_clipped_to_what_the_values_can_take() -> None:
+    """A collapse rate's t-interval read [-0.42%, 0.59%]: no rate is below 0. Clipped to the
+    values' support, a mean's interval keeps its coverage (the mean lies there too)."""
+    m, (lo, hi) = mean_ci([0.0, 0.002])  # sd = 0.002 / sqrt(2), half = 12.706 * 0.001
+    assert m == pytest.approx(0.001) and lo == pytest.approx(0.001 - 0.012706)
+    m, (lo, hi) = mean_ci([0.0, 0.002], support=(0, 1))
+    assert lo == 0 and hi == pytest.approx(0.001 + 0.012706)
+    _, (lo, hi) = mean_ci([0.999, 1.0], support=(0, 1))
+    assert lo == pytest.approx(0.9995 - 12.706 * 0.0005) and hi == 1
+    _, (lo, hi) = mean_ci([0.3, 0.31], support=(0, 1))  # inside the support: unchanged
+    assert (lo, hi) == mean_ci([0.3, 0.31])[1] and lo > 0
+    _, (lo, hi) = mean_ci([0.5], support=(0, 1))  # one value: still no interval
+    assert math.isinf(lo) and math.isinf(hi)
+    with pytest.raises(ValueError, match=r"expected values in \[0, 1\]; got \[0.5, 1.5\]"):
+        mean_ci([0.5, 1.5], support=(0, 1))
+    # the claims: rates of 0.0% and 0.2% give an interval from 0, with the same verdict
+    runs = {"pre": {s: _run("pre", s, 0.99, 0.5, 0.2, rate) for s, rate in ((0, 0.0),
+                                                                            (1, 0.002))}}
+    h2 = {r["id"]: r for r in claims_table(runs)}["H2"]
+    assert h2["ci95"][0] == 0 and h2["ci95"][1] == pytest.approx(0.013706)
+    assert h2["verdict"] == "inconclusive"
+
+
 def test_t_quantiles_past_the_table_match_published_values() -> None:
     """Beyond 30 degrees of freedom the interval used the normal's 1.96 (about 4% narrow at
     31). Published two-sided 95% t quantiles: df 31 2.0395, 40 2.0211, 60 2.0003, 120 1.9799."""
@@ -732,6 +755,18 @@ def test_settings_are_compared_across_every_run_not_only_the_first(tmp_path: Pat
                                                            "train": {"seed": 0}}}),
          "normlab eval results"),  # no checkpoint
         ("timings.json", "[1]", "an object"),
+        # numbers no rate, accuracy or spread can be
+        ("analysis/collapse.json", '{"sigmas": [0.1], "collapse_rate": [1.5]}',
+         "normlab collapse results"),
+        ("analysis/collapse.json", '{"sigmas": [0.1], "collapse_rate": [0.1], '
+         '"accuracy": [-0.1]}', "normlab collapse results"),
+        ("analysis/norms.json", '{"summary": {"all": {"h90": -0.5}}}', "normlab norm spread"),
+        ("analysis/norms.json", '{"summary": {"all": {"h90": NaN}}}', "normlab norm spread"),
+        ("eval.json", json.dumps({"splits": {"train": {"accuracy": 1.2, "count": 8,
+                                                       "ci95": [0, 1]}},
+                                  "config": {"model": {"norm_placement": "pre"},
+                                             "train": {"seed": 0}}, "checkpoint": {}}),
+         "normlab eval results"),
     ],
 )
 def test_a_damaged_result_file_is_named_in_one_line(tmp_path: Path, name: str, text: str,
@@ -765,7 +800,8 @@ def test_the_split_table_keeps_each_accuracys_measurement_error(tmp_path: Path) 
     m, (lo, hi) = mean_ci(accs, [p * (1 - p) / n for p, n in zip(p_t, n_t, strict=True)])
     assert lo < m < hi
     cell = row[table[0].index("train")]
-    assert cell == f"{100 * m:.1f} [{100 * max(lo, 0):.1f}, {100 * min(hi, 1):.1f}]"
+    assert hi > 1  # clipped to 100%, as an accuracy's interval is
+    assert cell == f"{100 * m:.1f} [{100 * lo:.1f}, {100 * 1:.1f}]"
     assert cell != f"{100 * m:.1f} [{100 * m:.1f}, {100 * m:.1f}]"
 
 
@@ -790,3 +826,31 @@ def test_a_worker_that_dies_fails_its_runs_not_the_sweep(tmp_path: Path, monkeyp
     assert sorted(r["name"] for r in results) == sorted(s.name for s in specs)
     for r in results:
         assert not r["ok"] and r["error"].startswith("BrokenProcessPool: a worker process died")
+
+
+def test_a_report_refuses_runs_of_another_model_or_recipe(tmp_path: Path) -> None:
+    """Runs picked by hand from two sweeps, another width or learning rate, were pooled: only
+    the task, evaluation and analysis were compared. The placement and seed differ by design,
+    and how a run ran (threads, device, logging) may."""
+    from normlab.report import HOW_IT_RAN, collect
+
+    dirs = _quick_copy(tmp_path)
+    ev_path = dirs[2] / "eval.json"
+    original = ev_path.read_text()
+    for table, key, value in (("model", "d_model", 128), ("train", "lr", 1e-3),
+                              ("train", "steps", 100)):
+        ev = json.loads(original)
+        ev["config"][table][key] = value
+        ev_path.write_text(json.dumps(ev))
+        with pytest.raises(ValueError, match=rf"{dirs[2].name}' was made with {table}\.{key} = "
+                                             rf"{value!r}, .* with .*a report pools runs of "
+                                             "one task, model, recipe"):
+            collect(dirs)
+    ev = json.loads(original)  # qkv-s0, run again as seed 9 on two threads, logging more
+    ev["config"]["train"] |= {"seed": 9, "threads": 2, "device": "cuda", "compile": True,
+                              "log_every": 7, "checkpoint_every": 9}
+    assert set(HOW_IT_RAN) <= set(ev["config"]["train"])
+    ev["config"]["model"]["norm_placement"] = "pre"
+    ev_path.write_text(json.dumps(ev))
+    runs = collect(dirs)
+    assert sorted(runs["pre"]) == [0, 1, 9] and sorted(runs["qkv"]) == [1]

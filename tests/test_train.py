@@ -912,6 +912,11 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
     code, err = _cli(capsys, *argv, "--set", f"train.batch_size={10**20}")
     assert code == 2 and "train.batch_size: expected integers in [-2**63, 2**63)" in err
     assert files() == before
+    # a model too large for any address space: torch's allocator named no field
+    code, err = _cli(capsys, *argv, "--set", f"model.max_len={10**15}", "--set",
+                     "model.pos_encoding='learned'")
+    assert code == 2 and err.startswith("normlab: error: ModelConfig.max_len = 10000000000000")
+    assert "\n" not in err and files() == before
 
 
 @pytest.mark.parametrize(
@@ -944,7 +949,10 @@ def test_a_damaged_run_folder_is_named_not_the_users_config(tmp_path: Path, caps
     saved = done.read_text()
     done.write_text("")
     code, err = _cli(capsys, *argv)
-    assert code == 2 and f"{str(done)!r}: expected a finished run's last record" in err
+    assert code == 2 and f"{str(done)!r}: expected an object with an int \"step\"" in err
+    done.write_text('{"loss": 0.1}')  # an object, but not a record of where training ended
+    code, err = _cli(capsys, *argv)
+    assert code == 2 and f"{str(done)!r}: expected an object with an int \"step\"" in err
     done.write_text(saved)
     with (tmp_path / "run" / "config.toml").open("a") as f:
         f.write("\n[extra]\nfoo = 1\n")

@@ -35,6 +35,11 @@ def is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def is_fraction(value: object) -> bool:
+    """A real number in [0, 1], as a rate or an accuracy is (NaN is not)."""
+    return is_real(value) and 0 <= value <= 1  # type: ignore[operator]
+
+
 def check_real(value: object, name: str, *, what: str,
                ok: Callable[[float], bool] = lambda v: True) -> float:
     """`value` as a Python float if it is a finite real number for which `ok` holds; else a

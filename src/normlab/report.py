@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from normlab.checks import is_real
+from normlab.checks import is_fraction, is_real
 from normlab.evaluate import EVAL_RESULT, is_eval_result
 from normlab.io import atomic_write_text, provenance, read_json, save_figure, write_json
 from normlab.stats import mean_ci, verdict_band, verdict_sign
@@ -49,19 +49,20 @@ def verdict_rules() -> list[str]:
 def _norms_ok(doc: Any) -> bool:
     every = doc.get("summary", {}).get("all") if isinstance(doc, dict) and isinstance(
         doc.get("summary"), dict) else None
-    return isinstance(every, dict) and (every.get("h90") is None or is_real(every["h90"]))
+    h90 = every.get("h90") if isinstance(every, dict) else None
+    return isinstance(every, dict) and (h90 is None or (is_real(h90) and 0 <= h90 < math.inf))
 
 
 def _collapse_ok(doc: Any) -> bool:
-    """The per-sigma columns the claims and figures read: numbers (None: no sparse rows), as
-    many as the sigmas; `params`, where recorded, an object."""
+    """The per-sigma columns the claims and figures read: rates and accuracies in [0, 1] (None:
+    no sparse rows), as many as the sigmas; `params`, where recorded, an object."""
     if not isinstance(doc, dict) or not isinstance(doc.get("sigmas"), list):
         return False
     n = len(doc["sigmas"])
     columns = [doc.get(k) for k in ("collapse_rate", "predicted_rate", "accuracy")]
     return (all(is_real(x) for x in doc["sigmas"]) and isinstance(columns[0], list)
             and all(c is None or (isinstance(c, list) and len(c) == n
-                                  and all(x is None or is_real(x) for x in c)) for c in columns)
+                                  and all(x is None or is_fraction(x) for x in c)) for c in columns)
             and isinstance(doc.get("params", {}), dict))
 
 
@@ -73,9 +74,10 @@ def _eval_ok(doc: Any) -> bool:
 #: takes a result as done only if it passes the same test (`read_result`).
 RESULT_FILES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "eval.json": (EVAL_RESULT + " and its checkpoint", _eval_ok),
-    "analysis/norms.json": ("normlab norm spread (summary.all with its h90)", _norms_ok),
+    "analysis/norms.json": ("normlab norm spread (summary.all with its h90, a number >= 0)",
+                            _norms_ok),
     "analysis/collapse.json": ("normlab collapse results (sigmas and per-sigma columns as "
-                               "long)", _collapse_ok),
+                               "long, of rates in [0, 1])", _collapse_ok),
     "timings.json": ("an object of step name -> seconds",
                      lambda d: isinstance(d, dict) and all(map(is_real, d.values()))),
     DONE: DONE_RECORD,
@@ -120,12 +122,22 @@ def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
     return runs
 
 
+#: The train settings that say how a run ran, not what it trained: runs may differ in them.
+HOW_IT_RAN = ("seed", "threads", "device", "compile", "log_every", "checkpoint_every")
+
+
 def _settings(run: dict[str, Any]) -> dict[str, Any]:
-    """What must be the same in every run a report pools: the task, the evaluation's examples
-    per cell, and the analysis settings (a record lacking one is not compared on it)."""
+    """What must be the same in every run a report pools: the task, the model but its
+    placement, the training recipe but its seed and how it ran (`HOW_IT_RAN`), the evaluation's
+    examples per cell, and the analysis settings (a record lacking one is not compared on it).
+    The claims compare placements over seeds; runs picked by hand from two sweeps (another
+    width, another learning rate) would be compared without a word."""
     from normlab.analysis.report import recorded_splits
 
-    out = {"task": run["eval"]["config"].get("task")}
+    cfg = run["eval"]["config"]
+    out = {"task": cfg.get("task")}
+    for table, free in (("model", ("norm_placement",)), ("train", HOW_IT_RAN)):
+        out |= {f"{table}.{k}": v for k, v in cfg[table].items() if k not in free}
     if "limit" in run["eval"]:  # recorded since normlab's twenty-second session
         out["eval limit"] = run["eval"]["limit"]
     if run["collapse"] and "params" in run["collapse"]:
@@ -146,8 +158,8 @@ def _check_comparable(runs: list[dict[str, Any]]) -> None:
             seen, where = ref.setdefault(key, (value, run["dir"]))
             if value != seen:
                 raise ValueError(f"{str(run['dir'])!r} was made with {key} = {value!r}, "
-                                 f"{str(where)!r} with {seen!r}; a report pools "
-                                 "runs of one task, evaluation and analysis setting")
+                                 f"{str(where)!r} with {seen!r}; a report pools runs of one "
+                                 "task, model, recipe, evaluation and analysis setting")
 
 
 def held_out(ev: dict[str, Any]) -> float:
@@ -187,12 +199,12 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
     rows = []
 
     def row(cid: str, paper: str, values: list[float], verdict_fn: Any, unit: str,
-            within_var: list[float] | None = None) -> None:
+            support: tuple[float, float], within_var: list[float] | None = None) -> None:
         if not values:
             rows.append({"id": cid, "claim": CLAIMS[cid], "paper": paper, "ours": None,
                          "ci95": None, "n_seeds": 0, "verdict": "inconclusive", "unit": unit})
             return
-        m, ci = mean_ci(values, within_var)
+        m, ci = mean_ci(values, within_var, support)
         # one seed: no interval (JSON has no infinity; the report prints "—")
         rows.append({"id": cid, "claim": CLAIMS[cid], "paper": paper, "ours": m,
                      "ci95": [x if math.isfinite(x) else None for x in ci],
@@ -201,18 +213,18 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
 
     h1 = [r["norms"]["summary"]["all"]["h90"] for r in pre.values()
           if r["norms"] and r["norms"]["summary"]["all"].get("h90") is not None]
-    row("H1", "±0.20 (h90)", h1, lambda ci: verdict_band(ci, 0.10, 0.40), "h90")
+    row("H1", "±0.20 (h90)", h1, lambda ci: verdict_band(ci, 0.10, 0.40), "h90", (0, math.inf))
     h2 = [v for r in pre.values() if r["collapse"]
           for v in [_at_sigma(r["collapse"], "collapse_rate", SIGMA_H2)] if v is not None]
     row("H2", "≈1% at σ ≤ 0.1", h2, lambda ci: verdict_band(ci, 0.005, 0.02),
-        f"collapse rate at σ={SIGMA_H2}")
+        f"collapse rate at σ={SIGMA_H2}", (0, 1))
     seeds = sorted(set(pre) & set(qkv))
     h3 = [qkv[s]["eval"]["splits"]["train"]["accuracy"] - pre[s]["eval"]["splits"]["train"]
           ["accuracy"] for s in seeds]
     v3 = [_binomial_var(qkv[s]["eval"]["splits"]["train"])
           + _binomial_var(pre[s]["eval"]["splits"]["train"]) for s in seeds]
     row("H3", "comparable", h3, lambda ci: verdict_band(ci, -0.02, 0.02),
-        "qkv − pre, train-cell accuracy", v3)
+        "qkv − pre, train-cell accuracy", (-1, 1), v3)
     # seeds where both runs were evaluated on held-out splits (a task without any has none:
     # no number, rather than NaN in the summary)
     ho = {s: (held_out(qkv[s]["eval"]), held_out(pre[s]["eval"])) for s in seeds}
@@ -220,7 +232,7 @@ def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, A
     h4 = [ho[s][0] - ho[s][1] for s in both]
     v4 = [held_out_var(qkv[s]["eval"]) + held_out_var(pre[s]["eval"]) for s in both]
     row("H4", "QKV-Norm worse", h4, lambda ci: verdict_sign(ci, expect_negative=True),
-        "qkv − pre, held-out accuracy", v4)
+        "qkv − pre, held-out accuracy", (-1, 1), v4)
     return rows
 
 
@@ -237,7 +249,8 @@ def split_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
                 continue
             # floored at the accuracies' own binomial variance, as the claims are: two equal
             # accuracies gave an interval of zero width
-            m, (lo, hi) = mean_ci([g["accuracy"] for g in got], [_binomial_var(g) for g in got])
+            m, (lo, hi) = mean_ci([g["accuracy"] for g in got], [_binomial_var(g) for g in got],
+                                  (0, 1))
             cells.append(_pct(m, lo, hi))
         rows.append([p, str(len(by)), *cells])
     return rows
@@ -246,7 +259,7 @@ def split_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
 def _pct(m: float, lo: float, hi: float) -> str:
     if math.isinf(lo):
         return f"{100 * m:.1f}"
-    return f"{100 * m:.1f} [{100 * max(lo, 0):.1f}, {100 * min(hi, 1):.1f}]"
+    return f"{100 * m:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
 def _fmt(v: float | None, unit: str) -> str:

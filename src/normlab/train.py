@@ -217,8 +217,7 @@ def train(
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)
-        return read_json(out / DONE, "a finished run's last record (an object)",
-                         lambda d: isinstance(d, dict))
+        return read_json(out / DONE, *DONE_RECORD)  # as the sweep and the report read it
     resuming = (
         resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -315,4 +315,37 @@ def evaluating(model: Model) -> Iterator[None]:
 def build_model(cfg: ModelConfig) -> Model:
     """The one constructor: `arch` picks the class, everything else is in `cfg`."""
     cfg.validate()
-    return DecoderLM(cfg) if cfg.arch == "decoder" else EncoderDecoderLM(cfg)
+    cls = DecoderLM if cfg.arch == "decoder" else EncoderDecoderLM
+    try:
+        return cls(cfg)
+    # torch's allocator names only a byte count, its size check only a shape
+    except (RuntimeError, MemoryError) as err:
+        if isinstance(err, RuntimeError) and not any(
+                w in str(err) for w in ("can't allocate", "overflow")):
+            raise
+        raise ValueError(_too_large(cls, cfg)) from err
+
+
+def _too_large(cls: type[Model], cfg: ModelConfig) -> str:
+    """Which of `cfg`'s sizes made the model too large to allocate: the same model built on
+    the meta device (shapes, no memory), its largest tensor, and the fields within 4x of its
+    largest dimension (d_mlp is 4 d_model by default); where even a shape overflows, of the
+    largest size."""
+    sizes = {f.name: v for f in fields(cfg) for v in [getattr(cfg, f.name)]
+             if isinstance(v, int) and not isinstance(v, bool)}
+    try:
+        with torch.device("meta"):
+            model = cls(cfg)
+    except RuntimeError:
+        top = max(sizes.values())
+        why = "too large for torch to size the model's tensors"
+    else:
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        total = sum(t.numel() * t.element_size() for _, t in tensors)
+        name, big = max(tensors, key=lambda nt: nt[1].numel())
+        top = max(big.shape)
+        why = (f"the model's weights and tables take {total / 2**30:,.1f} GiB, more than could "
+               f"be allocated (the largest, {name}, is {list(big.shape)})")
+    named = ", ".join(f"ModelConfig.{k} = {v}" for k, v in sorted(
+        sizes.items(), key=lambda kv: -kv[1]) if 4 * v >= top)
+    return f"{named}: {why}; expected a smaller size"
