@@ -130,3 +130,31 @@ def test_cli_eval_of_a_run_whose_only_sidecar_is_damaged_is_one_line_exit_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("normlab: error: ")
     assert newest.name in err and ": config: expected a table" in err
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        (lambda m: m["config"].update(model="x"), "model: expected a table"),
+        (lambda m: m["config"]["model"].update(d_modle=16), "model.d_modle: unknown key"),
+        (lambda m: m["config"]["task"].update(grid="nosuch"), "task.grid: "),
+    ],
+)
+def test_a_sidecar_config_that_is_no_run_config_is_a_damaged_sidecar(
+    run: Path, capsys: pytest.CaptureFixture[str], how: Any, said: str
+) -> None:
+    """Only `config`'s type was checked: a sidecar whose config no longer parsed stopped
+    `normlab eval` and `--resume` with the config's own error ("model: expected a table"),
+    naming no file (`eval` takes no config from the user), and the older checkpoint was
+    never tried."""
+    newest = _damage(run, how)
+    warnings: list[str] = []
+    _, meta = latest_checkpoint(run / "checkpoints", warn=warnings.append)
+    assert meta["step"] == 10
+    assert len(warnings) == 1 and newest.name in warnings[0] and f": config: {said}" in warnings[0]
+    _, _, meta = load_run(run)
+    assert meta["step"] == 10 and "skipping bad checkpoint" in capsys.readouterr().err
+    _only_newest(run)
+    assert main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and newest.name in err and f": config: {said}" in err

@@ -51,6 +51,16 @@ def test_bad_logs_give_one_line_errors(tmp_path: Path) -> None:
     broken = _run(tmp_path / "broken", [{"step": 1}], tail='oops\n{"step": 2}\n')
     with pytest.raises(ValueError, match="line 2: not valid JSON"):
         read_metrics(broken)
+    # a byte that is not UTF-8: the error named no file ("'utf-8' codec can't decode"), and
+    # a last line cut short in a multi-byte character blocked every resume
+    bad = tmp_path / "bad" / "metrics.jsonl"
+    bad.parent.mkdir()
+    good = json.dumps({"step": 1}).encode() + b"\n"
+    bad.write_bytes(good + b'{"step": 2, "x": "\xff"}\n' + good)
+    with pytest.raises(ValueError, match=r"metrics\.jsonl' line 2: not valid JSON"):
+        read_metrics(bad.parent)
+    bad.write_bytes(good + '{"step": 2, "x": "é'.encode()[:-1])
+    assert read_metrics(bad.parent) == [{"step": 1}]
     nostep = _run(tmp_path / "nostep", [{"loss": 1.0}, {"step": 2}])
     with pytest.raises(ValueError, match="line 1: expected an object with an int 'step'"):
         read_metrics(nostep)

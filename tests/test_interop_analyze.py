@@ -196,3 +196,107 @@ def test_without_transformers_hf_input_is_refused_in_one_line(
     with pytest.raises(ValueError, match=r"^from_hf_pretrained needs Hugging Face transformers"):
         from_hf_pretrained(folders["gpt2"])
     assert not out.exists()
+
+
+def _weights_for(folder: Path, **config: Any) -> Path:
+    """`folder`'s weights beside a config.json changed by `config`: weights made for another
+    model, as a hand-edited or mixed-up folder holds."""
+    import shutil
+
+    bad = folder.parent / f"{folder.name}-{'-'.join(f'{k}{v}' for k, v in config.items())}"
+    if not bad.exists():
+        shutil.copytree(folder, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps(cfg | config))
+    return bad
+
+
+def test_weights_that_do_not_fill_the_model_are_refused(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers fills what the file lacks with fresh random values and ignores what the
+    model does not take, and only logs a report: a config of 3 layers over 2 layers' weights was
+    analysed with a random third block (its numbers changed from run to run), one of 1 layer
+    silently dropped the second."""
+    from normlab.interop.hf import from_hf_pretrained
+
+    g, toks = folders["gpt2"], str(folders["tokens"])
+    cases = [({"n_layer": 3}, "tensors the config asks for are missing from the weights: "
+              "transformer.h.2.", "(12 in all)"),
+             # 11 of 12: transformers itself drops c_attn.bias, taken for GPT-2's old mask
+             ({"n_layer": 1}, "the weights hold tensors the config's model does not take: "
+              "transformer.h.1.", " in all)"),
+             ({"vocab_size": 60}, "tensors do not fit the config's shapes: transformer.wte.weight"
+              " is [50, 32] in the file, [60, 32] by the config", "(1 in all)")]
+    for config, said, count in cases:
+        bad = _weights_for(g, **config)
+        with pytest.raises(ValueError) as err:
+            from_hf_pretrained(bad)
+        assert str(err.value) == (f"Hugging Face folder {str(bad)!r}: {said}"
+                                  + str(err.value).split(said, 1)[1])
+        assert count in str(err.value) and "\n" not in str(err.value)
+        out = tmp_path / f"out-{bad.name}"
+        msg = _error(["analyze", "--hf", str(bad), "--tokens", toks, "--out", str(out)], capsys)
+        assert said in msg and not out.exists()
+    from_hf_pretrained(g)  # the folder itself loads: nothing missing, nothing left over
+
+
+def test_a_folder_that_does_not_load_is_one_line(folders: dict[str, Path], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A damaged safetensors file, a config value the model cannot be built with and a field of
+    the wrong type each ended in a 26-42 line traceback."""
+    import shutil
+
+    g, toks = folders["gpt2"], str(folders["tokens"])
+    cut = tmp_path / "cut"
+    shutil.copytree(g, cut)
+    blob = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    for folder, said in (
+            (cut, f"Hugging Face folder {str(cut)!r}: cannot load the model: Error while "
+                  "deserializing header"),
+            (_weights_for(g, n_head=0), "cannot load the model: integer division or modulo"),
+            (_weights_for(g, n_layer="two"), "cannot read config.json: Validation error for "
+                                             "field 'n_layer': TypeError: Field 'n_layer' "
+                                             "expected int, got str")):
+        msg = _error(["analyze", "--hf", str(folder), "--tokens", toks, "--out",
+                      str(tmp_path / "out")], capsys)
+        assert said in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_odd_token_files_are_named(folders: dict[str, Path], tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """An id past int64 read as "out of memory or range ... a size in the config"; a folder
+    given as --tokens "does not exist"."""
+    g, out = str(folders["gpt2"]), str(tmp_path / "out")
+    big = tmp_path / "big.txt"
+    big.write_text(f"1 2 {10**26} 4\n")
+    msg = _error(["analyze", "--hf", g, "--tokens", str(big), "--out", out], capsys)
+    assert msg == (f"normlab: error: token id {10**26} (item 2 of {str(big)!r}) is outside the "
+                   f"vocabulary of {g!r}: vocab_size 50, ids 0..49 (1 out-of-range ids in all)")
+    msg = _error(["analyze", "--hf", g, "--tokens", str(tmp_path), "--out", out], capsys)
+    assert msg == f"normlab: error: --tokens file {str(tmp_path)!r} is a folder, not a file"
+
+
+def test_buffers_older_checkpoints_saved_still_load(folders: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    """GPT-2 checkpoints saved by older transformers hold each block's causal mask
+    (`attn.bias`, `attn.masked_bias`): tensors the model does not take, that leave nothing
+    unloaded. They are not taken for weights of another model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from normlab.interop.hf import from_hf_pretrained
+
+    old = tmp_path / "old"
+    shutil.copytree(folders["gpt2"], old)
+    sd = load_file(old / "model.safetensors")
+    for i in range(2):
+        sd[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 128, 128))
+        sd[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(sd, old / "model.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    a, b = from_hf_pretrained(old), from_hf_pretrained(folders["gpt2"])
+    assert torch.equal(a(tokens), b(tokens))

@@ -485,13 +485,37 @@ def test_ray_gives_each_run_its_own_threads(tmp_path: Path, monkeypatch) -> None
             return done
 
     fake = types.SimpleNamespace(is_initialized=lambda: True,
-                                 remote=lambda **kw: lambda fn: Remote(**kw),
+                                 remote=lambda fn: Remote(),  # ray.remote(f), as Ray's
                                  wait=lambda refs, **kw: (refs[:1], refs[1:]))
     monkeypatch.setitem(sys.modules, "ray", fake)
     specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
     specs[1].config["train"]["threads"] = 3
     sweep.execute(specs, backend="ray", device="cuda", progress=False)
     assert asked == [{"num_gpus": 1, "num_cpus": 1}, {"num_gpus": 1, "num_cpus": 3}]
+    # without --device, each run's own train.device: a GPU for the run that trains on CUDA
+    asked.clear()
+    specs[0].config["train"]["device"] = "cuda"
+    sweep.execute(specs, backend="ray", progress=False)
+    assert asked == [{"num_gpus": 1, "num_cpus": 1}, {"num_gpus": 0, "num_cpus": 3}]
+
+
+def test_a_runs_device_is_its_configs_unless_device_is_given(tmp_path: Path) -> None:
+    """`normlab sweep` set every run's train.device to its --device default, "auto": a config
+    saying "cpu" trained on a GPU where one was found, and recorded "auto"."""
+    import tomllib
+
+    from normlab.sweep import run_one
+
+    f = _tiny_sweep(tmp_path, "[0]")
+    f.write_text(f.read_text().replace("[run]", '"train.device" = "cpu"\n[run]'))
+    spec = load_sweep(f, tmp_path / "out")[0]
+    run_one(spec)
+    saved = tomllib.loads((Path(spec.out) / "config.toml").read_text())
+    assert saved["train"]["device"] == "cpu"
+    spec = load_sweep(f, tmp_path / "out2")[0]
+    run_one(spec, device="auto")  # --device given: it overrides, as train's --device does
+    saved = tomllib.loads((Path(spec.out) / "config.toml").read_text())
+    assert saved["train"]["device"] == "auto"
 
 
 def test_failed_run_is_reported_and_others_go_on(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from normlab.checks import is_int, is_real
+from normlab.config import RunConfig
 from normlab.io import atomic_write_bytes, provenance, write_json
 
 KEEP = 2
@@ -142,6 +143,10 @@ def check_sidecar(meta: dict[str, Any], side: Path, tensors: dict[str, torch.Ten
                "base64 of a CUDA random state")
     if "config" in meta:
         expect("config", meta["config"], isinstance(meta["config"], dict), "a table")
+        try:  # as a resume and `load_run` read it: their error named no file
+            RunConfig.from_dict(meta["config"]).validate()
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint sidecar {str(side)!r}: config: {err}") from None
     for key in ("elapsed_s", "best"):
         if key in meta:
             expect(key, meta[key], is_real(meta[key]), "a number")

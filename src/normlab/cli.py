@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default="quick", help="smoke, quick or paper")
     r.add_argument("--out", required=True)
     r.add_argument("--jobs", type=int, help="runs at once (default: one per 1-thread core)")
-    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    r.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="override every run's train.device")
     r.set_defaults(fn=_cmd_reproduce)
 
     s = sub.add_parser("sweep", help="expand a grid of configs into runs and train them")
@@ -324,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=["local", "ray"], default="local")
     s.add_argument("--address", help="Ray cluster address (with --backend ray)")
     s.add_argument("--jobs", type=int)
-    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="override every run's train.device")
     s.set_defaults(fn=_cmd_sweep)
     return p
 

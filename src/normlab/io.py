@@ -117,12 +117,13 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} not found: is {str(run_dir)!r} a run folder?")
-    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
+    # bytes, each line decoded on its own: a kill can cut a multi-byte character short too
+    lines = [(i, ln) for i, ln in enumerate(path.read_bytes().splitlines(), 1) if ln.strip()]
     records = []
     for k, (i, line) in enumerate(lines):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+            rec = json.loads(line.decode())
+        except (json.JSONDecodeError, UnicodeDecodeError):
             if k == len(lines) - 1:
                 break
             raise ValueError(f"{str(path)!r} line {i}: not valid JSON") from None

@@ -65,7 +65,7 @@ def profile_specs(name: str, out: Path) -> list[RunSpec]:
     return specs
 
 
-def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str = "auto",
+def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Train, evaluate and analyse every run of `profile` (skipping finished ones), then report."""
     out = Path(out)

@@ -183,8 +183,9 @@ def _sweep_value(data: dict[str, Any], key: str, kind: type, default: Any, what:
     return data[key]
 
 
-def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
-    """Train (or resume), evaluate and analyse one run; finished steps are skipped."""
+def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
+    """Train (or resume), evaluate and analyse one run; finished steps are skipped. `device`,
+    where given (`--device`), overrides the run's `train.device`, as `normlab train`'s does."""
     import torch
 
     from normlab.cli import eval_run
@@ -195,7 +196,8 @@ def run_one(spec: RunSpec, device: str = "auto") -> dict[str, Any]:
     t0 = time.time()
     out = Path(spec.out)
     cfg = RunConfig.from_dict(spec.config)
-    cfg.train.device = device
+    if device is not None:  # the config's own was replaced by "auto" unseen
+        cfg.train.device = device
     torch.set_num_threads(cfg.train.threads)
     done = []
     log_path = out.parent / f"{out.name}.log"
@@ -272,7 +274,7 @@ def _check_made_from(path: Path, keys: tuple[str, ...], final: int) -> None:
                          f"finished at step {final}, whose checkpoint does not verify")
 
 
-def _safe_run(spec: RunSpec, device: str) -> dict[str, Any]:
+def _safe_run(spec: RunSpec, device: str | None) -> dict[str, Any]:
     """A sweep worker's job (its own process, spawned or a Ray task): one run, its error
     reported instead of raised."""
     try:
@@ -303,7 +305,7 @@ def execute(
     *,
     backend: str = "local",
     jobs: int | None = None,
-    device: str = "auto",
+    device: str | None = None,
     address: str | None = None,
     progress: bool = True,
     on_result: Callable[[dict[str, Any]], None] | None = None,
@@ -351,7 +353,7 @@ def _threads(spec: RunSpec) -> int:
     return int(spec.config["train"].get("threads", 1))
 
 
-def _local_backend(jobs: int, device: str) -> tuple[Callable, Callable]:
+def _local_backend(jobs: int, device: str | None) -> tuple[Callable, Callable]:
     import concurrent.futures as cf
     import multiprocessing as mp
 
@@ -369,8 +371,9 @@ def _local_backend(jobs: int, device: str) -> tuple[Callable, Callable]:
     return submit, wait
 
 
-def _ray_backend(device: str, address: str | None) -> tuple[Callable, Callable]:
-    """One Ray task a run, asking for that run's own `train.threads` CPUs."""
+def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Callable]:
+    """One Ray task a run, asking for that run's own `train.threads` CPUs, and a GPU where it
+    trains on CUDA (`--device`, else its `train.device`)."""
     try:
         import ray
     except ImportError:
@@ -378,11 +381,11 @@ def _ray_backend(device: str, address: str | None) -> tuple[Callable, Callable]:
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)
-    gpus = 1 if device == "cuda" else 0
-    remote = ray.remote(num_gpus=gpus)(_safe_run)
+    remote = ray.remote(_safe_run)
 
     def submit(spec: RunSpec) -> Any:
-        return remote.options(num_cpus=_threads(spec)).remote(spec, device)
+        gpus = 1 if (device or spec.config["train"].get("device")) == "cuda" else 0
+        return remote.options(num_cpus=_threads(spec), num_gpus=gpus).remote(spec, device)
 
     def wait(refs: list[Any]) -> list[Any]:
         done, _ = ray.wait(refs, num_returns=1, timeout=2.0)
@@ -445,7 +448,7 @@ class _Watch:
 
 
 def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str | None = None,
-              jobs: int | None = None, device: str = "auto") -> list[dict[str, Any]]:
+              jobs: int | None = None, device: str | None = None) -> list[dict[str, Any]]:
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
     specs = load_sweep(config, out)
     results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)

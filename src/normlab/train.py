@@ -217,7 +217,8 @@ def train(
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)
-        return read_json(out / DONE, *DONE_RECORD)  # as the sweep and the report read it
+        done = read_json(out / DONE, *DONE_RECORD)  # as the sweep and the report read it
+        return {k: v for k, v in done.items() if k not in ("config", "provenance")}
     resuming = (
         resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
     )
@@ -355,7 +356,9 @@ def train(
             # an evaluation step is logged too: nested in the log steps, evaluations at steps
             # that were not log steps were skipped
             evaluate_now = step % tc.eval_every == 0 or step == tc.steps
-            log_now = step % tc.log_every == 0 or step == end or evaluate_now
+            # not at a `stop_after` step: a killed run logs nothing there either, and such a
+            # record at a checkpoint step outlived the resume
+            log_now = step % tc.log_every == 0 or step == tc.steps or evaluate_now
             checkpoint_now = step % tc.checkpoint_every == 0 or step == tc.steps
             if log_now or checkpoint_now or len(pending) >= CHECK_LOSSES_EVERY:
                 check_losses()
@@ -399,9 +402,10 @@ def train(
         if writer is not None:
             writer.close()
     if step >= tc.steps or last.get("early_stopped"):
-        # the record of the finish, and the versions and commit this segment started from
-        # (as its checkpoints record them: the code in memory, whatever the tree holds now)
-        write_json(out / DONE, last | {"provenance": started})
+        # the record of the finish, its config (seed included), and the versions and commit
+        # this segment started from (as its checkpoints record them: the code in memory,
+        # whatever the tree holds now)
+        write_json(out / DONE, last | {"config": cfg.to_dict(), "provenance": started})
     return last
 
 

@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from normlab.analysis.collapse import (
@@ -45,6 +44,7 @@ from normlab.interop.hf import (
     CONVERTERS,
     check_hf_folder,
     context_length,
+    first_line,
     from_hf_pretrained,
     require_transformers,
 )
@@ -107,7 +107,8 @@ def analyze_hf(
     t0 = time.perf_counter()
     config, hf_class = _hf_config(folder)
     if not path.is_file():
-        raise ValueError(f"--{kind} file {str(path)!r} does not exist")
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise ValueError(f"--{kind} file {str(path)!r} {what}")
     vocab = int(config.vocab_size)
     if kind == "tokens":
         ids, tok_name = _read_token_ids(path), None
@@ -177,9 +178,11 @@ def _hf_config(folder: Path) -> tuple[Any, str]:
 
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
+    # transformers 5 checks a field's type with huggingface_hub's validation error, an
+    # Exception (n_layer "two"), beside its own OSError, ValueError and KeyError
+    except Exception as err:
         raise ValueError(f"--hf folder {str(folder)!r}: cannot read config.json: "
-                         f"{_first_line(err)}") from err
+                         f"{first_line(err)}") from err
     try:
         name = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
     except KeyError:
@@ -240,7 +243,7 @@ def _tokenize(folder: Path, path: Path) -> tuple[list[int], str]:
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as err:  # transformers raises many kinds; report one line
         raise ValueError(f"--text: cannot load the tokenizer in {str(folder)!r}: "
-                         f"{_first_line(err)}") from err
+                         f"{first_line(err)}") from err
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -253,13 +256,13 @@ def _tokenize(folder: Path, path: Path) -> tuple[list[int], str]:
 
 
 def _check_vocab(ids: list[int], vocab: int, path: Path, folder: Path) -> None:
-    arr = np.asarray(ids, dtype=np.int64)
-    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-    if bad.size:
-        k = int(bad[0])
+    # as Python ints: an id past int64 overflowed numpy, read as a size in the config
+    bad = [k for k, i in enumerate(ids) if not 0 <= i < vocab]
+    if bad:
+        k = bad[0]
         raise ValueError(f"token id {ids[k]} (item {k} of {str(path)!r}) is outside the "
                          f"vocabulary of {str(folder)!r}: vocab_size {vocab}, ids 0..{vocab - 1}"
-                         f" ({bad.size} out-of-range ids in all)")
+                         f" ({len(bad)} out-of-range ids in all)")
 
 
 def _rows(ids: list[int], seq_len: int, n_examples: int) -> tuple[EvalData, int]:
@@ -284,5 +287,3 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -219,12 +219,56 @@ def check_hf_folder(folder: Path, name: str) -> None:
                          "save_pretrained folder")
 
 
+#: Buffers older checkpoints saved beside the weights (a causal mask, RoPE's frequencies):
+#: tensors the file holds and the model does not take that still leave nothing unloaded.
+SAVED_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # not c_attn.bias
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message cut to one line (transformers' run to tables and advice); a first
+    line that ends in a colon ("Validation error for field 'n_layer':") keeps the next."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
 def from_hf_pretrained(path: str | Path) -> DecoderLM:
-    """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`."""
+    """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`.
+
+    Every weight of the model must come from the folder: transformers fills a tensor the file
+    lacks (a config of more layers than the file holds, a missing lm_head) with fresh random
+    values and only logs a report, and ignores tensors the model does not take. Either is
+    refused here, naming the first such tensor, as is a file that does not load at all."""
     require_transformers("from_hf_pretrained")
     folder = Path(path)
     check_hf_folder(folder, "from_hf_pretrained: folder")
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
-    # the saved dtype is kept here; from_hf upcasts to float32 (lossless from bf16/fp16)
-    return from_hf(AutoModelForCausalLM.from_pretrained(folder, local_files_only=True))
+    where = f"Hugging Face folder {str(folder)!r}"
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()  # its load report is the error below, in one line
+    logging.disable_progress_bar()  # and an error is the only line on stderr
+    try:
+        # the saved dtype is kept here; from_hf upcasts to float32 (lossless from bf16/fp16)
+        hf, info = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True)
+    # transformers' errors: a damaged safetensors header, a pickle it will not load, a config
+    # value its model cannot be built with (n_head 0: ZeroDivisionError)
+    except Exception as err:
+        raise ValueError(f"{where}: cannot load the model: {first_line(err)}") from err
+    finally:
+        logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
+    unexpected = [k for k in info["unexpected_keys"] if not k.endswith(SAVED_BUFFERS)]
+    for problem, keys in (("tensors the config asks for are missing from the weights",
+                           [str(k) for k in info["missing_keys"]]),
+                          ("tensors do not fit the config's shapes",
+                           [f"{k} is {list(a)} in the file, {list(b)} by the config"
+                            for k, a, b in info["mismatched_keys"]]),
+                          ("the weights hold tensors the config's model does not take",
+                           unexpected)):
+        if keys:
+            raise ValueError(f"{where}: {problem}: {sorted(keys)[0]} ({len(keys)} in all); "
+                             "expected the weights its config.json was saved with")
+    return from_hf(hf)
