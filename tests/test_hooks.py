@@ -423,8 +423,15 @@ def test_greedy_decode_leaves_the_training_mode_as_it_found_it() -> None:
         assert greedy_decode(model, prompts, max_new=6, eos=2) == want
         assert [m.training for m in model.modules()] == modes
     modes = [m.training for m in model.modules()]
-    with pytest.raises(IndexError, match="tokens: expected ids in"):
-        greedy_decode(model, [[1, 99]], max_new=2, eos=2)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected integer ids in \[0, 16\)"):
+        greedy_decode(model, [[1, 99]], max_new=2, eos=2)  # refused before any forward
+    assert [m.training for m in model.modules()] == modes
+
+    def fail(x: torch.Tensor, hook: object) -> None:
+        raise RuntimeError("a hook that fails inside a forward")
+
+    with model.hooks([("blocks.0.hook_resid_pre", fail)]), pytest.raises(RuntimeError):
+        greedy_decode(model, prompts, max_new=2, eos=2)  # fails inside a forward
     assert [m.training for m in model.modules()] == modes
 
 
@@ -631,3 +638,87 @@ def test_the_source_row_check_keeps_one_graph_under_compile() -> None:
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(src, src[:, :2], mask), model(src, src[:, :2], mask))
+
+
+def test_reset_hooks_inside_a_hooks_block_leaves_it_cleanly() -> None:
+    """`model.reset_hooks()` inside `with model.hooks(...)` (or from a hook during
+    `run_with_hooks`) made the block's exit raise "list.remove(x): x not in list", hiding any
+    error of the block and leaving the hooks after the failing one attached."""
+    model = build_model(cfg())
+    tokens = torch.randint(0, 16, (2, 5))
+    want = model(tokens)
+    seen: list[str] = []
+    with model.hooks([("blocks.0.hook_resid_pre", lambda x, hook: seen.append(hook.name)),
+                      ("blocks.1.hook_resid_pre", lambda x, hook: seen.append(hook.name))]):
+        model.reset_hooks()
+        with model.hooks([("blocks.1.hook_resid_pre", lambda x, hook: seen.append("late"))]):
+            model(tokens)
+    assert seen == ["late"]
+
+    def reset(x: torch.Tensor, hook: object) -> None:
+        model.reset_hooks()
+
+    out = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_pre", reset),
+                                                  ("blocks.1.hook_resid_pre", reset)])
+    assert torch.equal(out, want) and not any(hp.fns for hp in model.hook_points().values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        # cut to [3, 4] by the tensor's dtype, unseen
+        ({"prompts": [[3.9, 4.2]]}, r"prompts\[0\]: expected integer ids in \[0, 16\); got 3\.9"),
+        ({"prompts": [[3, 4], [5, 99]]}, r"prompts\[1\]: expected integer ids in .*; got 99$"),
+        ({"prompts": [[3, "4"]]}, r"prompts\[0\]: expected integer ids in .*; got '4'$"),
+        ({"prompts": [[3, 10**30]]}, r"prompts\[0\]: .*; got 1000000000000000000000000000000$"),
+        # a pad or bos outside the vocabulary was reported as a bad id of `tokens`
+        ({"prompts": [[3, 4], [5]], "pad": 16}, r"pad: expected a token id in \[0, 16\); got 16"),
+        ({"prompts": [[3]], "pad": -1}, r"pad: expected a token id in \[0, 16\); got -1"),
+        ({"prompts": [[3]], "eos": 2.0}, r"eos: expected a token id; got 2\.0"),
+        ({"prompts": torch.tensor([3, 4])}, r"prompts: expected a list of token lists or a "
+                                            r"\[batch, pos\] tensor; got shape \(2,\)"),
+        # past the position table: four forwards ran, then the tokens so far were lost
+        ({"prompts": [[3, 4, 5, 6, 7, 8]], "max_new": 5},
+         r"max_new: prompts\[0\]'s 6 tokens and 4 new ones need 10 positions, more than "
+         r"ModelConfig\.max_len=8; expected max_new <= 3$"),
+        ({"prompts": [[3], [3] * 9], "max_new": 1},
+         r"prompts\[1\]: expected at most ModelConfig\.max_len=8 tokens; got 9"),
+    ],
+)
+def test_greedy_decode_refuses_bad_input_before_it_starts(kwargs: dict, error: str) -> None:
+    model = build_model(cfg(max_len=8, pos_encoding="learned", vocab_size=16))
+    args = {"max_new": 2, "eos": 2} | kwargs
+    with pytest.raises(ValueError, match=error):
+        greedy_decode(model, **args)
+
+
+def test_what_fits_the_position_table_still_decodes() -> None:
+    """The check counts what the decode feeds: the prompt and every new token but the last
+    (decoder-only), `bos` and the new tokens but the last (encoder-decoder)."""
+    dec = build_model(cfg(max_len=8, pos_encoding="learned", vocab_size=16))
+    assert len(greedy_decode(dec, [[3] * 6], max_new=3, eos=-1)[0]) == 3  # 8 positions fed
+    assert len(greedy_decode(dec, [[3] * 8], max_new=1, eos=-1)[0]) == 1
+    assert greedy_decode(dec, [[3] * 20], max_new=0, eos=2) == [[]]  # nothing fed
+    rope = build_model(cfg(max_len=8, pos_encoding="rope", vocab_size=16))  # no table
+    assert len(greedy_decode(rope, [[3] * 10], max_new=4, eos=-1)[0]) == 4
+    encdec = build_model(cfg(arch="encoder_decoder", max_len=8, pos_encoding="learned",
+                             vocab_size=16))
+    assert len(greedy_decode(encdec, [[3] * 8], max_new=8, eos=-1)[0]) == 8
+    with pytest.raises(ValueError, match=r"max_new: bos and 8 new tokens need 9 positions"):
+        greedy_decode(encdec, [[3] * 8], max_new=9, eos=-1)
+    with pytest.raises(ValueError, match=r"bos: expected a token id in \[0, 16\); got 16"):
+        greedy_decode(encdec, [[3]], max_new=1, eos=2, bos=16)
+    batch = torch.tensor([[3, 4, 5], [6, 7, 8]])  # a [batch, pos] tensor, as a list of rows
+    assert greedy_decode(dec, batch, max_new=2, eos=-1) == greedy_decode(
+        dec, batch.tolist(), max_new=2, eos=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.uint8])
+def test_tokens_that_are_not_integer_ids_are_named(dtype: torch.dtype) -> None:
+    """Float tokens gave torch's "Expected tensor for argument #1 'indices' to have one of the
+    following scalar types"."""
+    model = build_model(cfg())
+    with pytest.raises(ValueError, match=rf"tokens: expected integer ids \(int64 or int32\); "
+                                         rf"got {dtype}"):
+        model(torch.ones(2, 3, dtype=dtype))
+    model(torch.ones(2, 3, dtype=torch.int32))  # int32 ids are ids

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from normlab.checks import check_int
+from normlab.checks import check_int, is_int
 from normlab.model.transformer import DecoderLM, EncoderDecoderLM, Model, evaluating
 
 #: `aux_fn(ids, part)` -> task-supplied positions for a token row; `part` is "sequence" (a
@@ -18,10 +18,13 @@ AuxFn = Callable[[list[int], str], list[int]]
 AuxNext = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad(seqs: list[list[int]], pad: int, left: bool, name: str = "prompts",
+         high: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, width] rows padded on the left or right, and the [batch, width] mask of real
     tokens. Every decode pays this in Python, so it is one flat list into one tensor, and the
-    mask from the lengths, rather than a nested list of rows and one of flags."""
+    mask from the lengths, rather than a nested list of rows and one of flags. The values must
+    be integers (in [0, `high`) where given), else a ValueError naming `name`[i]: a dtype
+    forced on the list cut 3.9 to 3 unseen."""
     lens = [len(s) for s in seqs]
     width = max(lens)
     flat: list[int] = []
@@ -29,7 +32,19 @@ def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, tor
         fill = [pad] * (width - n)
         flat.extend(fill if left else s)
         flat.extend(s if left else fill)
-    rows = torch.tensor(flat, dtype=torch.long).view(len(seqs), width)
+    try:
+        rows = torch.tensor(flat)
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # not numbers, or too large
+        rows = torch.zeros(0)
+    if rows.dtype != torch.long or (high is not None and bool(
+            (rows < 0).any() | (rows >= high).any())):
+        want = "integers" if high is None else f"integer ids in [0, {high})"
+        for i, s in enumerate(seqs):
+            bad = [t for t in s if not (is_int(t) and (high is None or 0 <= t < high))]
+            if bad:
+                raise ValueError(f"{name}[{i}]: expected {want}; got {bad[0]!r}")
+        raise ValueError(f"{name}: expected {want}")
+    rows = rows.view(len(seqs), width)
     n_real, at = torch.tensor(lens)[:, None], torch.arange(width)
     return rows, at >= width - n_real if left else at < n_real
 
@@ -73,17 +88,51 @@ def greedy_decode(
     calling `aux_fn` on every row at every step.
     """
     max_new = check_int(max_new, "max_new", what="a number of tokens >= 0")
+    cfg = model.cfg
+    vocab = cfg.vocab_size
+    for name, token in (("pad", pad), ("bos", bos)):  # else read as a bad id of `tokens`
+        check_int(token, name, what=f"a token id in [0, {vocab})")
+        if token >= vocab:
+            raise ValueError(f"{name}: expected a token id in [0, {vocab}); got {token}")
+    check_int(eos, "eos", low=-(2**63), what="a token id")
+    if isinstance(prompts, torch.Tensor):  # [batch, pos] ids, as TransformerLens users have
+        if prompts.ndim != 2:
+            raise ValueError(f"prompts: expected a list of token lists or a [batch, pos] "
+                             f"tensor; got shape {tuple(prompts.shape)}")
+        prompts = prompts.tolist()
     if not prompts:
         return []
     for i, prompt in enumerate(prompts):
         if not len(prompt):  # its row would be read from the padding alone (or attend to nothing)
             raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
+    if max_new and cfg.pos_encoding in ("learned", "sinusoidal"):  # a table of max_len rows
+        _check_room(prompts, max_new, cfg.max_len, isinstance(model, EncoderDecoderLM))
     with evaluating(model):  # every module's mode as it was afterwards, also after an error
         out = _decode(model, prompts, max_new, eos, pad, bos, use_cache, aux_fn, aux_next)
     result = []
     for row in out.tolist():
         result.append(row[: row.index(eos) + 1] if eos in row else row)
     return result
+
+
+def _check_room(prompts: list[list[int]], max_new: int, max_len: int, enc_dec: bool) -> None:
+    """A table of `max_len` positions must hold every position the decode feeds, checked
+    before it starts: past them, a forward partway through failed and the tokens written so far
+    were lost. A decoder-only row feeds its prompt and every new token but the last; an
+    encoder-decoder its source to the encoder, and `bos` and the new tokens but the last to the
+    decoder."""
+    i = max(range(len(prompts)), key=lambda k: len(prompts[k]))
+    n = len(prompts[i])
+    if n > max_len:
+        raise ValueError(f"prompts[{i}]: expected at most ModelConfig.max_len={max_len} "
+                         f"tokens; got {n}")
+    need = max_new if enc_dec else n + max_new - 1
+    if need > max_len:
+        fed = (f"bos and {max_new - 1} new tokens" if enc_dec
+               else f"prompts[{i}]'s {n} tokens and {max_new - 1} new ones")
+        raise ValueError(f"max_new: {fed} need {need} positions, more than "
+                         f"ModelConfig.max_len={max_len}; expected max_new <= "
+                         f"{max_new - (need - max_len)}")
 
 
 def _decode(
@@ -93,15 +142,17 @@ def _decode(
     """`greedy_decode`'s loop (the model in eval mode, no autograd): [batch, generated] new
     tokens."""
     device = next(model.parameters()).device
+    vocab = model.cfg.vocab_size
     b = len(prompts)
     out = torch.empty(b, 0, dtype=torch.long, device=device)
     rows = [list(p) for p in prompts]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     if isinstance(model, EncoderDecoderLM):
-        src, src_mask = (t.to(device) for t in _pad(prompts, pad, left=False))
+        src, src_mask = (t.to(device) for t in _pad(prompts, pad, False, "prompts", vocab))
         src_aux = None
         if aux_fn is not None:
-            src_aux = _pad([aux_fn(p, "question") for p in prompts], 0, left=False)[0].to(device)
+            src_aux = _pad([aux_fn(p, "question") for p in prompts], 0, False,
+                           "aux_fn's positions")[0].to(device)
         memory = model.encode(src, src_mask, src_aux)
         # the reserve holds what is fed, never the last generated token: bos + max_new - 1
         cache = model.new_cache(max_new) if use_cache else None
@@ -126,13 +177,14 @@ def _decode(
                 break
     else:
         assert isinstance(model, DecoderLM)
-        seq, mask = (t.to(device) for t in _pad(prompts, pad, left=True))
+        seq, mask = (t.to(device) for t in _pad(prompts, pad, True, "prompts", vocab))
         # the prompt and every generated token but the last, which is never fed back: the
         # buffers are as long as the decode fills them, with no position left unused
         cache = model.new_cache(seq.shape[1] + max_new - 1) if use_cache else None
         aux = None
         if aux_fn is not None:
-            aux = _pad([aux_fn(p, "sequence") for p in prompts], 0, left=True)[0].to(device)
+            aux = _pad([aux_fn(p, "sequence") for p in prompts], 0, True,
+                       "aux_fn's positions")[0].to(device)
         step_in, step_aux = seq, aux
         for _ in range(max_new):
             logits = model(step_in, attention_mask=mask, cache=cache, aux=step_aux)

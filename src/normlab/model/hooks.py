@@ -156,7 +156,8 @@ class HookedModule(nn.Module):
             yield self
         finally:
             for hp, fn in attached:
-                hp.fns.remove(fn)
+                if fn in hp.fns:  # `reset_hooks` in the block removed it already
+                    hp.fns.remove(fn)
 
     def reset_hooks(self) -> None:
         for hp in self.hook_points().values():

@@ -22,13 +22,18 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, what: str = "ids") -> torch.T
     training was not bitwise reproducible, and took 5-7x longer than `F.embedding`'s backward
     (0.69-0.92 ms against 0.13 ms on a [128, 17] batch, two threads;
     `benchmarks/probes/embedding_backward.py`). On one thread both give the same gradients.
-    An id outside [0, n) is an IndexError naming `what` (indexing wrapped negative ids round).
+    An id outside [0, n) is an IndexError naming `what` (indexing wrapped negative ids round),
+    ids that are not integers a ValueError naming it (torch's error named an "argument #1").
     """
     try:
         return F.embedding(ids, table)
     except IndexError as err:
         raise IndexError(f"{what}: expected ids in [0, {table.shape[0]}), got values from "
                          f"{int(ids.min())} to {int(ids.max())}") from err
+    except RuntimeError as err:
+        if ids.dtype in (torch.long, torch.int):
+            raise
+        raise ValueError(f"{what}: expected integer ids (int64 or int32); got {ids.dtype}") from err
 
 
 def sinusoidal_table(max_len: int, d: int) -> torch.Tensor:
