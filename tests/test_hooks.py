@@ -709,8 +709,17 @@ def test_what_fits_the_position_table_still_decodes() -> None:
     with pytest.raises(ValueError, match=r"bos: expected a token id in \[0, 16\); got 16"):
         greedy_decode(encdec, [[3]], max_new=1, eos=2, bos=16)
     batch = torch.tensor([[3, 4, 5], [6, 7, 8]])  # a [batch, pos] tensor, as a list of rows
-    assert greedy_decode(dec, batch, max_new=2, eos=-1) == greedy_decode(
-        dec, batch.tolist(), max_new=2, eos=-1)
+    want = greedy_decode(dec, batch.tolist(), max_new=2, eos=-1)
+    assert greedy_decode(dec, batch, max_new=2, eos=-1) == want
+    # numpy ids of any integer type, as token dumps hold them
+    for dtype in (np.int32, np.uint16, np.int64):
+        assert greedy_decode(dec, list(batch.numpy().astype(dtype)), max_new=2, eos=-1) == want
+
+
+def test_task_positions_that_are_not_integers_are_named() -> None:
+    model = build_model(cfg(n_aux_positions=4))
+    with pytest.raises(ValueError, match=r"aux_fn's positions\[0\]: expected integers; got 0\.5"):
+        greedy_decode(model, [[3, 4]], max_new=1, eos=2, aux_fn=lambda ids, part: [0.5] * len(ids))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.uint8])

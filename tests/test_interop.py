@@ -178,6 +178,37 @@ def test_from_hf_pretrained_roundtrip(tmp_path: Path, sdpa_past: SdpaPast) -> No
 # ---- bad input ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("make", "embed"), [(_gpt2, "transformer.wte.weight"),
+                                             (_llama, "model.embed_tokens.weight")])
+def test_a_tied_config_over_its_own_lm_head_is_refused(make: Callable[..., Any],
+                                                       embed: str) -> None:
+    """A config saying tie_word_embeddings over a file with an lm_head of its own: transformers
+    loads it untied and only warns, and converted as tied it unembedded with the embedding."""
+    hf = make(tie_word_embeddings=True)
+    with torch.no_grad():
+        hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight + 0.1)  # no longer the same
+    with pytest.raises(ValueError, match=rf"ties the embeddings \(tie_word_embeddings\), but "
+                                         rf"the model's lm_head\.weight is not its {embed}"):
+        from_hf(hf)
+    hf.lm_head.weight = hf.get_input_embeddings().weight  # tied again
+    assert from_hf(hf).cfg.tie_embeddings
+
+
+def test_a_load_report_row_is_kept_for_the_error() -> None:
+    """transformers' conversion errors say "look at the above report", which normlab holds
+    back: its first flagged row goes into the one-line error instead."""
+    import logging
+
+    from normlab.interop.hf import _Kept
+
+    kept = _Kept()
+    assert kept.flagged() == ""
+    table = ("GPT2LMHeadModel LOAD REPORT from: x\nKey | Status |\n----+----\n"
+             "transformer.wte.weight | CONVERSION | dtype\nlm_head.weight | MISSING |")
+    kept.emit(logging.LogRecord("transformers", logging.WARNING, "", 0, table, None, None))
+    assert kept.flagged() == " (transformers' report: transformer.wte.weight CONVERSION dtype)"
+
+
 def test_unsupported_architecture() -> None:
     cfg = transformers.Qwen2Config(**{**SMALL, "initializer_range": 0.02})
     with pytest.raises(ValueError, match=r"'Qwen2ForCausalLM' is not supported.*LlamaForCausal"):

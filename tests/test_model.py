@@ -283,6 +283,8 @@ def test_bad_config_is_a_one_line_error(kwargs: dict, field: str) -> None:
         ({"d_model": 2**40, "n_heads": 1}, "d_model = 1099511627776, ModelConfig.d_head = "
          "1099511627776", None),
         # and d_mlp, 4 d_model by default, is named with d_model
+        # past int64: torch's "Overflow when unpacking long"
+        ({"vocab_size": 2**64}, "vocab_size = 18446744073709551616", None),
         ({"d_model": 2**27, "n_heads": 2, "d_mlp": None}, "d_mlp = 536870912, ModelConfig.d_model "
          "= 134217728", "blocks.0.mlp.W_in, is [134217728, 536870912]"),
     ],

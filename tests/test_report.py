@@ -484,7 +484,9 @@ def test_ray_gives_each_run_its_own_threads(tmp_path: Path, monkeypatch) -> None
             done.set_result({"ok": True, "name": spec.name, "did": [], "seconds": 0.0})
             return done
 
+    gpus = {"GPU": 0}
     fake = types.SimpleNamespace(is_initialized=lambda: True,
+                                 cluster_resources=lambda: dict(gpus),
                                  remote=lambda fn: Remote(),  # ray.remote(f), as Ray's
                                  wait=lambda refs, **kw: (refs[:1], refs[1:]))
     monkeypatch.setitem(sys.modules, "ray", fake)
@@ -496,7 +498,17 @@ def test_ray_gives_each_run_its_own_threads(tmp_path: Path, monkeypatch) -> None
     asked.clear()
     specs[0].config["train"]["device"] = "cuda"
     sweep.execute(specs, backend="ray", progress=False)
+    assert specs[1].config["train"].get("device", "auto") == "auto"
     assert asked == [{"num_gpus": 1, "num_cpus": 1}, {"num_gpus": 0, "num_cpus": 3}]
+    # "auto" on a cluster with GPUs trains on one: it reserves it (Ray hides none from a task)
+    asked.clear()
+    gpus["GPU"] = 2
+    sweep.execute(specs, backend="ray", progress=False)
+    assert asked == [{"num_gpus": 1, "num_cpus": 1}, {"num_gpus": 1, "num_cpus": 3}]
+    specs[1].config["train"]["device"] = "cpu"
+    asked.clear()
+    sweep.execute(specs, backend="ray", progress=False)
+    assert asked[1] == {"num_gpus": 0, "num_cpus": 3}
 
 
 def test_a_runs_device_is_its_configs_unless_device_is_given(tmp_path: Path) -> None:

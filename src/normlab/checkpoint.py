@@ -144,7 +144,7 @@ def check_sidecar(meta: dict[str, Any], side: Path, tensors: dict[str, torch.Ten
     if "config" in meta:
         expect("config", meta["config"], isinstance(meta["config"], dict), "a table")
         try:  # as a resume and `load_run` read it: their error named no file
-            RunConfig.from_dict(meta["config"]).validate()
+            RunConfig.from_dict(meta["config"])  # which validates it
         except ValueError as err:
             raise CheckpointError(f"checkpoint sidecar {str(side)!r}: config: {err}") from None
     for key in ("elapsed_s", "best"):

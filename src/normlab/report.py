@@ -29,7 +29,7 @@ from normlab.checks import is_fraction, is_real
 from normlab.evaluate import EVAL_RESULT, is_eval_result
 from normlab.io import atomic_write_text, provenance, read_json, save_figure, write_json
 from normlab.stats import mean_ci, verdict_band, verdict_sign
-from normlab.train import DONE, DONE_RECORD
+from normlab.train import DONE, DONE_RECORD, RUNS_ON
 
 SIGMA_H2 = 0.1
 CLAIMS = {
@@ -122,8 +122,9 @@ def collect(run_dirs: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
     return runs
 
 
-#: The train settings that say how a run ran, not what it trained: runs may differ in them.
-HOW_IT_RAN = ("seed", "threads", "device", "compile", "log_every", "checkpoint_every")
+#: The train settings runs a report pools may differ in: the seed, and how each ran, not what
+#: it trained (where, on how many threads, how often it logged and saved).
+HOW_IT_RAN = ("seed", "threads", "log_every", "checkpoint_every", *RUNS_ON)
 
 
 def _settings(run: dict[str, Any]) -> dict[str, Any]:

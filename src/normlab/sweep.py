@@ -373,7 +373,9 @@ def _local_backend(jobs: int, device: str | None) -> tuple[Callable, Callable]:
 
 def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Callable]:
     """One Ray task a run, asking for that run's own `train.threads` CPUs, and a GPU where it
-    trains on CUDA (`--device`, else its `train.device`)."""
+    trains on CUDA (`--device`, else its `train.device`): "cuda", or "auto" on a cluster with
+    GPUs (Ray does not hide GPUs from a task that asked for none: "auto" runs would all train
+    on the first one, none reserving it)."""
     try:
         import ray
     except ImportError:
@@ -382,9 +384,10 @@ def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Cal
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)
     remote = ray.remote(_safe_run)
+    cuda = ("cuda", "auto") if ray.cluster_resources().get("GPU", 0) > 0 else ("cuda",)
 
     def submit(spec: RunSpec) -> Any:
-        gpus = 1 if (device or spec.config["train"].get("device")) == "cuda" else 0
+        gpus = 1 if (device or spec.config["train"].get("device", "auto")) in cuda else 0
         return remote.options(num_cpus=_threads(spec), num_gpus=gpus).remote(spec, device)
 
     def wait(refs: list[Any]) -> list[Any]:

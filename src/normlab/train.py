@@ -409,6 +409,9 @@ def train(
     return last
 
 
+#: The train settings that say where a run runs, not what it trains: a resume may change them.
+RUNS_ON = ("device", "compile")
+
 RESUME_REMEDY = ("--resume", "use the same config, or start over in another folder "
                  "(normlab train: --force)")
 """Who finds a changed config, and what to do about it, as `normlab train --resume` says it."""
@@ -459,8 +462,7 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     """
     # JSON's view: a config built in Python with tuples equals the lists read back from TOML
     config = json.loads(json.dumps(RunConfig.from_dict(config).to_dict()))
-    runs_on = ("device", "compile")
-    return {**config, "train": {k: v for k, v in config["train"].items() if k not in runs_on}}
+    return {**config, "train": {k: v for k, v in config["train"].items() if k not in RUNS_ON}}
 
 
 def _tensorboard(path: Path, purge_step: int | None = None) -> Any:

@@ -9,6 +9,7 @@ a silently wrong model is worse than none.
 
 from __future__ import annotations
 
+import logging as std_logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,19 @@ def _load(cfg: ModelConfig, new: StateDict) -> DecoderLM:
     return model
 
 
+def _tied(c: Any, sd: StateDict, embed: str, default: bool) -> bool:
+    """Whether the model unembeds with its embedding (`tie_word_embeddings`, `default` where the
+    config does not say). A tied config whose lm_head is not the embedding is refused: a file
+    holding its own lm_head is loaded untied by transformers with only a logged warning, and
+    converted as tied it would unembed with the wrong matrix."""
+    tied = bool(getattr(c, "tie_word_embeddings", default))
+    if tied and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd[embed]):
+        raise ValueError(f"config.json ties the embeddings (tie_word_embeddings), but the "
+                         f"model's lm_head.weight is not its {embed}; expected a tied lm_head "
+                         "or tie_word_embeddings = false")
+    return tied
+
+
 def _heads_in(W: torch.Tensor, n: int, e: int) -> torch.Tensor:
     """nn.Linear weight [n * e, d] (y = x W^T) -> TransformerLens [n, d, e]."""
     return W.reshape(n, e, -1).transpose(1, 2)
@@ -61,7 +75,7 @@ def _gpt2(c: Any, sd: StateDict) -> DecoderLM:
     d, h = c.n_embd, c.n_head
     e = d // h
     # GPT-2 ties by default; an untied one has its own lm_head (reading wte was a wrong model)
-    tied = bool(getattr(c, "tie_word_embeddings", True))
+    tied = _tied(c, sd, "transformer.wte.weight", default=True)
     cfg = ModelConfig(
         arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_layers=c.n_layer,
         d_mlp=c.n_inner or 4 * d, max_len=context_length(c), pos_encoding="learned",
@@ -132,7 +146,7 @@ def _llama_like(c: Any, sd: StateDict, family: str, *, qk_norm: bool) -> Decoder
     d, h = c.hidden_size, c.num_attention_heads
     kvh = getattr(c, "num_key_value_heads", None) or h
     e = getattr(c, "head_dim", None) or d // h
-    tied = bool(getattr(c, "tie_word_embeddings", False))
+    tied = _tied(c, sd, "model.embed_tokens.weight", default=False)
     cfg = ModelConfig(
         arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_kv_heads=kvh, d_head=e,
         n_layers=c.num_hidden_layers, d_mlp=c.intermediate_size,
@@ -231,6 +245,24 @@ def first_line(err: BaseException) -> str:
     return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
+class _Kept(std_logging.Handler):
+    """The messages transformers logs while it loads, held back instead of printed."""
+
+    def __init__(self) -> None:
+        super().__init__(std_logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: std_logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def flagged(self) -> str:
+        """The load report's first row that flags a tensor, as " (row)"; "" if none."""
+        flags = ("CONVERSION", "MISMATCH", "MISSING", "UNEXPECTED")
+        rows = [" ".join(ln.replace("|", " ").split()) for m in self.messages
+                for ln in m.splitlines() if any(f in ln for f in flags) and "|" in ln]
+        return f" (transformers' report: {rows[0]})" if rows else ""
+
+
 def from_hf_pretrained(path: str | Path) -> DecoderLM:
     """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`.
 
@@ -245,19 +277,24 @@ def from_hf_pretrained(path: str | Path) -> DecoderLM:
     from transformers.utils import logging
 
     where = f"Hugging Face folder {str(folder)!r}"
-    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()  # its load report is the error below, in one line
-    logging.disable_progress_bar()  # and an error is the only line on stderr
+    report = _Kept()  # transformers' load report, kept for the one-line error below
+    bar = logging.is_progress_bar_enabled()
+    logging.disable_default_handler()
+    logging.add_handler(report)
+    logging.disable_progress_bar()  # an error is then the only line on stderr
     try:
         # the saved dtype is kept here; from_hf upcasts to float32 (lossless from bf16/fp16)
         hf, info = AutoModelForCausalLM.from_pretrained(
             folder, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True)
     # transformers' errors: a damaged safetensors header, a pickle it will not load, a config
-    # value its model cannot be built with (n_head 0: ZeroDivisionError)
+    # value its model cannot be built with (n_head 0: ZeroDivisionError), weights it cannot
+    # convert ("look at the above report": its first flagged row is named)
     except Exception as err:
-        raise ValueError(f"{where}: cannot load the model: {first_line(err)}") from err
+        raise ValueError(f"{where}: cannot load the model: {first_line(err)}"
+                         + report.flagged()) from err
     finally:
-        logging.set_verbosity(verbosity)
+        logging.remove_handler(report)
+        logging.enable_default_handler()
         if bar:
             logging.enable_progress_bar()
     unexpected = [k for k in info["unexpected_keys"] if not k.endswith(SAVED_BUFFERS)]

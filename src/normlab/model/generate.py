@@ -32,12 +32,14 @@ def _pad(seqs: list[list[int]], pad: int, left: bool, name: str = "prompts",
         fill = [pad] * (width - n)
         flat.extend(fill if left else s)
         flat.extend(s if left else fill)
-    try:
+    try:  # the dtype is the values' own (numpy's int32 ids too), and checked below
         rows = torch.tensor(flat)
     except (TypeError, ValueError, RuntimeError, OverflowError):  # not numbers, or too large
         rows = torch.zeros(0)
-    if rows.dtype != torch.long or (high is not None and bool(
-            (rows < 0).any() | (rows >= high).any())):
+    ints = not (rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool)
+    if ints:
+        rows = rows.long()
+    if not ints or (high is not None and bool((rows < 0).any() | (rows >= high).any())):
         want = "integers" if high is None else f"integer ids in [0, {high})"
         for i, s in enumerate(seqs):
             bad = [t for t in s if not (is_int(t) and (high is None or 0 <= t < high))]
@@ -69,7 +71,7 @@ def _next_aux(
 
 def greedy_decode(
     model: Model,
-    prompts: list[list[int]],
+    prompts: list[list[int]] | torch.Tensor,
     *,
     max_new: int,
     eos: int,
@@ -81,6 +83,7 @@ def greedy_decode(
 ) -> list[list[int]]:
     """Generate up to `max_new` tokens per prompt; returns the new tokens, cut after `eos`.
 
+    `prompts` is a list of token lists (Python or numpy ints) or a [batch, pos] tensor.
     Decoder-only prompts are left-padded (positions count real tokens only); for an
     encoder-decoder the prompt is the source and the decoder starts from `bos`. Models with
     task-supplied positions (`n_aux_positions > 0`) need `aux_fn`; with `aux_next` too, the

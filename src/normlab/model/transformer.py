@@ -320,8 +320,8 @@ def build_model(cfg: ModelConfig) -> Model:
         return cls(cfg)
     # torch's allocator names only a byte count, its size check only a shape
     except (RuntimeError, MemoryError) as err:
-        if isinstance(err, RuntimeError) and not any(
-                w in str(err) for w in ("can't allocate", "overflow")):
+        if isinstance(err, RuntimeError) and not any(  # "Overflow when unpacking long" too
+                w in str(err).lower() for w in ("allocate", "overflow")):
             raise
         raise ValueError(_too_large(cls, cfg)) from err
 
