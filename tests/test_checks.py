@@ -79,8 +79,8 @@ def test_every_layer_takes_a_numpy_integer_as_an_int() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: ModelConfig(d_model=True), "ModelConfig.d_model: expected a positive integer; "
-                                            "got True"),
+        (lambda: ModelConfig(d_model=True), "ModelConfig.d_model: expected a positive integer "
+                                            "below 2**63; got True"),
         (lambda: ModelConfig(n_aux_positions=-1), "ModelConfig.n_aux_positions: expected an "
                                                   "integer >= 0; got -1"),
         (lambda: check_seed(1.0), "seed: expected an int in [0, 2**63); got 1.0"),

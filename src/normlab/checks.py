@@ -22,10 +22,12 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_int(value: object, name: str, *, low: int = 0, what: str | None = None) -> int:
-    """`value` as a Python int if it is an integer >= `low`; else a one-line ValueError
-    "`name`: expected `what`; got `value`" (`what` defaults to "an int >= `low`")."""
-    if not is_int(value) or value < low:  # type: ignore[operator]
+def check_int(value: object, name: str, *, low: int = 0, high: int | None = None,
+              what: str | None = None) -> int:
+    """`value` as a Python int if it is an integer >= `low` (and < `high`, where given); else a
+    one-line ValueError "`name`: expected `what`; got `value`" (`what` defaults to "an int >=
+    `low`")."""
+    if not is_int(value) or value < low or (high is not None and value >= high):  # type: ignore[operator]
         raise ValueError(f"{name}: expected {what or f'an int >= {low}'}; got {value!r}")
     return int(value)  # type: ignore[call-overload]
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 git diff --quiet HEAD || { echo "full_runs.sh: commit first (tracked files changed)" >&2; exit 1; }
-OUT=benchmarks/results/session36
+OUT=${OUT:-benchmarks/results/session36}  # a second reading: OUT=.../session36/b
 PY=${PY:-.venv/bin/python}
 lscpu > $OUT/machine.txt
 git rev-parse HEAD > $OUT/full_commit.txt

@@ -99,15 +99,16 @@ class ModelConfig:
             "max_len",
             "n_kv_heads",
         ):
+            # a tensor's sizes are int64: 2**63 is torch's "Overflow when unpacking long"
             setattr(self, name, check_int(getattr(self, name), f"ModelConfig.{name}", low=1,
-                                          what="a positive integer"))
+                                          high=2**63, what="a positive integer below 2**63"))
         if self.d_head is None:
             raise ValueError(
                 f"ModelConfig.d_model: expected a multiple of n_heads={self.n_heads} when d_head "
                 f"is not given; got {self.d_model}"
             )
-        self.d_head = check_int(self.d_head, "ModelConfig.d_head", low=1,
-                                what="a positive integer")
+        self.d_head = check_int(self.d_head, "ModelConfig.d_head", low=1, high=2**63,
+                                what="a positive integer below 2**63")
         if self.pos_encoding == "rope" and self.d_head % 2:
             raise ValueError(
                 f"ModelConfig.d_head: expected an even number with pos_encoding='rope'; "
