@@ -14,10 +14,10 @@ WT=${WT:-../ab-$OLD}
 PY=$(pwd)/.venv/bin/python
 mkdir -p $OUT
 [ -d "$WT" ] || git worktree add -q --detach "$WT" "$OLD"
-{ echo "new $(git rev-parse HEAD)"; echo "old $(git -C "$WT" rev-parse HEAD)"; } > $OUT/commits.txt
-date -u +"started %H:%M UTC" >> $OUT/commits.txt
+{ echo "new $(git rev-parse HEAD)"; echo "old $(git -C "$WT" rev-parse HEAD)"; } >> $OUT/commits.txt
+date -u +"started %H:%M UTC (rounds ${ROUNDS:-1 2})" >> $OUT/commits.txt
 for T in 1 2; do
-  for round in 1 2; do
+  for round in ${ROUNDS:-1 2}; do  # more rounds later: ROUNDS="3 4"
     (cd "$WT" && PYTHONPATH=src $PY benchmarks/bench_train_step.py --threads $T --repeats 15 \
       --widths 64 --force --out "$OLDPWD/$OUT/old_${T}t_$round.json" > /dev/null)
     $PY benchmarks/bench_train_step.py --threads $T --repeats 15 --widths 64 --force \
