@@ -204,7 +204,7 @@ class RunConfig:
         if task.pack and self.model.arch != "decoder":
             raise ValueError(f"task.pack: needs model.arch = 'decoder'; got {self.model.arch!r}")
         need = task.max_seq_len(self.model.arch)
-        if self.model.pos_encoding in ("learned", "sinusoidal") and self.model.max_len < need:
+        if self.model.position_table and self.model.max_len < need:
             raise ValueError(
                 f"model.max_len: expected >= {need} for this task's longest "
                 f"sequence; got {self.model.max_len}"

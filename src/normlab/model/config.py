@@ -139,6 +139,12 @@ class ModelConfig:
     def normalises_qk(self) -> bool:
         return self.norm_placement in ("qk", "qkv", "pre_qk")
 
+    @property
+    def position_table(self) -> bool:
+        """Positions are rows of a table of `max_len` (learned or sinusoidal): no position past
+        it can be read, where RoPE and none have no bound."""
+        return self.pos_encoding in ("learned", "sinusoidal")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -94,10 +94,8 @@ def greedy_decode(
     cfg = model.cfg
     vocab = cfg.vocab_size
     for name, token in (("pad", pad), ("bos", bos)):  # else read as a bad id of `tokens`
-        check_int(token, name, what=f"a token id in [0, {vocab})")
-        if token >= vocab:
-            raise ValueError(f"{name}: expected a token id in [0, {vocab}); got {token}")
-    check_int(eos, "eos", low=-(2**63), what="a token id")
+        check_int(token, name, high=vocab, what=f"a token id in [0, {vocab})")
+    check_int(eos, "eos", low=-(2**63), high=2**63, what="a token id")  # any int64: -1 never ends
     if isinstance(prompts, torch.Tensor):  # [batch, pos] ids, as TransformerLens users have
         if prompts.ndim != 2:
             raise ValueError(f"prompts: expected a list of token lists or a [batch, pos] "
@@ -108,7 +106,7 @@ def greedy_decode(
     for i, prompt in enumerate(prompts):
         if not len(prompt):  # its row would be read from the padding alone (or attend to nothing)
             raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
-    if max_new and cfg.pos_encoding in ("learned", "sinusoidal"):  # a table of max_len rows
+    if max_new and cfg.position_table:
         _check_room(prompts, max_new, cfg.max_len, isinstance(model, EncoderDecoderLM))
     with evaluating(model):  # every module's mode as it was afterwards, also after an error
         out = _decode(model, prompts, max_new, eos, pad, bos, use_cache, aux_fn, aux_next)

@@ -61,7 +61,7 @@ class Stack(nn.Module):
         self.cfg, self.causal = cfg, causal
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
-        self.pos_embed = PosEmbed(cfg) if cfg.pos_encoding in ("learned", "sinusoidal") else None
+        self.pos_embed = PosEmbed(cfg) if cfg.position_table else None
         if self.pos_embed is not None:
             self.hook_pos_embed = HookPoint()
         self.rotary = Rotary(cfg.d_head, cfg.rope_theta) if cfg.pos_encoding == "rope" else None
