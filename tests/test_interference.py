@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from normlab import ModelConfig, build_model
-from normlab.analysis.data import EvalData, attention_sites
+from normlab.analysis.data import EvalData, attention_sites, group_seed
 from normlab.analysis.interference import (
     interference_probe,
     null_directions,
@@ -114,10 +116,11 @@ def test_synthetic_pre_depends_on_b_and_spheres_restore_independence(norm_type: 
                                     dict(seed=-1), dict(seed=2.5), dict(alpha=math.inf),
                                     dict(alpha=math.nan), dict(max_tokens=0),
                                     dict(max_tokens=1.5), dict(max_tokens="x"),
-                                    dict(heads=[0, 0])])
+                                    dict(heads=[0, 0]), dict(alpha=1e30), dict(alpha=100.5)])
 def test_bad_arguments(kwargs: dict) -> None:
     """alpha = inf gave NaN TVs, max_tokens = 0 or -5 was recorded as given (and "x" was a bare
-    TypeError), and a head given twice was reported twice."""
+    TypeError), and a head given twice was reported twice. A finite alpha of 1e30 overflowed to
+    NaN too, and 1e10 gave an immune `qkv` head a TV of 0.78 from float32 rounding."""
     with pytest.raises(ValueError) as err:
         interference_probe(model("pre"), data(n=2), **kwargs)
     name = next(iter(kwargs)).rstrip("s")  # "unknown head 9", "heads: expected each head once"
@@ -180,7 +183,8 @@ def test_probe_averages_only_rows_that_can_move() -> None:
     r = res["per_head"][0]
     assert r["n_rows"] == B  # not 2B
     site = attention_sites(m)["blocks.0.attn"]
-    u, _ = null_directions(m, site, 0, 1, torch.Generator().manual_seed(0))
+    # the probe's own directions for this head: the first site's, head 0's seed
+    u, _ = null_directions(m, site, 0, 1, torch.Generator().manual_seed(group_seed(0, 0, 0)))
 
     def pattern(shift: bool) -> torch.Tensor:
         got = {}
@@ -195,3 +199,47 @@ def test_probe_averages_only_rows_that_can_move() -> None:
     row_tv = 0.5 * (pattern(True) - pattern(False)).abs().sum(-1)  # [B, 2]
     assert float(row_tv[:, 0].abs().max()) == 0.0 and float(row_tv[:, 1].min()) > 0
     assert abs(r["tv_mean"] - float(row_tv[:, 1].mean())) < 1e-6
+
+
+@pytest.mark.parametrize("tokens", ["all", "one"])
+def test_a_heads_result_does_not_depend_on_the_selection(tokens: str) -> None:
+    """One generator drew every head's directions and every site's token picks in turn, so the
+    same head with the same seed read 0.0621, 0.0589 or 0.0818 as other heads or sites were
+    selected beside it (0.0226, 0.0071, 0.0045 with tokens="one")."""
+    m = model("pre", n_layers=2)
+    randomise_gains(m)
+    d = data(n=6)
+
+    def tv(**select: Any) -> float:
+        res = interference_probe(m, d, n_directions=2, tokens=tokens, seed=3, **select)
+        return next(r["tv_mean"] for r in res["per_head"]
+                    if r["site"] == "blocks.1.attn" and r["head"] == 2)
+
+    every = tv()
+    assert every > 1e-3  # a pre head moves: the equalities below are not of zeros
+    for select in ({"heads": [2]}, {"sites": ["blocks.1.attn"]}, {"heads": [1, 2]},
+                   {"sites": ["blocks.1.attn"], "heads": [2]}):
+        # the same directions; batched with other heads' copies, the sums round differently
+        assert tv(**select) == pytest.approx(every, rel=1e-5), select
+    res = interference_probe(m, d, n_directions=2, tokens=tokens, seed=4, heads=[2])
+    assert res["per_head"][1]["tv_mean"] != every  # another seed, other directions
+
+
+def test_the_figure_draws_no_bar_for_a_head_it_could_not_measure(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """A head with no unreadable direction (tv_mean None) was drawn as a bar of 0, which reads as
+    the immune QKV-Norm result."""
+    import matplotlib.axes
+
+    bars: list[list[float]] = []
+    bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda self, x, h, *a, **k: bars.append(list(h)) or bar(self, x, h, *a,
+                                                                                  **k))
+    probe = {"placement": "pre", "alpha": 0.5, "tokens": "all",
+             "per_head": [{"site": "blocks.0.attn", "head": 0, "tv_mean": None},
+                          {"site": "blocks.0.attn", "head": 1, "tv_mean": 0.0},
+                          {"site": "blocks.0.attn", "head": 2, "tv_mean": 0.04}]}
+    plot_interference({"synthetic": None, "probe": probe}, tmp_path / "i.png")
+    (heights,) = bars
+    assert math.isnan(heights[0]) and heights[1:] == [0.0, 0.04]

@@ -47,6 +47,7 @@ from normlab.analysis.data import (
     chunk_copies,
     collect,
     evaluating,
+    group_seed,
     resolve_sites,
     sweep_groups,
 )
@@ -585,12 +586,6 @@ THEORY_NOTE = (
     "query shares its eps with its own key, and targets without k have no direct effect in the "
     "theory."
 )
-
-
-def group_seed(seed: int, *group: int) -> int:
-    """A seed of its own for one group of rows (a site's head), fixed by `seed` and the group:
-    numpy's `SeedSequence` mixes them, so nearby seeds and groups give unrelated streams."""
-    return int(np.random.SeedSequence([seed, *group]).generate_state(1)[0])
 
 
 def _theory(

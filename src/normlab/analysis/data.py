@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from normlab.checks import check_int, is_int
@@ -236,6 +237,14 @@ def attention_sites(model: Model) -> dict[str, Site]:
             kv = "src" if name.endswith("cross_attn") else q
             out[name] = Site(name, mod, q, kv)
     return out
+
+
+def group_seed(seed: int, *group: int) -> int:
+    """A seed of its own for one group (a site's head, by the site's place among all the
+    model's sites), fixed by `seed` and the group: numpy's `SeedSequence` mixes them, so nearby
+    seeds and groups give unrelated streams, and a group's draws do not depend on which other
+    groups an analysis selected."""
+    return int(np.random.SeedSequence([seed, *group]).generate_state(1)[0])
 
 
 def resolve_sites(

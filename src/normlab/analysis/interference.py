@@ -41,6 +41,7 @@ from normlab.analysis.data import (
     block_of,
     chunk_copies,
     evaluating,
+    group_seed,
     resolve_sites,
     stack_of,
 )
@@ -112,9 +113,16 @@ def null_directions(
     return (dirs / dirs.norm(dim=-1, keepdim=True)).float(), k
 
 
+#: The largest injected norm fraction: content 100x the token's own norm already swamps it,
+#: and far past it float32 rounding of the direction moves even an immune head's pattern
+#: (alpha 1e10 gave `qkv` a TV of 0.78; 1e30 overflowed to NaN).
+MAX_ALPHA = 100.0
+
+
 def check_alpha(alpha: object) -> float:
-    """The probe's injected norm fraction: a finite number > 0."""
-    return check_real(alpha, "alpha", what="a finite number > 0", ok=lambda v: v > 0)
+    """The probe's injected norm fraction: a number in (0, `MAX_ALPHA`]."""
+    return check_real(alpha, "alpha", what=f"a number in (0, {MAX_ALPHA:g}]",
+                      ok=lambda v: 0 < v <= MAX_ALPHA)
 
 
 def interference_probe(
@@ -145,7 +153,7 @@ def interference_probe(
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"unknown tokens {tokens!r}; expected one of {', '.join(PROBE_TOKENS)}")
     chosen, head_sel = resolve_sites(model, sites, heads)
-    gen = torch.Generator().manual_seed(seed)
+    every = [s.name for s in resolve_sites(model)[0]]  # a site's seed: its place among all
     B = data.n_examples
     results, skipped = [], []
     with evaluating(model):
@@ -168,7 +176,8 @@ def interference_probe(
             # rows that can move: real queries with two or more keys they may attend to
             rows = data.valid[site.q_stream] & (ref[f"{site.name}.hook_attn_scores"] >= 2)
             results += _probe_site(model, data, site, hs, ref[f"{site.name}.hook_pattern"],
-                                   rows, alpha, n_directions, tokens, gen, max_tokens, B)
+                                   rows, alpha, n_directions, tokens,
+                                   (seed, every.index(site.name)), max_tokens, B)
     tv = [r["tv_mean"] for r in results if r["tv_mean"] is not None]
     return {
         "alpha": float(alpha),
@@ -191,14 +200,17 @@ def interference_probe(
 
 def _probe_site(
     model: Model, data: EvalData, site: Site, hs: list[int], ref: torch.Tensor,
-    rows: torch.Tensor, alpha: float, n_dir: int, tokens: str, gen: torch.Generator,
+    rows: torch.Tensor, alpha: float, n_dir: int, tokens: str, group: tuple[int, int],
     max_tokens: int, B: int,
 ) -> list[dict[str, Any]]:
-    """TV per head of `hs`, averaged over the query `rows` [B, Q] (see `interference_probe`)."""
+    """TV per head of `hs`, averaged over the query `rows` [B, Q] (see `interference_probe`).
+    `group` (seed, the site's place among all sites) seeds the site's token picks and each
+    head's directions on their own, so a head's result does not depend on the selection."""
     prefix, layer = block_of(model, site.name)
     norm, where = read_norm(model, site)
     valid = data.valid[site.q_stream]
     if tokens == "one":
+        gen = torch.Generator().manual_seed(group_seed(*group))
         pick = torch.multinomial(valid.float(), 1, generator=gen).squeeze(1)
         inject = torch.zeros_like(valid)
         inject[torch.arange(B), pick] = True
@@ -206,7 +218,8 @@ def _probe_site(
         inject = valid
     dirs, dims = [], []
     for h in hs:
-        u, k = null_directions(model, site, h, n_dir, gen)
+        u, k = null_directions(model, site, h, n_dir,
+                               torch.Generator().manual_seed(group_seed(*group, h)))
         dims.append(k)
         dirs.append(u if k else torch.zeros(n_dir, site.module.W_Q.shape[1]))
     u_all = torch.cat(dirs)  # [n_heads_sel * n_dir, d], copy c = (head index, direction)
@@ -416,8 +429,14 @@ def plot_interference(result: dict[str, Any], path: Path, title: str = "") -> No
         rows = probe["per_head"]
         labels = [f"{r['site'].replace('blocks.', '').replace('.attn', '')}.h{r['head']}"
                   for r in rows]
-        vals = [r["tv_mean"] or 0.0 for r in rows]
+        # a head with no unreadable direction was not measured: no bar, not a TV of 0
+        vals = [math.nan if r["tv_mean"] is None else r["tv_mean"] for r in rows]
         ax.bar(range(len(rows)), vals, color="tab:purple")
+        unmeasured = [i for i, v in enumerate(vals) if math.isnan(v)]
+        if unmeasured:
+            ax.plot(unmeasured, [0.0] * len(unmeasured), "x", color="gray",
+                    label="no unreadable direction (not measured)")
+            ax.legend(fontsize=7)
         ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
         ax.set_ylabel("mean TV")
         ax.set_title(f"probe ({probe['placement']}): unreadable content, "
