@@ -674,7 +674,10 @@ def test_reset_hooks_inside_a_hooks_block_leaves_it_cleanly() -> None:
         # a pad or bos outside the vocabulary was reported as a bad id of `tokens`
         ({"prompts": [[3, 4], [5]], "pad": 16}, r"pad: expected a token id in \[0, 16\); got 16"),
         ({"prompts": [[3]], "pad": -1}, r"pad: expected a token id in \[0, 16\); got -1"),
-        ({"prompts": [[3]], "eos": 2.0}, r"eos: expected a token id; got 2\.0"),
+        ({"prompts": [[3]], "eos": 2.0}, r"eos: expected an int in \[-2\*\*63, 2\*\*63\) "
+                                         r"\(a token id; -1 never ends\); got 2\.0"),
+        ({"prompts": [[3]], "eos": 2**63}, r"eos: expected an int in .*; got 9223372036854775808"),
+        ({"prompts": [[3]], "bos": -1}, r"bos: expected a token id in \[0, 16\); got -1"),
         ({"prompts": torch.tensor([3, 4])}, r"prompts: expected a list of token lists or a "
                                             r"\[batch, pos\] tensor; got shape \(2,\)"),
         # past the position table: four forwards ran, then the tokens so far were lost

@@ -183,8 +183,8 @@ def test_probe_averages_only_rows_that_can_move() -> None:
     r = res["per_head"][0]
     assert r["n_rows"] == B  # not 2B
     site = attention_sites(m)["blocks.0.attn"]
-    # the probe's own directions for this head: the first site's, head 0's seed
-    u, _ = null_directions(m, site, 0, 1, torch.Generator().manual_seed(group_seed(0, 0, 0)))
+    # the probe's own directions for this head: the first site's, head 0's seed (key 0 + 1)
+    u, _ = null_directions(m, site, 0, 1, torch.Generator().manual_seed(group_seed(0, 0, 1)))
 
     def pattern(shift: bool) -> torch.Tensor:
         got = {}
@@ -223,6 +223,21 @@ def test_a_heads_result_does_not_depend_on_the_selection(tokens: str) -> None:
         assert tv(**select) == pytest.approx(every, rel=1e-5), select
     res = interference_probe(m, d, n_directions=2, tokens=tokens, seed=4, heads=[2])
     assert res["per_head"][1]["tv_mean"] != every  # another seed, other directions
+    # a site's token pick and its heads' directions: streams of their own (a key of (seed,
+    # site) was (seed, site, 0), head 0's, after SeedSequence's zero padding)
+    seeds = [group_seed(3, 1, k) for k in range(5)]
+    assert len(set(seeds)) == 5 and group_seed(3, 1) == group_seed(3, 1, 0)
+
+
+def test_alpha_up_to_its_bound_leaves_an_immune_head_still() -> None:
+    """`alpha` is capped at MAX_ALPHA: past it float32 rounding moved immune heads (1e10 gave
+    `qkv` 0.78). At the cap itself a `qkv` head still reads as immune."""
+    from normlab.analysis.interference import MAX_ALPHA
+
+    m = model("qkv", n_layers=2)
+    randomise_gains(m)
+    res = interference_probe(m, data(n=6), alpha=MAX_ALPHA, n_directions=2)
+    assert MAX_ALPHA == 100 and res["tv_max"] < 1e-4
 
 
 def test_the_figure_draws_no_bar_for_a_head_it_could_not_measure(tmp_path: Path,

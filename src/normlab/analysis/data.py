@@ -243,7 +243,10 @@ def group_seed(seed: int, *group: int) -> int:
     """A seed of its own for one group (a site's head, by the site's place among all the
     model's sites), fixed by `seed` and the group: numpy's `SeedSequence` mixes them, so nearby
     seeds and groups give unrelated streams, and a group's draws do not depend on which other
-    groups an analysis selected."""
+    groups an analysis selected. It pads the words to four with zeros, so give every group of
+    one analysis a key of the same length ((s, i) and (s, i, 0) are one seed). A seed of 2**32
+    or more is split into two words, so its groups can meet a smaller seed's: (2**32 + 7, 0) is
+    (7, 1, 0)."""
     return int(np.random.SeedSequence([seed, *group]).generate_state(1)[0])
 
 

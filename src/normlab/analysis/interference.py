@@ -115,7 +115,8 @@ def null_directions(
 
 #: The largest injected norm fraction: content 100x the token's own norm already swamps it,
 #: and far past it float32 rounding of the direction moves even an immune head's pattern
-#: (alpha 1e10 gave `qkv` a TV of 0.78; 1e30 overflowed to NaN).
+#: (alpha 1e10 gave `qkv` a TV of 0.78; 1e30 overflowed to NaN). At 100 an immune head moves
+#: by about 1e-5 (tested below 1e-4).
 MAX_ALPHA = 100.0
 
 
@@ -144,6 +145,9 @@ def interference_probe(
     least two keys to attend to (a row with one key has TV 0 whatever is added: counting it
     would only dilute the mean, as in `find_sparse_rows` and the synthetic study) and the
     `n_directions` directions; all heads and directions of a site run batched in one forward.
+    Each head's directions, and each site's token pick, are drawn from a seed of their own
+    (`seed`, the site's place among all sites, the head): a head reads the same whichever
+    others are probed beside it.
     """
     check_on_cpu(model)
     check_alpha(alpha)
@@ -193,8 +197,9 @@ def interference_probe(
                 "attention, u in the null space of the head's effective q/k read map "
                 "(LayerNorm gain and centring included under pre/pre_qk/post), averaged over the "
                 "real query rows with at least two keys (n_rows; before normlab's twenty-second "
-                "session, over every real row, one-key rows included). Zero to float precision "
-                "means the head is immune to content it cannot read.",
+                "session, over every real row, one-key rows included); each head's directions "
+                "drawn from a seed of its own (since the thirty-sixth session). Zero to float "
+                "precision means the head is immune to content it cannot read.",
     }
 
 
@@ -204,13 +209,14 @@ def _probe_site(
     max_tokens: int, B: int,
 ) -> list[dict[str, Any]]:
     """TV per head of `hs`, averaged over the query `rows` [B, Q] (see `interference_probe`).
-    `group` (seed, the site's place among all sites) seeds the site's token picks and each
-    head's directions on their own, so a head's result does not depend on the selection."""
+    `group` (seed, the site's place among all sites) seeds the site's token pick (key 0) and
+    each head h's directions (key h + 1) on their own, so a head's result does not depend on
+    the selection. Keys of one length: `group_seed` pads a shorter key with zeros."""
     prefix, layer = block_of(model, site.name)
     norm, where = read_norm(model, site)
     valid = data.valid[site.q_stream]
     if tokens == "one":
-        gen = torch.Generator().manual_seed(group_seed(*group))
+        gen = torch.Generator().manual_seed(group_seed(*group, 0))
         pick = torch.multinomial(valid.float(), 1, generator=gen).squeeze(1)
         inject = torch.zeros_like(valid)
         inject[torch.arange(B), pick] = True
@@ -219,7 +225,7 @@ def _probe_site(
     dirs, dims = [], []
     for h in hs:
         u, k = null_directions(model, site, h, n_dir,
-                               torch.Generator().manual_seed(group_seed(*group, h)))
+                               torch.Generator().manual_seed(group_seed(*group, h + 1)))
         dims.append(k)
         dirs.append(u if k else torch.zeros(n_dir, site.module.W_Q.shape[1]))
     u_all = torch.cat(dirs)  # [n_heads_sel * n_dir, d], copy c = (head index, direction)
@@ -434,9 +440,11 @@ def plot_interference(result: dict[str, Any], path: Path, title: str = "") -> No
         ax.bar(range(len(rows)), vals, color="tab:purple")
         unmeasured = [i for i, v in enumerate(vals) if math.isnan(v)]
         if unmeasured:
-            ax.plot(unmeasured, [0.0] * len(unmeasured), "x", color="gray",
+            ax.plot(unmeasured, [0.0] * len(unmeasured), "x", color="gray", clip_on=False,
                     label="no unreadable direction (not measured)")
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper left")
+        measured = [v for v in vals if not math.isnan(v)]
+        ax.set_ylim(0, max(measured) * 1.25 if measured and max(measured) > 0 else 1)
         ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
         ax.set_ylabel("mean TV")
         ax.set_title(f"probe ({probe['placement']}): unreadable content, "

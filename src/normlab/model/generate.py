@@ -95,7 +95,8 @@ def greedy_decode(
     vocab = cfg.vocab_size
     for name, token in (("pad", pad), ("bos", bos)):  # else read as a bad id of `tokens`
         check_int(token, name, high=vocab, what=f"a token id in [0, {vocab})")
-    check_int(eos, "eos", low=-(2**63), high=2**63, what="a token id")  # any int64: -1 never ends
+    check_int(eos, "eos", low=-(2**63), high=2**63,
+              what="an int in [-2**63, 2**63) (a token id; -1 never ends)")
     if isinstance(prompts, torch.Tensor):  # [batch, pos] ids, as TransformerLens users have
         if prompts.ndim != 2:
             raise ValueError(f"prompts: expected a list of token lists or a [batch, pos] "
