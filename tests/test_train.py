@@ -1025,3 +1025,33 @@ def test_analyze_threads_has_the_train_config_s_ceiling(tmp_path: Path, capsys) 
     """--threads 100000 crashed libgomp (exit 139); train.threads was capped already."""
     code, err = _cli(capsys, "analyze", str(tmp_path), "--threads", "100000")
     assert code == 2 and err == "normlab: error: --threads: expected at most 1024; got 100000"
+
+
+def test_compare_refuses_one_split_name_over_other_cells(tmp_path: Path, capsys) -> None:
+    """Runs whose `extrapolation` held other cells (another grid) sat in one column, exit 0;
+    runs that share the cells, evaluated on more or fewer examples, still compare."""
+    good = {"accuracy": 0.5, "count": 8, "ci95": [0.2, 0.8]}
+    cfg = {"model": {"norm_placement": "pre"}, "train": {"seed": 0}}
+
+    def run(name: str, cells: list[str], **split: int) -> Path:
+        (tmp_path / name).mkdir()
+        doc = {"splits": {"extrapolation": good | split}, "config": cfg,
+               "cells": [{"cell": c, "split": "extrapolation", "accuracy": 0.5} for c in cells]}
+        (tmp_path / name / "eval.json").write_text(json.dumps(doc))
+        return tmp_path / name
+
+    a, b = run("a", ["n4d1", "n1d2"]), run("b", ["n1d2", "n4d1"], count=4)
+    code, err = _cli(capsys, "compare", str(a), str(b))
+    assert code == 0, err  # the same cells, in another order, on fewer examples
+    c = run("c", ["n5d1"])
+    code, err = _cli(capsys, "compare", str(a), str(b), str(c))
+    assert code == 2 and err == (
+        f"normlab: error: {str(c / 'eval.json')!r}: split 'extrapolation' holds cells n5d1, "
+        f"{str(a / 'eval.json')!r}'s n1d2, n4d1; expected one split's runs to share its cells "
+        "(compare puts them in one column)")
+    # a damaged interval: printed as "50.0 [nan, inf]"
+    for ci in ("[NaN, Infinity]", "[0.8, 0.2]", "[-0.1, 0.5]"):
+        (c / "eval.json").write_text(json.dumps({"splits": {"x": good}, "config": cfg})
+                                     .replace("[0.2, 0.8]", ci))
+        code, err = _cli(capsys, "compare", str(c))
+        assert code == 2 and "expected normlab eval results" in err, (ci, err)

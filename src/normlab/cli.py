@@ -99,6 +99,27 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_same_cells(results: list[tuple[Path, dict[str, Any]]]) -> None:
+    """A column of `compare` is one split: runs whose split of that name holds other cells
+    (another grid, or a split defined otherwise) measured something else under its name. Runs
+    whose eval.json lists no cells (older ones) are not compared."""
+    first: dict[str, tuple[list[str], Path]] = {}
+    for d, r in results:
+        if not isinstance(r.get("cells"), list):
+            continue
+        by_split: dict[str, list[str]] = {}
+        for c in r["cells"]:
+            if isinstance(c, dict) and "split" in c and "cell" in c:
+                by_split.setdefault(str(c["split"]), []).append(str(c["cell"]))
+        for split, cells in by_split.items():
+            seen, where = first.setdefault(split, (sorted(cells), d))
+            if sorted(cells) != seen:
+                raise ValueError(f"{str(d / 'eval.json')!r}: split {split!r} holds cells "
+                                 f"{', '.join(sorted(cells))}, {str(where / 'eval.json')!r}'s "
+                                 f"{', '.join(seen)}; expected one split's runs to share its "
+                                 "cells (compare puts them in one column)")
+
+
 def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     """Split accuracies (with CI) of several evaluated runs, as table rows."""
     from normlab.curves import run_labels
@@ -112,6 +133,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
             raise ValueError(f"{str(path)!r} not found; run `normlab eval {d}` first")
         r = read_json(path, EVAL_RESULT, is_eval_result)
         results.append((Path(d), r))
+    _check_same_cells(results)
     splits = list(dict.fromkeys(s for _, r in results for s in r["splits"]))
     header = ["run", "placement", "seed", *splits]
     rows = []

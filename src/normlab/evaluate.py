@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from normlab.checks import check_int, check_on_cpu, is_fraction, is_int, is_real
+from normlab.checks import check_int, check_on_cpu, is_fraction, is_int
 from normlab.io import save_figure
 from normlab.model import Model
 from normlab.model.generate import greedy_decode
@@ -27,7 +27,7 @@ from normlab.tasks.addition import (
 )
 
 #: what `is_eval_result` asks of an eval.json, as its readers' errors say it
-EVAL_RESULT = ("normlab eval results (splits with an accuracy in [0, 1], a ci95 and a count "
+EVAL_RESULT = ("normlab eval results (splits with an accuracy and a ci95 in [0, 1] and a count "
                "each, config.model.norm_placement, config.train.seed)")
 
 
@@ -38,8 +38,8 @@ def is_eval_result(doc: Any) -> bool:
     def split_ok(v: Any) -> bool:
         ci = v.get("ci95") if isinstance(v, dict) else None
         return (isinstance(v, dict) and is_fraction(v.get("accuracy")) and is_int(v.get("count"))
-                and v["count"] >= 0
-                and isinstance(ci, list) and len(ci) == 2 and all(is_real(x) for x in ci))
+                and v["count"] >= 0 and isinstance(ci, list) and len(ci) == 2
+                and all(is_fraction(x) for x in ci) and ci[0] <= ci[1])
 
     cfg = doc.get("config") if isinstance(doc, dict) else None
     model, train = ((cfg.get("model"), cfg.get("train")) if isinstance(cfg, dict)
