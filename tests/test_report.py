@@ -8,6 +8,7 @@ import math
 import re
 import shutil
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -562,6 +563,13 @@ def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
 QUICK = Path(__file__).resolve().parents[1] / "docs/results/quick/runs"
 
 
+def _edit_json(path: Path, edit: Callable[[dict], object]) -> None:
+    """Read a result file, change it in place with `edit(doc)`, write it back."""
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
 def _quick_copy(out: Path) -> list[Path]:
     """The committed quick runs' result files (no checkpoints), to write reports from."""
     dirs = []
@@ -654,10 +662,8 @@ def test_the_report_lists_failures_one_line_each_and_names_the_measured_splits(
     # one seed per placement left: H3 a difference in signed points, with no interval
     assert "| +0.16 points [—, —] | 1 | **inconclusive** |" in md
     assert "- **Left out: run qkv-s1 failed** (ValueError: x); rerun" in md
-    path = tmp_path / "runs/pre-s0/analysis/collapse.json"
-    col = json.loads(path.read_text())
-    col["params"]["splits"] = list("train")
-    path.write_text(json.dumps(col))
+    _edit_json(tmp_path / "runs/pre-s0/analysis/collapse.json",
+               lambda col: col["params"].update(splits=list("train")))
     import matplotlib.pyplot as plt
 
     seen = []
@@ -707,27 +713,23 @@ def test_a_report_refuses_runs_made_with_other_settings(tmp_path: Path) -> None:
     dirs = _quick_copy(tmp_path)
     collect(dirs)  # the committed runs agree
     path = tmp_path / "runs/qkv-s1/analysis/collapse.json"
-    col = json.loads(path.read_text())
-    col["params"]["threshold"] = 0.8
-    path.write_text(json.dumps(col))
+    _edit_json(path, lambda col: col["params"].update(threshold=0.8))
     with pytest.raises(ValueError, match=r"qkv-s1' was made with analysis threshold = 0\.8, "
                                          r".*pre-s0' with 0\.9; a report pools"):
         collect(dirs)
-    col["params"]["threshold"] = 0.9
-    col["params"]["splits"] = list("train")  # an older record's spelling of the same split
-    path.write_text(json.dumps(col))
+    # an older record's spelling of the same split
+    _edit_json(path, lambda col: col["params"].update(threshold=0.9, splits=list("train")))
     collect(dirs)
     for run, limit in (("pre-s0", 8), ("qkv-s0", None)):  # recorded since the limit was
-        ev_path = tmp_path / f"runs/{run}/eval.json"
-        ev = json.loads(ev_path.read_text())
-        ev["limit"] = limit
-        ev_path.write_text(json.dumps(ev))
+        _edit_json(tmp_path / f"runs/{run}/eval.json", lambda ev, n=limit: ev.update(limit=n))
     with pytest.raises(ValueError, match="eval limit = None"):
         collect(dirs)
-    ev = json.loads((tmp_path / "runs/pre-s0/eval.json").read_text())
-    ev["limit"] = None
-    ev["config"]["task"]["grid"] = "paper"
-    (tmp_path / "runs/pre-s0/eval.json").write_text(json.dumps(ev))
+
+    def other_grid(ev: dict) -> None:
+        ev["limit"] = None
+        ev["config"]["task"]["grid"] = "paper"
+
+    _edit_json(tmp_path / "runs/pre-s0/eval.json", other_grid)
     with pytest.raises(ValueError, match="was made with task = "):
         collect(dirs)
 
@@ -765,10 +767,8 @@ def test_settings_are_compared_across_every_run_not_only_the_first(tmp_path: Pat
 
     dirs = _quick_copy(tmp_path)
     (dirs[0] / "analysis" / "collapse.json").unlink()
-    path = dirs[3] / "analysis" / "collapse.json"
-    col = json.loads(path.read_text())
-    col["params"]["threshold"] = 0.5
-    path.write_text(json.dumps(col))
+    _edit_json(dirs[3] / "analysis" / "collapse.json",
+               lambda col: col["params"].update(threshold=0.5))
     with pytest.raises(ValueError, match=r"qkv-s1' was made with analysis threshold = 0\.5, "
                                          r".*pre-s1' with 0\.9; a report pools"):
         collect(dirs)
