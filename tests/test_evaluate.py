@@ -71,6 +71,22 @@ def test_greedy_exact_match_never_beats_teacher_forced(arch: str) -> None:
     assert greedy_exact <= tf["exact"] <= min(full)
 
 
+def test_wilson_interval_matches_its_closed_forms() -> None:
+    """At 0 of n the Wilson interval is [0, z²/(n + z²)], at n of n its mirror, and at half
+    it is centred on 1/2 with half-width z·sqrt(n/4 + z²/4)/(n + z²), z the normal's 97.5%
+    quantile to double precision (1.96 was its rounding). The 5-of-10 bounds are the
+    textbook's 0.2366 and 0.7634."""
+    from normlab.evaluate import wilson_ci
+
+    z2 = 1.959963984540054**2
+    assert wilson_ci(0, 10) == (0.0, pytest.approx(z2 / (10 + z2), rel=1e-12))
+    assert wilson_ci(10, 10) == (pytest.approx(10 / (10 + z2), rel=1e-12), 1.0)
+    half = 1.959963984540054 * (10 / 4 + z2 / 4) ** 0.5 / (10 + z2)
+    assert wilson_ci(5, 10) == pytest.approx((0.5 - half, 0.5 + half), rel=1e-12)
+    assert wilson_ci(5, 10) == pytest.approx((0.2366, 0.7634), abs=5e-5)
+    assert wilson_ci(0, 0) == (0.0, 1.0)  # nothing asked: every accuracy possible
+
+
 def test_no_problems_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one problem"):
         answer_token_accuracy(PeekingDecoder(), [], answer_format="msd")

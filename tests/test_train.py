@@ -995,6 +995,14 @@ def test_compare_names_a_damaged_eval_json_or_log(tmp_path: Path, capsys) -> Non
         assert code == 2 and "metrics.jsonl' line 1: expected 'accuracy'" in err, err
 
 
+def test_compare_names_an_eval_json_that_is_a_folder(tmp_path: Path, capsys) -> None:
+    """It said the file was "not found", and to run `normlab eval`, which would fail on it."""
+    (tmp_path / "a" / "eval.json").mkdir(parents=True)
+    code, err = _cli(capsys, "compare", str(tmp_path / "a"))
+    assert code == 2 and "eval.json': expected the file `normlab eval` writes; got a folder" in err
+    assert "not found" not in err
+
+
 def test_compare_reads_the_seed_where_eval_json_records_it(tmp_path: Path, capsys) -> None:
     """`compare` printed the top-level `seed`, which its check no longer asked for: an
     eval.json without it gave a KeyError. The seed is the config's, as the report reads it."""

@@ -129,6 +129,9 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     results = []
     for d in run_dirs:
         path = Path(d) / "eval.json"
+        if path.is_dir():
+            raise ValueError(f"{str(path)!r}: expected the file `normlab eval` writes; "
+                             "got a folder")
         if not path.is_file():
             raise ValueError(f"{str(path)!r} not found; run `normlab eval {d}` first")
         r = read_json(path, EVAL_RESULT, is_eval_result)
