@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -539,7 +540,8 @@ def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
 def test_resume_with_force_is_refused(tmp_path: Path, capsys) -> None:
     """`train --resume --force` ignored --force, and a changed config's error then told the
     user to pass --force: the two are refused together, before the folder is touched."""
-    c = cfg("train.steps=2", "train.checkpoint_every=1", "train.eval_every=2")
+    c = cfg("train.steps=2", "train.checkpoint_every=1", "train.eval_every=2",
+            "train.warmup_steps=1")  # no warning on stderr
     train(c, tmp_path / "run", progress=False, stop_after=1)
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
     (tmp_path / "c.toml").write_text(dump_toml(cfg("train.steps=3").to_dict()))
@@ -644,6 +646,91 @@ def test_training_settings_are_named_when_refused(sets: list[str], field: str) -
     values were torch's errors, naming no field, or a NaN loss later."""
     with pytest.raises(ValueError, match=rf"^{field}: expected"):
         cfg(*sets).validate()
+
+
+@pytest.mark.parametrize(("field", "value", "want"), [
+    ("steps", 2.5, "a positive integer"),  # trained 3 steps, no final evaluation
+    ("batch_size", True, "a positive integer"),
+    ("log_every", 2**63, "a positive integer below 2**63"),  # config.toml cannot hold it
+    ("warmup_steps", 2.5, "an int in [0, 2**63)"),
+    ("patience", -1, "an int in [0, 2**63)"),
+    ("lr", "1e-3", "a positive finite number"),  # a TypeError inside a comparison
+    ("beta1", None, "a number in [0, 1)"),
+    ("weight_decay", None, "a finite number >= 0"),
+    ("min_lr_ratio", True, "a number in [0, 1]"),
+    ("early_stop_accuracy", "1", "a number >= 0"),
+    ("schedule", ["linear"], "one of linear, cosine, constant"),
+    ("early_stop_split", 3, "a split name"),
+])
+def test_a_train_config_made_in_python_is_checked_as_a_file_is(field: str, value: object,
+                                                               want: str) -> None:
+    """`typed` checks a file's types; a TrainConfig made in Python skipped them."""
+    from normlab.config import TrainConfig
+
+    with pytest.raises(ValueError, match=rf"^train\.{field}: expected {re.escape(want)}"):
+        TrainConfig(**{field: value}).validate()
+
+
+def test_a_train_config_takes_numpy_numbers_as_python_ones() -> None:
+    """config.toml is written from the fields, and its writer takes Python numbers only."""
+    import numpy as np
+
+    from normlab.config import TrainConfig
+
+    t = TrainConfig(steps=np.int64(7), lr=np.float32(0.5), early_stop_accuracy=10**400)
+    t.validate()
+    assert (type(t.steps), t.steps, type(t.lr), t.lr) == (int, 7, float, 0.5)
+    assert t.early_stop_accuracy == float("inf")  # above 1: never stops, as the int meant
+    assert "steps = 7" in dump_toml({"train": {"steps": t.steps}})
+
+
+def test_only_weight_matrices_are_decayed() -> None:
+    """One AdamW step with every parameter 1 and every gradient 0 moves only what is decayed,
+    to 1 - lr * weight_decay exactly. The attention's biases are [head, d_head] and were
+    decayed by a shape rule; norms, biases and logit scales must stay at 1."""
+    from normlab import ModelConfig
+    from normlab.config import TrainConfig
+
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, attn_bias=True,
+                                    mlp_bias=True, norm_placement="qkv", attn_scale="learned",
+                                    n_aux_positions=3))
+    opt = tr.make_optimizer(model, TrainConfig(lr=0.1, weight_decay=0.5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, torch.ones_like(p))}
+    weights = {n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1].startswith("W_")}
+    assert moved == weights and {"blocks.0.attn.W_Q", "embed.W_E", "W_U", "W_aux"} <= weights
+    assert {"blocks.0.attn.b_Q", "blocks.0.attn.b_K", "blocks.0.attn.b_V"} <= (
+        {n for n, _ in model.named_parameters()} - moved)
+    for n in weights:
+        p = model.get_parameter(n)
+        assert torch.allclose(p, torch.full_like(p, 1 - 0.1 * 0.5), rtol=0, atol=1e-7), n
+
+
+def test_a_batch_too_large_to_make_names_the_batch_size(tmp_path: Path) -> None:
+    """numpy's "array is too big" named no field; nothing is written before the refusal."""
+    with pytest.raises(ValueError, match=r"^train\.batch_size: a first batch of 2305843009213"
+                                         r"693952 problems could not be made \(.+\); expected"):
+        train(cfg("train.batch_size=2305843009213693952"), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path: Path) -> None:
+    """The learning rate then never reaches train.lr nor decays: legal, for a short smoke run of
+    a long recipe, but said once. 8 steps of a 10-step warm-up end at 8/10 of lr."""
+    lines: list[str] = []
+    train(cfg("train.steps=8", "train.warmup_steps=10", "train.eval_every=8",
+              "train.checkpoint_every=8"), tmp_path / "run", progress=False, log=lines.append)
+    warned = [ln for ln in lines if ln.startswith("warning: train.warmup_steps = 10 >= "
+                                                 "train.steps = 8")]
+    assert len(warned) == 1 and "to 0.8 x train.lr at the last step" in warned[0]
+    lines.clear()
+    train(cfg("train.steps=8", "train.warmup_steps=7", "train.eval_every=8",
+              "train.checkpoint_every=8"), tmp_path / "run2", progress=False, log=lines.append)
+    assert not any("warning" in ln for ln in lines)
 
 
 def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Path) -> None:
@@ -902,8 +989,8 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
     import normlab.tasks.addition as addition
 
     good = tmp_path / "good.toml"
-    good.write_text("[task]\ngrid = 'smoke'\n[train]\nsteps = 2\n[model]\nd_model = 16\n"
-                    "n_layers = 1\n")
+    good.write_text("[task]\ngrid = 'smoke'\n[train]\nsteps = 2\nwarmup_steps = 1\n"
+                    "[model]\nd_model = 16\nn_layers = 1\n")
     out = tmp_path / "run"
     assert main(["train", "--config", str(good), "--out", str(out), "--quiet"]) == 0
 
@@ -922,11 +1009,14 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
             else:
                 m.setattr(addition.TrainStream, "__next__", no_memory)
             code, err = _cli(capsys, *argv)
-        assert code == 2 and err == ("normlab: error: out of memory or range (Unable to "
+        assert code == 2 and err == ("normlab: error: train.batch_size: a first batch of 128 "
+                                     "problems could not be made (Unable to allocate 7.28 TiB); "
+                                     "expected a smaller size" if target is addition.TrainStream
+                                     else "normlab: error: out of memory or range (Unable to "
                                      "allocate 7.28 TiB); is a size in the config too large?")
         assert files() == before
     code, err = _cli(capsys, *argv, "--set", f"train.batch_size={10**20}")
-    assert code == 2 and "train.batch_size: expected integers in [-2**63, 2**63)" in err
+    assert code == 2 and "train.batch_size: expected a positive integer below 2**63" in err
     assert files() == before
     # a model too large for any address space: torch's allocator named no field
     code, err = _cli(capsys, *argv, "--set", f"model.max_len={10**15}", "--set",

@@ -5,7 +5,8 @@ included, and at least `low`. A bool is refused: `True` would pass as 1 unseen. 
 even a whole one: `int()` would round 1.7 down unseen, and a size read as 2.0 is a typo.
 A real-valued argument (a noise level, a fraction) passes when it is a finite real number,
 numpy's included and a bool not, in its range. Config files are checked against their
-dataclass's hints instead (`normlab.config.typed`).
+dataclass's hints instead (`normlab.config.typed`). `first_line` cuts another library's error
+to the one line such an error quotes.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def check_seed(value: object, name: str = "seed") -> int:
     if seed >= 2**63:
         raise ValueError(f"{name}: expected an int in [0, 2**63); got {value!r}")
     return seed
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message cut to one line (transformers' run to tables and advice); a first
+    line that ends in a colon ("Validation error for field 'n_layer':") keeps the next."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def check_on_cpu(model: nn.Module) -> None:

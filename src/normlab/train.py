@@ -28,7 +28,7 @@ from normlab.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from normlab.checks import is_int
+from normlab.checks import first_line, is_int
 from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import atomic_write_text, provenance, read_json, read_metrics, write_json
@@ -54,7 +54,12 @@ def pick_device(name: str) -> torch.device:
 
 
 def lr_at(step: int, cfg: Any) -> float:
-    """Linear warm-up, then linear/cosine decay to min_lr_ratio * lr (or constant)."""
+    """Linear warm-up, then linear/cosine decay to min_lr_ratio * lr (or constant).
+
+    Step `s` (from 0) warms up at lr * (s + 1) / warmup_steps, so the last warm-up step and the
+    first decay step both take lr; decay reaches min_lr_ratio * lr at step `steps`, one past the
+    last step run, as Hugging Face's schedules do (the last step takes slightly more).
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -66,14 +71,19 @@ def lr_at(step: int, cfg: Any) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
-    """Weight decay on matrices only; norms, biases and logit scales are not decayed.
+    """Weight decay on the weight matrices (`W_*`: embeddings, projections, unembedding)
+    only; norms, biases and logit scales are not decayed. By name, not by shape: the
+    attention's biases `b_Q`, `b_K`, `b_V` are [head, d_head], and were decayed by an
+    `ndim >= 2` rule.
 
     The fused AdamW kernel (CPU and CUDA) updates every tensor in one call: a `qkv` model has
     ~70 parameter tensors, and the per-tensor loop cost ~5% of a small model's step.
     """
-    params = list(model.parameters())
-    decay = [p for p in params if p.ndim >= 2]
-    rest = [p for p in params if p.ndim < 2]
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    is_weight = [n.rsplit(".", 1)[-1].startswith("W_") for n, _ in named]
+    decay = [p for p, w in zip(params, is_weight, strict=True) if w]
+    rest = [p for p, w in zip(params, is_weight, strict=True) if not w]
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
         [
@@ -222,6 +232,10 @@ def train(
     resuming = (
         resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
     )
+    if tc.warmup_steps >= tc.steps:  # legal (a short smoke run of a long recipe), but say so
+        log(f"warning: train.warmup_steps = {tc.warmup_steps} >= train.steps = {tc.steps}: the "
+            f"learning rate warms up all run, to {lr_at(tc.steps - 1, tc) / tc.lr:.3g} x "
+            "train.lr at the last step, and never decays")
     torch.set_num_threads(tc.threads)
     device = pick_device(tc.device)
     torch.manual_seed(tc.seed)
@@ -238,7 +252,11 @@ def train(
         pack=task.pack,
     )
     start = stream.state_dict()  # one batch drawn and put back: a size too large fails here
-    next(stream)
+    try:
+        next(stream)
+    except (ValueError, MemoryError, OverflowError) as err:  # numpy's "array is too big"
+        raise ValueError(f"train.batch_size: a first batch of {tc.batch_size} problems could "
+                         f"not be made ({first_line(err)}); expected a smaller size") from None
     stream.load_state_dict(start)
     sets = eval_sets(task)
     # the folder is touched (with --force: emptied) only now, after everything that can refuse

@@ -39,12 +39,11 @@ from normlab.analysis.collapse import (
 from normlab.analysis.data import EvalData
 from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.analysis.report import write_collapse
-from normlab.checks import check_int, check_seed, check_sigmas
+from normlab.checks import check_int, check_seed, check_sigmas, first_line
 from normlab.interop.hf import (
     CONVERTERS,
     check_hf_folder,
     context_length,
-    first_line,
     from_hf_pretrained,
     require_transformers,
 )

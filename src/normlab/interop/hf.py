@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from normlab.checks import first_line
 from normlab.model import DecoderLM, ModelConfig, build_model
 
 HF_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -236,13 +237,6 @@ def check_hf_folder(folder: Path, name: str) -> None:
 #: Buffers older checkpoints saved beside the weights (a causal mask, RoPE's frequencies):
 #: tensors the file holds and the model does not take that still leave nothing unloaded.
 SAVED_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # not c_attn.bias
-
-
-def first_line(err: BaseException) -> str:
-    """An exception's message cut to one line (transformers' run to tables and advice); a first
-    line that ends in a colon ("Validation error for field 'n_layer':") keeps the next."""
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
-    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 class _Kept(std_logging.Handler):
