@@ -355,6 +355,57 @@ def test_unwritable_cache_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) 
         assert native.load() is None
 
 
+def test_a_cc_that_is_no_command_line_falls_back_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """shlex's "No closing quotation" escaped from the first forward; every later one then
+    fell back to torch's ops, unsaid."""
+    monkeypatch.setenv("CC", 'gcc "')
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    with pytest.warns(RuntimeWarning, match=r"CC='gcc \"' is not a command line"):
+        assert not native.norm_applies(torch.randn(4096, 16), torch.ones(16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.load() is None
+
+
+def test_the_whole_compiler_command_keys_the_build(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path) -> None:
+    """`CC='gcc -O0'` after `CC=gcc` reused gcc's library: only the program was in the key."""
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    cc, flags, src = native.compiler(), native.FLAG_SETS[0], native.SOURCE.read_bytes()
+    plain, more = native._library(cc, flags, src), native._library([*cc, "-O0"], flags, src)
+    assert plain is not None and more is not None and plain != more
+    assert native._library(cc, flags, src) == plain  # the same command, the same file
+
+
+def test_a_thread_asking_during_the_build_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread's `load()` during the first build returned None (no kernel: torch's ops,
+    and `describe()` said "unavailable") instead of waiting for the build."""
+    import threading
+    import time
+
+    building = threading.Event()
+    real_open = native._open
+
+    def slow_open(*args):  # type: ignore[no-untyped-def]
+        building.set()
+        time.sleep(0.3)
+        return real_open(*args)
+
+    monkeypatch.setattr(native, "_open", slow_open)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    got: dict[str, object] = {}
+    first = threading.Thread(target=lambda: got.setdefault("first", native.load()))
+    first.start()
+    building.wait(5)
+    got["second"] = native.load()
+    first.join()
+    assert got["first"] is not None and got["second"] is got["first"]
+
+
 def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_tried", False)
@@ -453,6 +504,60 @@ def test_bitwise_deterministic(n_threads: int, threads: None) -> None:
     runs = [grads(lambda *a: native.norm(*a, 1e-5, True), x, w, b, gy) for _ in range(3)]
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again, strict=True))
+
+
+def test_the_thread_count_changes_no_norm_bit(threads: None) -> None:
+    """Threads split the rows at multiples of eight, so each row takes the same path (eight
+    rows at once, or the per-row tail) at any count: split at N * t / T, rows 513-514 and
+    1024-1026 of 1030 went through the per-row loop on two threads only (4.8e-7 apart)."""
+    torch.manual_seed(0)
+    x = torch.randn(1030, 16, requires_grad=True)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    gy = torch.randn(1030, 16)
+    out = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        y = native.norm(x, w, b, 1e-5, True)
+        out.append((y.detach(), *grads(lambda *a: native.norm(*a, 1e-5, True), x, w, b, gy)))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])  # y, gx
+
+
+def through_a_negated_view(rotate, x: torch.Tensor, *params: torch.Tensor
+                           ) -> list[torch.Tensor]:
+    """`rotate(x)` used as the imaginary part of a conjugated complex tensor: autograd hands
+    its backward a gradient with the lazy negation bit, whose memory holds the unnegated
+    values. The output and the gradients of x and `params`."""
+    ins = [t.detach().clone().requires_grad_() for t in (x, *params)]
+    y = rotate(*ins)
+    wc = torch.randn(y.shape, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    loss = (torch.complex(torch.zeros_like(y), y).conj() * wc).real.sum()
+    return [y.detach(), *torch.autograd.grad(loss, ins)]
+
+
+def test_negated_views_are_read_with_their_sign() -> None:
+    """RoPE's kernel and the fused QK-Norm + RoPE read their input through its strides: a
+    lazily negated tensor (`z.conj().imag`, or such a gradient) came out with its sign flipped,
+    forward and backward (the gradient exactly -torch's). Now torch's ops take those."""
+    torch.manual_seed(0)
+    rope = rope_tables(64, 32, 16)
+    z = torch.randn(64, 32, 2, 16, dtype=torch.complex64)
+    negated = z.conj().imag
+    assert negated.is_neg() and not native.rope_applies(negated, rope.cos, rope.sin)
+    assert torch.equal(rope(negated), native.torch_rope(negated.resolve_neg(), rope.cos,
+                                                        rope.sin))
+    x = torch.randn(64, 32, 2, 16)
+    ours = through_a_negated_view(lambda t: native.rope(t, rope.cos, rope.sin), x)
+    ref = through_a_negated_view(lambda t: native.torch_rope(t, rope.cos, rope.sin), x)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+    w, b = torch.randn(16), torch.randn(16)
+    assert native.norm_rope_applies(x, rope.cos, rope.sin)
+    ours = through_a_negated_view(
+        lambda *a: native.norm(*a, 1e-5, True, rope=(rope.cos, rope.sin)), x, w, b)
+    ref = through_a_negated_view(
+        lambda t, w, b: native.torch_rope(F.layer_norm(t, (16,), w, b, 1e-5), rope.cos,
+                                          rope.sin), x, w, b)
+    for a, r in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
 
 
 def test_portable_build_without_avx2(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -1197,6 +1302,8 @@ def test_attend_applies_only_to_what_it_can_read() -> None:
     with torch.no_grad():
         assert native.attend_applies(needs_grad, k, v, scale, m)
     with switched(False, "attn"):
+        assert not native.attend_applies(q, k, v, scale, m)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the prompt's attention is bfloat16 there
         assert not native.attend_applies(q, k, v, scale, m)
 
 

@@ -213,16 +213,20 @@ static inline int64_t bwd_rows8(const float *gy, const float *x, const float *w,
 #define HAVE_ROWS8 0
 #endif
 
-/* this thread's rows [s, e) of N */
-static void my_rows(int64_t N, int64_t *s, int64_t *e) {
+/* this thread's rows [s, e) of N, split at multiples of q (the last thread's range ends at N) */
+static void my_rows_by(int64_t N, int64_t q, int64_t *s, int64_t *e) {
   int64_t t = 0, T = 1;
 #ifdef _OPENMP
   t = omp_get_thread_num();
   T = omp_get_num_threads();
 #endif
-  *s = N * t / T;
-  *e = N * (t + 1) / T;
+  const int64_t G = (N + q - 1) / q;
+  *s = q * (G * t / T);
+  *e = t + 1 == T ? N : q * (G * (t + 1) / T);
 }
+
+/* this thread's rows [s, e) of N */
+static void my_rows(int64_t N, int64_t *s, int64_t *e) { my_rows_by(N, 1, s, e); }
 
 /* 1 when widths that are multiples of 8 take the eight-rows-at-once path */
 int nl_has_rows8(void) { return HAVE_ROWS8; }
@@ -292,7 +296,8 @@ void nl_norm_fwd(const float *x, const float *w, const float *b, float *y, float
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
     int64_t s, e;
-    my_rows(N, &s, &e);
+    my_rows_by(N, 8, &s, &e); /* eight-row groups whole: a row's path (and its rounding)
+                                 is the same at any thread count */
     rowwalk wy = walk_at(ym, s);
     if (strided) fwd_part(x, w, b, y, mean, rstd, s, e, D, center, eps, &wy, 1);
     else fwd_part(x, w, b, y, mean, rstd, s, e, D, center, eps, &wy, 0);
@@ -330,7 +335,7 @@ void nl_norm_bwd(const float *gy, const float *x, const float *w, const float *m
     t = omp_get_thread_num();
     if (t == 0) used = omp_get_num_threads();
 #endif
-    my_rows(N, &s, &e);
+    my_rows_by(N, 8, &s, &e); /* as the forward: gx's rows alike at any thread count */
     rowwalk wg = walk_at(gm, s);
     float *tw = gw + t * D, *tb = gb + t * D;
     if (strided) bwd_part(gy, x, w, mean, rstd, gx, tw, tb, s, e, D, center, &wg, 1);

@@ -191,17 +191,27 @@ def compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or "cc")
 
 
-def _compile(cc: list[str], flags: tuple[str, ...], src: bytes, rebuild: bool = False
-             ) -> Path | None:
-    """Build (or find) the shared library for these flags; None if the compiler refuses."""
+def _library(cc: list[str], flags: tuple[str, ...], src: bytes) -> Path | None:
+    """Where the build of `src` by this command with these flags is cached; None if the
+    compiler does not run. Keyed by the whole command (`gcc -O0` builds another library than
+    `gcc`: its words were not in the key, so a changed `$CC` reused the old build), the
+    flags, the compiler's version and the CPU."""
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256(
-        b"\0".join([src, " ".join(flags).encode(), version.stdout.encode(), _cpu_id().encode()])
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"native-{key}.so"
+    key = hashlib.sha256(b"\0".join([src, "\x1f".join(cc).encode(), " ".join(flags).encode(),
+                                     version.stdout.encode(), _cpu_id().encode()])
+                         ).hexdigest()[:16]
+    return _cache_dir() / f"native-{key}.so"
+
+
+def _compile(cc: list[str], flags: tuple[str, ...], src: bytes, rebuild: bool = False
+             ) -> Path | None:
+    """Build (or find) the shared library for these flags; None if the compiler refuses."""
+    out = _library(cc, flags, src)
+    if out is None:
+        return None
     if out.exists() and not rebuild:
         return out
     # compile to a private name, then rename: another process never loads a half-written file
@@ -224,11 +234,19 @@ def _compile(cc: list[str], flags: tuple[str, ...], src: bytes, rebuild: bool = 
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first call; None if no build works (warned once)."""
+    """The compiled kernel, building it on first call; None if no build works (warned once).
+    A thread that asks while another builds waits for that build (`_tried` is set when it
+    ends: set at its start, such a thread was told there was no kernel)."""
+    global _tried
     if _tried:
         return _lib
     with _loading:
-        return _lib if _tried else _load()
+        if not _tried:
+            try:
+                _load()
+            finally:
+                _tried = True
+        return _lib
 
 
 def _open(cc: list[str], flags: tuple[str, ...], src: bytes) -> ctypes.CDLL | None:
@@ -245,11 +263,17 @@ def _open(cc: list[str], flags: tuple[str, ...], src: bytes) -> ctypes.CDLL | No
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried, built_with
-    _tried = True
+    global _lib, built_with
     if platform.system() == "Windows":
         return None
-    cc, src = compiler(), SOURCE.read_bytes()
+    try:
+        cc = compiler()
+    except ValueError as err:  # shlex: an unclosed quote; every later call fell back unsaid
+        cc = [os.environ.get("CC", "")]
+        warnings.warn(f"normlab: CC={cc[0]!r} is not a command line ({err}); norms, RoPE, "
+                      "attention and GELU use torch's ops", RuntimeWarning, stacklevel=3)
+        return None
+    src = SOURCE.read_bytes()
     for flags in FLAG_SETS:
         lib = _open(cc, flags, src)
         if lib is None:
@@ -322,9 +346,11 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 def _plain(t: torch.Tensor) -> bool:
     """A float32 CPU tensor whose data C can read through its pointer: not a subclass (a
     FakeTensor's pointer points at nothing: C would crash), nor a vmap wrapper, nor the
-    storage-less gradients a batched backward, `is_grads_batched`, hands a Function."""
+    storage-less gradients a batched backward, `is_grads_batched`, hands a Function, nor a
+    lazily negated view (`z.conj().imag`, or a gradient autograd hands back through one),
+    whose memory holds the values before their sign is applied."""
     return (type(t) in _PLAIN_TYPES and t.dtype is torch.float32 and t.is_cpu
-            and not _wrapped(t) and torch._C._has_storage(t))
+            and not _wrapped(t) and torch._C._has_storage(t) and not t.is_neg())
 
 
 def _tracing() -> bool:
@@ -654,13 +680,16 @@ def attend_applies(
     """Whether `attend` should take this attention: one query a row, q [B, H, 1, D], over
     k, v [B, KVH, T, D] (H a multiple of KVH; d contiguous, other strides free), 1 <= T <=
     ATTN_MAX_KEYS, scale [H], mask None or bool [B or 1, 1, 1, T]; float32 on CPU, eager, no
-    autograd (the kernel has no backward: a decoding step needs none), the kernel built.
+    autograd (the kernel has no backward: a decoding step needs none), no autocast (its
+    float32 would differ from the prompt's bfloat16 attention), the kernel built.
     """
     if not _enabled["attn"] or not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[2] != 1:
         return False
     if _tracing() or _needs_grad(q, k, v, scale):
         return False
     if not all(_plain(t) for t in (q, k, v, scale)):
+        return False
+    if torch.is_autocast_enabled("cpu"):  # as `attention_applies`: torch's matmuls in bfloat16
         return False
     b, h, _, d = q.shape
     if k.ndim != 4 or v.shape != k.shape or k.shape[0] != b or k.shape[3] != d:
