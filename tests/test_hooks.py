@@ -80,6 +80,20 @@ def test_qkv_hooks_fire_after_the_norm() -> None:
     assert "blocks.0.attn.hook_v_pre_norm" in cache and "blocks.0.ln1.hook_scale" not in cache
 
 
+@pytest.mark.parametrize(("scope", "normalized", "scale"), [
+    ("head", (2, 5, 4, 8), (2, 5, 4, 1)), ("all", (2, 5, 32), (2, 5, 1))])
+def test_qkv_norm_hook_shapes_follow_the_scope(scope: str, normalized: tuple[int, ...],
+                                               scale: tuple[int, ...]) -> None:
+    """As docs/architecture.md's table gives them: scope `all` normalises the whole
+    projection, so its norm's own hooks see it flat, and hook_k is per head again."""
+    model = build_model(cfg(norm_placement="qkv", qkv_norm_scope=scope))
+    _, cache = model.run_with_cache(torch.randint(0, 16, (2, 5)))
+    for v in ("q", "k", "v"):
+        assert cache[f"blocks.0.attn.{v}_norm.hook_normalized"].shape == normalized
+        assert cache[f"blocks.0.attn.{v}_norm.hook_scale"].shape == scale
+        assert cache[f"blocks.0.attn.hook_{v}"].shape == (2, 5, 4, 8)
+
+
 def test_encoder_decoder_names() -> None:
     model = build_model(cfg(arch="encoder_decoder", norm_placement="pre"))
     names = set(model.hook_names())

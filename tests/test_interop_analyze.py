@@ -175,6 +175,11 @@ def test_errors(folders: dict[str, Path], tmp_path: Path,
     assert err.startswith("normlab: error: rows of ") and "\n" not in err
     assert err.endswith("lower seq_len (--seq-len)")
     assert not (tmp_path / "out").exists()
+    # --out naming a file (or a folder under one) failed at the first write, after the whole
+    # analysis, with "[Errno 17] File exists" naming no option
+    for where, blocker in ((text, "it is a file"), (text / "sub", f"{str(text)!r} is a file")):
+        msg = _error([*base, g, "--tokens", toks, "--out", str(where)], capsys)
+        assert msg.endswith(f"--out {str(where)!r}: expected a folder for the results; {blocker}")
 
 
 def test_without_transformers_hf_input_is_refused_in_one_line(

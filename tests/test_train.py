@@ -514,6 +514,24 @@ def test_cli_analyze_threads(tmp_path: Path, monkeypatch, capsys) -> None:
 # ---- the twenty-first session's review: nothing lost, resume exact, bad input one line ----
 
 
+def test_every_out_folder_is_checked_before_any_work(tmp_path: Path, capsys,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`reproduce` and `sweep` said "[Errno 17] File exists" for an --out that is a file, naming
+    no option; a folder this process may not write to is named too (faked: tests may run as
+    root, whom os.access lets write anywhere)."""
+    (tmp_path / "file").write_text("x")
+    for argv in (["reproduce"], ["sweep", "--config", str(tmp_path / "file")]):
+        code, err = _cli(capsys, *argv, "--out", str(tmp_path / "file"))
+        assert code == 2 and err.endswith("file': expected a folder for the results; it is a "
+                                          "file"), err
+    from normlab import io
+
+    monkeypatch.setattr(io.os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match=rf"^--out '.+/new/run': {re.escape(repr(str(tmp_path)))}"
+                                         r" is not writable here$"):
+        io.check_out_folder(tmp_path / "new" / "run")
+
+
 def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
     """`--force` emptied any folder (a mistyped --out), and a refusal found after it (a device
     this machine lacks) left nothing of the old run; `--out` naming a file is one line."""
@@ -526,8 +544,11 @@ def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
             train(c, other, progress=False, **kw)
     assert (other / "thesis.tex").read_text() == "precious"
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="expected a folder for the run; it is a file"):
+    with pytest.raises(ValueError, match="expected a folder for the results; it is a file"):
         train(c, tmp_path / "file", progress=False)
+    with pytest.raises(ValueError, match=r"/sub': expected a folder for the results; '.+/file' "
+                                         r"is a file$"):  # "[Errno 20] Not a directory"
+        train(c, tmp_path / "file" / "sub", progress=False)
     train(c, tmp_path / "run", progress=False)
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
     if not torch.cuda.is_available():

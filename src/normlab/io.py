@@ -83,6 +83,25 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def check_out_folder(path: Path, name: str = "--out") -> Path:
+    """`path` as a folder results can be written into: one already, or one `mkdir` can make
+    (its nearest existing parent a folder this process may write to). Checked before any work:
+    an `analyze --hf --out` naming a file failed at its first write, after the whole analysis,
+    with "[Errno 17] File exists", naming no option."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; it is a file")
+    parent = path
+    while not parent.exists():  # ends at the root, or at "." for a relative path
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; "
+                         f"{str(parent)!r} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {str(path)!r}: {str(parent)!r} is not writable here")
+    return path
+
+
 def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
     """Results already written stay unless the user asks (`--force`): a one-line error."""
     found = sorted(Path(folder).glob(pattern)) if Path(folder).is_dir() else []

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import normlab
-from normlab.io import write_json
+from normlab.io import check_out_folder, write_json
 from normlab.report import write_report
 from normlab.sweep import RunSpec, check_jobs, execute, expand
 
@@ -68,7 +68,7 @@ def profile_specs(name: str, out: Path) -> list[RunSpec]:
 def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Train, evaluate and analyse every run of `profile` (skipping finished ones), then report."""
-    out = Path(out)
+    out = check_out_folder(out)
     check_jobs(jobs)  # before manifest.json is written
     specs = profile_specs(profile, out)
     manifest = out / "manifest.json"

@@ -37,7 +37,7 @@ from typing import Any
 from normlab import allocator
 from normlab.checks import check_int
 from normlab.config import config_key, load_config
-from normlab.io import read_json, write_json
+from normlab.io import check_out_folder, read_json, write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
 SWEEP_REMEDY = ("sweep", "the sweep file changed since that run was made: give the sweep "
@@ -453,7 +453,7 @@ class _Watch:
 def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str | None = None,
               jobs: int | None = None, device: str | None = None) -> list[dict[str, Any]]:
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
-    specs = load_sweep(config, out)
+    specs = load_sweep(config, check_out_folder(out))
     results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)
     failed = [r for r in results if not r["ok"]]
     for r in failed:

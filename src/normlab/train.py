@@ -31,7 +31,14 @@ from normlab.checkpoint import (
 from normlab.checks import first_line, is_int
 from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
-from normlab.io import atomic_write_text, provenance, read_json, read_metrics, write_json
+from normlab.io import (
+    atomic_write_text,
+    check_out_folder,
+    provenance,
+    read_json,
+    read_metrics,
+    write_json,
+)
 from normlab.model import Model, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
@@ -171,9 +178,7 @@ RUN_MARKERS = ("config.toml", "checkpoints", "metrics.jsonl", DONE)  # what trai
 
 
 def prepare_run_dir(out: Path, *, resume: bool, force: bool) -> None:
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r}: expected a folder for the run; it is a file")
+    out = check_out_folder(out)
     has_content = out.exists() and any(out.iterdir())
     if has_content and not (resume or force):
         raise ValueError(

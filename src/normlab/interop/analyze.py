@@ -47,7 +47,7 @@ from normlab.interop.hf import (
     from_hf_pretrained,
     require_transformers,
 )
-from normlab.io import provenance, write_json
+from normlab.io import check_out_folder, provenance, write_json
 from normlab.model import DecoderLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -99,7 +99,7 @@ def analyze_hf(
         raise ValueError("analyze --hf: --out OUT (the output folder) is required")
     if (tokens is None) == (text is None):
         raise ValueError("analyze --hf: give exactly one of --tokens FILE or --text FILE")
-    folder, out = Path(folder), Path(out)
+    folder, out = Path(folder), check_out_folder(out)
     kind, path = ("tokens", Path(tokens)) if tokens is not None else ("text", Path(text))
     seconds: dict[str, float] = {}
 
