@@ -520,6 +520,16 @@ def test_the_thread_count_changes_no_norm_bit(threads: None) -> None:
         y = native.norm(x, w, b, 1e-5, True)
         out.append((y.detach(), *grads(lambda *a: native.norm(*a, 1e-5, True), x, w, b, gy)))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])  # y, gx
+    # the fused QK-Norm + RoPE call, three heads: its threads split positions (8 H rows)
+    rope = rope_tables(2, 515, 16)
+    xh = torch.randn(2, 515, 3, 16, requires_grad=True)
+    gyh = torch.randn(2, 515, 3, 16)
+    fused = []
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        y = native.norm(xh, w, b, 1e-5, True, rope=(rope.cos, rope.sin))
+        fused.append((y.detach(), *torch.autograd.grad(y, (xh,), gyh)))
+    assert all(torch.equal(a, c) for f in fused[1:] for a, c in zip(fused[0], f, strict=True))
 
 
 def through_a_negated_view(rotate, x: torch.Tensor, *params: torch.Tensor
@@ -965,12 +975,13 @@ def test_norm_rope_is_bitwise_the_two_kernels(shape: tuple[int, int, int, int], 
 
 
 @pytest.mark.parametrize("shape", [(129, 17, 4, 16), (131, 17, 3, 24)])
-def test_norm_rope_split_apart_over_threads_equals_to_rounding(
+def test_norm_rope_over_threads_is_the_two_calls(
     shape: tuple[int, int, int, int], threads: None
 ) -> None:
-    """On two threads the fused call splits positions, the two calls split rows: 129 x 17
-    positions put the split four rows apart, so a few rows and the gain sums round
-    differently. Still the same numbers to float32 rounding (and a fixed result either way)."""
+    """On two threads the fused call splits positions, the two calls split rows, both at
+    multiples of eight rows, so y and gx are bitwise the two calls' (split at N t / T, 129 x 17
+    positions put the splits four rows apart, and rows near them rounded differently); the
+    gain sums add one partial sum a thread, split differently: the same to float32 rounding."""
     torch.set_num_threads(2)
     torch.manual_seed(0)
     b, p, h, d = shape
@@ -986,6 +997,7 @@ def test_norm_rope_split_apart_over_threads_equals_to_rounding(
     for got, want, again in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         assert torch.equal(got, again)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])  # y, gx
 
 
 def test_norm_rope_double_backward_goes_through_torch_ops(fuse_any_size: None) -> None:

@@ -526,6 +526,10 @@ def test_every_out_folder_is_checked_before_any_work(tmp_path: Path, capsys,
                                           "file"), err
     from normlab import io
 
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # mkdir: "File exists"
+    with pytest.raises(ValueError, match=r"/link/run': '.+/link' is a link to '.+/nowhere', "
+                                         r"which does not exist$"):
+        io.check_out_folder(tmp_path / "link" / "run")
     monkeypatch.setattr(io.os, "access", lambda path, mode: False)
     with pytest.raises(ValueError, match=rf"^--out '.+/new/run': {re.escape(repr(str(tmp_path)))}"
                                          r" is not writable here$"):
@@ -680,7 +684,8 @@ def test_training_settings_are_named_when_refused(sets: list[str], field: str) -
     ("weight_decay", None, "a finite number >= 0"),
     ("min_lr_ratio", True, "a number in [0, 1]"),
     ("early_stop_accuracy", "1", "a number >= 0"),
-    ("schedule", ["linear"], "one of linear, cosine, constant"),
+    ("eval_examples", 3.5, "a positive integer"),
+    ("grad_clip", "1", "a finite number >= 0"),  # a TypeError inside a comparison
     ("early_stop_split", 3, "a split name"),
 ])
 def test_a_train_config_made_in_python_is_checked_as_a_file_is(field: str, value: object,
@@ -729,6 +734,27 @@ def test_only_weight_matrices_are_decayed() -> None:
     for n in weights:
         p = model.get_parameter(n)
         assert torch.allclose(p, torch.full_like(p, 1 - 0.1 * 0.5), rtol=0, atol=1e-7), n
+
+
+def test_a_checkpoint_of_the_old_decay_groups_is_refused_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attn_bias run saved when b_Q/b_K/b_V were decayed (ndim >= 2) holds other optimizer
+    groups: the resume failed with torch's "loaded state dict contains a parameter group that
+    doesn't match the size of optimizer's group", naming no file."""
+    c = cfg("model.attn_bias=true", "train.steps=4", "train.checkpoint_every=2",
+            "train.eval_every=4")
+
+    def by_shape(model: torch.nn.Module, tc: object) -> torch.optim.AdamW:
+        ps = list(model.parameters())
+        return torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2]},
+                                  {"params": [p for p in ps if p.ndim < 2]}])
+
+    with monkeypatch.context() as m:
+        m.setattr(tr, "make_optimizer", by_shape)
+        train(c, tmp_path / "run", progress=False, stop_after=2)
+    with pytest.raises(ValueError, match=r"checkpoints': the optimizer state holds groups of "
+                                         r"\[\d+, \d+\] tensors .+ start again with --force$"):
+        train(c, tmp_path / "run", progress=False, resume=True)
 
 
 def test_a_batch_too_large_to_make_names_the_batch_size(tmp_path: Path) -> None:
@@ -1032,7 +1058,8 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
             code, err = _cli(capsys, *argv)
         assert code == 2 and err == ("normlab: error: train.batch_size: a first batch of 128 "
                                      "problems could not be made (Unable to allocate 7.28 TiB); "
-                                     "expected a smaller size" if target is addition.TrainStream
+                                     "expected a smaller batch, or shorter problems (the task's "
+                                     "cells)" if target is addition.TrainStream
                                      else "normlab: error: out of memory or range (Unable to "
                                      "allocate 7.28 TiB); is a size in the config too large?")
         assert files() == before

@@ -93,6 +93,9 @@ def check_out_folder(path: Path, name: str = "--out") -> Path:
         raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; it is a file")
     parent = path
     while not parent.exists():  # ends at the root, or at "." for a relative path
+        if parent.is_symlink():  # mkdir would say "File exists"
+            raise ValueError(f"{name} {str(path)!r}: {str(parent)!r} is a link to "
+                             f"{os.readlink(parent)!r}, which does not exist")
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; "

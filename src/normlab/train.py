@@ -64,8 +64,9 @@ def lr_at(step: int, cfg: Any) -> float:
     """Linear warm-up, then linear/cosine decay to min_lr_ratio * lr (or constant).
 
     Step `s` (from 0) warms up at lr * (s + 1) / warmup_steps, so the last warm-up step and the
-    first decay step both take lr; decay reaches min_lr_ratio * lr at step `steps`, one past the
-    last step run, as Hugging Face's schedules do (the last step takes slightly more).
+    first decay step both take lr. Decay reaches min_lr_ratio * lr at step `steps`, one past the
+    last step run, as Hugging Face's decaying schedules do (the last step takes slightly more;
+    their warm-up starts from 0, this one from lr / warmup_steps).
     """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -261,7 +262,8 @@ def train(
         next(stream)
     except (ValueError, MemoryError, OverflowError) as err:  # numpy's "array is too big"
         raise ValueError(f"train.batch_size: a first batch of {tc.batch_size} problems could "
-                         f"not be made ({first_line(err)}); expected a smaller size") from None
+                         f"not be made ({first_line(err)}); expected a smaller batch, or "
+                         "shorter problems (the task's cells)") from None
     stream.load_state_dict(start)
     sets = eval_sets(task)
     # the folder is touched (with --force: emptied) only now, after everything that can refuse
@@ -276,7 +278,16 @@ def train(
         require(meta, ("config", "stream", "elapsed_s", "best", "stale", "optimizer"), ckpt_dir)
         _check_same_config(meta["config"], cfg, out)
         load_weights(model, tensors, meta, ckpt_dir)
-        opt.load_state_dict(optimizer_state(tensors, meta))
+        try:
+            opt.load_state_dict(optimizer_state(tensors, meta))
+        except ValueError:  # torch's "... doesn't match the size of optimizer's group"
+            saved = [len(g["params"]) for g in meta["optimizer"]["param_groups"]]
+            now = [len(g["params"]) for g in opt.param_groups]
+            raise ValueError(
+                f"{str(ckpt_dir)!r}: the optimizer state holds groups of {saved} tensors (decayed, "
+                f"not), this model's are {now} (with attn_bias, checkpoints saved before the "
+                "attention biases left weight decay); it cannot resume exactly: start again "
+                "with --force") from None
         stream.load_state_dict(meta["stream"])
         if not restore_rng(meta, device) and cfg.model.dropout > 0:
             log("the checkpoint holds no CUDA random state: dropout masks will differ from an "

@@ -438,10 +438,10 @@ void nl_rope(const float *x, int64_t xb, int64_t xt, int64_t xh, int64_t xd, con
  * gx = N'^T(R^T gy). Separately these are two kernel calls, each a pass over the tensor and,
  * under autograd, a Python Function; here one call normalises a block of a position's rows
  * into a scratch block that stays in L1, then rotates it into y (y written through its
- * strides, as nl_rope's). The block routines are the norm's and RoPE's own, so the results
- * are bitwise those of the two calls in turn wherever threads split the rows at the same
- * places (one thread, always): threads here split positions, the norm call splits rows, and
- * where those differ a few rows near the split, and the gain sums, round differently.
+ * strides, as nl_rope's). The block routines are the norm's and RoPE's own, and threads here
+ * split positions at multiples of eight (8 H rows) as the norm call splits rows, so every row
+ * takes the path it takes there: y and gx are bitwise those of the two calls in turn at any
+ * thread count. The gain sums add one partial sum a thread, so they round by thread count.
  * The backward rotates a block of gy back into the scratch and runs the norm's backward on it.
  * H * D <= FUSE_MAX_ROW floats (native.py checks).
  */
@@ -464,7 +464,7 @@ void nl_norm_rope_fwd(const float *x, const float *w, const float *b, float *y, 
     float scratch[FUSE_SCRATCH];
     const int64_t G = fuse_block(H, D);
     int64_t s, e;
-    my_rows(B * T, &s, &e);
+    my_rows_by(B * T, 8, &s, &e);
     rowwalk none = walk_at((rowmap){1, 1, D, 0, 0}, 0);
     for (int64_t g = s; g < e; g += G) {
       const int64_t ge = g + G < e ? g + G : e, r0 = g * H;
@@ -495,7 +495,7 @@ void nl_norm_rope_bwd(const float *gy, int64_t gsb, int64_t gst, int64_t gsh, in
     t = omp_get_thread_num();
     if (t == 0) used = omp_get_num_threads();
 #endif
-    my_rows(B * T, &s, &e);
+    my_rows_by(B * T, 8, &s, &e);
     float *tw = gw + t * D, *tb = gb + t * D;
     rowwalk none = walk_at((rowmap){1, 1, D, 0, 0}, 0);
     for (int64_t g = s; g < e; g += G) {

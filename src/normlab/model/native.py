@@ -271,7 +271,7 @@ def _load() -> ctypes.CDLL | None:
     except ValueError as err:  # shlex: an unclosed quote; every later call fell back unsaid
         cc = [os.environ.get("CC", "")]
         warnings.warn(f"normlab: CC={cc[0]!r} is not a command line ({err}); norms, RoPE, "
-                      "attention and GELU use torch's ops", RuntimeWarning, stacklevel=3)
+                      "attention and GELU use torch's ops", RuntimeWarning, stacklevel=2)
         return None
     src = SOURCE.read_bytes()
     for flags in FLAG_SETS:
