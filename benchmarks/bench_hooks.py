@@ -10,7 +10,8 @@ training-size forward; batch 1 is decode-sized, where fixed per-call costs domin
 A forward cannot run without its points, so what they cost against a model that has none
 (reading the attribute, the call and the check) comes from a tight loop that reads
 `self.hook_x(x)` as the model does, against the same method without the point; "predicted %"
-scales it by the number of points.
+scales it by the points one forward calls (counted: fewer than the model has, since the fused
+attention paths pass no scores or pattern through theirs).
 
     python benchmarks/bench_hooks.py [--quick] [--threads N]
 """
@@ -47,6 +48,24 @@ ORIGINAL_CALL = HookPoint.__call__
 
 def _bare(self: HookPoint, x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def calls_per_forward(model: Any, tokens: torch.Tensor, aux: Any) -> int:
+    """How many unhooked points one forward calls (HookPoint.__call__ counted for one)."""
+    n = 0
+
+    def counting(self: HookPoint, x: torch.Tensor) -> torch.Tensor:
+        nonlocal n
+        n += 1
+        return ORIGINAL_CALL(self, x)
+
+    HookPoint.__call__ = counting
+    try:
+        with torch.no_grad():
+            model(tokens, aux=aux)
+    finally:
+        HookPoint.__call__ = ORIGINAL_CALL
+    return n
 
 
 def _inner_for(fn: Callable[[], Any], target_s: float, device: torch.device | None = None) -> int:
@@ -129,6 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             model(tokens, aux=aux)
                     return fn
 
+                n_calls = calls_per_forward(model, tokens, aux)
                 contenders = {"hooks": forward(ORIGINAL_CALL), "bypassed": forward(_bare)}
                 inner = _inner_for(contenders["hooks"], target, device)
                 times = paired_timing(contenders, repeats=repeats, inner=inner, warmup=1,
@@ -136,15 +156,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 th, tb = summary(times["hooks"]), summary(times["bypassed"])
                 results.append({
                     "placement": placement, "batch": b, "seq_len": tokens.shape[1],
-                    "hook_points": n_points, "inner": inner, "hooks": th, "bypassed": tb,
+                    "hook_points": n_points, "hook_calls": n_calls, "inner": inner,
+                    "hooks": th, "bypassed": tb,
                     "ratio": ratio_stats(times["hooks"], times["bypassed"]),
-                    "us_per_hook_call": 1e6 * (th["median_s"] - tb["median_s"]) / n_points,
+                    "us_per_hook_call": 1e6 * (th["median_s"] - tb["median_s"]) / n_calls,
                 })
     finally:
         HookPoint.__call__ = ORIGINAL_CALL
     micro = call_cost(repeats, 20_000 if args.quick else 200_000)
     for r in results:  # the overhead the micro-benchmark predicts for one forward
-        extra = r["hook_points"] * micro["extra_ns_per_call"] * 1e-9
+        extra = r["hook_calls"] * micro["extra_ns_per_call"] * 1e-9
         r["predicted_overhead_pct"] = 100 * extra / r["bypassed"]["median_s"]
     return {"benchmark": "hooks", "info": info, "repeats": repeats, "results": results,
             "call_cost": micro,
@@ -152,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def to_markdown(res: dict[str, Any]) -> str:
-    rows = [[r["placement"], r["batch"], r["hook_points"], 1e3 * r["hooks"]["median_s"],
+    rows = [[r["placement"], r["batch"], f"{r['hook_points']} ({r.get('hook_calls', '?')})",
+             1e3 * r["hooks"]["median_s"],
              1e3 * r["bypassed"]["median_s"], rf(r["ratio"]["median"]), rci(r["ratio"]),
              f"{r['us_per_hook_call']:.2f}", f"{r['predicted_overhead_pct']:.2f}"]
             for r in res["results"]]
@@ -161,14 +183,15 @@ def to_markdown(res: dict[str, Any]) -> str:
         header("Hook overhead (forward, no hooks attached)", res["info"], res["load_note"]),
         f"d_model 64, 4 layers, seq len {res['results'][0]['seq_len']}; median of "
         f"{res['repeats']} repeats; ratio = with HookPoint calls / bypassed (median of "
-        "per-repeat ratios); µs/call = time difference / hook points (noise-dominated, may be "
-        "negative). Tight loop of "
+        "per-repeat ratios); µs/call = time difference / the points a forward calls "
+        "(noise-dominated, may be negative). Tight loop of "
         f"{c['calls']:,} reads `self.hook_x(x)` as a forward makes them: unhooked HookPoint "
         f"{c['ns_per_call']['hooks']:.0f} ns, with a bare `return x` as its call "
         f"{c['ns_per_call']['bypassed']:.0f} ns, a method without the point "
-        f"{c['ns_per_call']['no point']:.0f} ns; predicted % = hook points x (unhooked - "
+        f"{c['ns_per_call']['no point']:.0f} ns; predicted % = points called x (unhooked - "
         "without) / bypassed forward time: what the points cost against a model without them.",
-        md_table(["placement", "batch", "hook points", "ms (hooks)", "ms (bypassed)", "ratio",
+        md_table(["placement", "batch", "hook points (called)", "ms (hooks)", "ms (bypassed)",
+                  "ratio",
                   "its median's CI", "µs/call", "predicted %"], rows),
     ])
 

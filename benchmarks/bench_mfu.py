@@ -9,7 +9,10 @@ FLOPs per training step (forward + backward), counted analytically, PaLM-style:
 (W_gate when gated) of every layer and the unembedding W_U; embeddings (gathers), norm gains,
 biases and logit scales are left out. The attention term counts q.k and pattern.v over the full
 seq_len x seq_len square (2 matmuls x 2 FLOPs per multiply-add x 3 for forward + backward),
-i.e. it ignores the causal mask, as PaLM's formula does. d_attn = n_heads * d_head.
+i.e. it ignores the causal mask, as PaLM's formula (and nanoGPT's `estimate_mfu`) does, and
+the target is judged on it. d_attn = n_heads * d_head. normlab's CPU attention kernel skips the
+masked keys, so it runs the causal count, the attention term over seq_len (seq_len + 1) / 2
+pairs: the table also gives MFU over that count (`causal_flops`), a little lower.
 Norms, softmax, GELU and the optimiser are not counted: they are the overhead MFU exposes.
 
 Peak: the best of several float32 `torch.mm` of two n x n matrices (2 n^3 FLOPs), measured in
@@ -71,18 +74,47 @@ def matmul_peak(
             "median_flops_per_s": flops / summary(times)["median_s"]}
 
 
+def n_matmul(model: torch.nn.Module) -> int:
+    """N_mm: the parameters used in matrix multiplies (the module docstring's list)."""
+    return sum(p.numel() for name, p in model.named_parameters()
+               if name.rsplit(".", 1)[-1] in MATMUL_LEAVES)
+
+
+def model_flops(rows: int, seq_len: int, n_mm: int, n_layers: int, d_attn: int, *,
+                passes: int = 3, causal: bool = False) -> float:
+    """The count over `rows` sequences of `seq_len` positions, `passes` 3 for forward +
+    backward (1: a forward): 2 N_mm a token a pass for the weights, 4 n_layers d_attn a query
+    and key a pass for q.k and pattern.v, over every key (PaLM's count) or, `causal`, over the
+    keys each query may see, (seq_len + 1) / 2 on average."""
+    keys = (seq_len + 1) / 2 if causal else seq_len
+    return passes * rows * seq_len * (2 * n_mm + 4 * n_layers * keys * d_attn)
+
+
 def flops_per_step(d_model: int, batch: int, seq_len: int) -> dict[str, float]:
     run = base_config()
     cfg = model_config(run, d_model, "pre")
-    model = build_model(cfg)
-    n_mm = sum(p.numel() for name, p in model.named_parameters()
-               if name.rsplit(".", 1)[-1] in MATMUL_LEAVES)
-    tokens = batch * seq_len
-    d_attn = cfg.n_heads * cfg.d_head
-    dense = 6 * n_mm * tokens
-    attn = 12 * cfg.n_layers * seq_len * d_attn * tokens
-    return {"n_mm": n_mm, "tokens": tokens, "dense_flops": dense, "attn_flops": attn,
-            "flops": dense + attn}
+    n_mm = n_matmul(build_model(cfg))
+    shape = (batch, seq_len, n_mm, cfg.n_layers, cfg.n_heads * cfg.d_head)
+    dense = model_flops(batch, seq_len, n_mm, n_layers=0, d_attn=0)  # the weights' alone
+    flops = model_flops(*shape)
+    return {"n_mm": n_mm, "tokens": batch * seq_len, "dense_flops": dense,
+            "attn_flops": flops - dense, "flops": flops,
+            "causal_flops": model_flops(*shape, causal=True)}
+
+
+def _utilisation(f: dict[str, float], step: dict[str, Any], peak: float) -> dict[str, Any]:
+    """A contender's FLOP/s and MFU from its step's timing summary, and MFU's CI from the
+    median time's (`mfu_ci`, absent for a summary without one, as older results are); the
+    peak, the best of its measurements, is taken as it is."""
+    s = step["median_s"]
+    out: dict[str, Any] = {"median_s": s, "flops_per_s": f["flops"] / s,
+                           "mfu": f["flops"] / s / peak,
+                           "mfu_causal": f["causal_flops"] / s / peak}
+    if "ci_s" in step:
+        lo, hi = step["ci_s"]
+        out["mfu_ci"] = [f["flops"] / hi / peak, f["flops"] / lo / peak]
+        out["ci_coverage"] = step["ci_coverage"]
+    return out
 
 
 def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -97,8 +129,7 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
         train_step.get("precision", "float32"),
     ) == (info["threads"], info["device"], precision):  # the same steps, timed
         b, t = train_step["batch"], train_step["seq_len"]
-        timed = {d: {k: c["median_s"] for k, c in w["contenders"].items()}
-                 for d, w in train_step["widths"].items()}
+        timed = {d: dict(w["contenders"]) for d, w in train_step["widths"].items()}
         source = "bench_train_step result of this run"
     else:
         run_cfg = base_config()
@@ -111,7 +142,7 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
             steps, _ = contenders_for(run_cfg, int(d), batch, ("pre", "qkv"), ("nanogpt",),
                                       device=device, precision=precision)
             times = paired_timing(steps, repeats=repeats, inner=1, warmup=1, device=device)
-            timed[d] = {k: summary(v)["median_s"] for k, v in times.items()}
+            timed[d] = {k: summary(v) for k, v in times.items()}
         source = "timed here"
     peaks.append(matmul_peak(n, peak_reps, device, dtype))
     peak = max(p["best_flops_per_s"] for p in peaks)
@@ -120,8 +151,7 @@ def run(args: argparse.Namespace, train_step: dict[str, Any] | None = None) -> d
         f = flops_per_step(int(d), b, t)
         widths_out[d] = {
             **f,
-            "contenders": {k: {"median_s": s, "flops_per_s": f["flops"] / s,
-                               "mfu": f["flops"] / s / peak} for k, s in per.items()},
+            "contenders": {k: _utilisation(f, s, peak) for k, s in per.items()},
         }
     return {
         "benchmark": "mfu", "info": info, "batch": b, "seq_len": t, "timings": source,
@@ -140,11 +170,13 @@ def to_markdown(res: dict[str, Any]) -> str:
              f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s. {res['formula']} (causal mask ignored). "
              f"batch {res['batch']} x seq len {res['seq_len']}; step times: {res['timings']}."]
     for d, w in res["widths"].items():
-        rows = [[k, 1e3 * c["median_s"], c["flops_per_s"] / 1e9, 100 * c["mfu"]]
+        rows = [[k, 1e3 * c["median_s"], c["flops_per_s"] / 1e9, 100 * c["mfu"],
+                 "" if "mfu_causal" not in c else f"{100 * c['mfu_causal']:.1f}"]
                 for k, c in w["contenders"].items()]
         parts.append(f"**d_model {d}**: N_mm = {w['n_mm']:,}, {w['flops'] / 1e9:.2f} GFLOP/step "
                      f"(attention {100 * w['attn_flops'] / w['flops']:.1f}%)\n\n"
-                     + md_table(["contender", "ms/step", "GFLOP/s", "MFU %"], rows))
+                     + md_table(["contender", "ms/step", "GFLOP/s", "MFU %",
+                                 "MFU % (causal count)"], rows))
     return "\n\n".join(parts)
 
 

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from bench_mfu import model_flops, n_matmul
 from common import (
     bench_main,
     cpu_only,
@@ -83,7 +84,7 @@ PROBLEM_BASE_ROW = "problems n4 d2"
 WARMUP_ROUNDS = 5  # untimed rounds before the timed ones: the heap's faults settle (docstring)
 PLACEMENT = {"train": "pre", "collapse": "qkv"}
 SIGMA = 0.3
-MATMUL_LEAVES = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_gate", "W_U")
+LAYERS = 4
 
 
 class _Train:
@@ -124,23 +125,19 @@ def problems(s: dict[str, int]) -> list[tuple[str, str]]:
 
 
 def model_cfg(kind: str, s: dict[str, int], max_len: int) -> ModelConfig:
-    return ModelConfig(d_model=s["d_model"], n_heads=4, n_layers=4, max_len=max_len,
+    return ModelConfig(d_model=s["d_model"], n_heads=4, n_layers=LAYERS, max_len=max_len,
                        norm_placement=PLACEMENT[kind], vocab_size=16)
 
 
-def n_matmul(model: torch.nn.Module) -> int:
-    return sum(p.numel() for name, p in model.named_parameters()
-               if name.rsplit(".", 1)[-1] in MATMUL_LEAVES)
-
-
-def flops(kind: str, widths: list[tuple[int, int]], d: int, n_mm: int, n_draws: int) -> float:
-    """The analytic count over forwards of (rows, padded width) `widths`: the training batch;
-    or the sweep's unperturbed forward over the whole batch (finding the sparse rows), then its
-    groups, each run once a draw."""
+def flops(kind: str, widths: list[tuple[int, int]], d: int, n_mm: int, n_draws: int,
+          causal: bool = False) -> float:
+    """bench_mfu's count over forwards of (rows, padded width) `widths`: the training batch
+    (forward + backward); or the sweep's unperturbed forward over the whole batch (finding the
+    sparse rows), then its groups, each run once a draw. `causal`: attention over the keys
+    each query may see, what normlab's CPU attention kernel runs."""
     if kind == "train":
-        return sum(b * t * (6 * n_mm + 12 * 4 * t * d) for b, t in widths)
-    (b0, t0), groups = widths[0], widths[1:]
-    per = [b * t * (2 * n_mm + 4 * 4 * t * d) for b, t in [(b0, t0), *groups]]
+        return sum(model_flops(b, t, n_mm, LAYERS, d, causal=causal) for b, t in widths)
+    per = [model_flops(b, t, n_mm, LAYERS, d, passes=1, causal=causal) for b, t in widths]
     return per[0] + n_draws * sum(per[1:])
 
 
@@ -303,7 +300,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, mult in cfgs:
             s = shape(kind, mult)
             works[name], n_mm, widths = make_work(kind, s, n_draws)
-            f[name] = (flops(kind, widths, s["d_model"], n_mm, n_draws), widths)
+            f[name] = (flops(kind, widths, s["d_model"], n_mm, n_draws), widths,
+                       flops(kind, widths, s["d_model"], n_mm, n_draws, causal=True))
         times = paired_timing(works, repeats=repeats, inner=1, warmup=warmup)
         rows = {}
         for name, mult in cfgs:
@@ -312,7 +310,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "flops": f[name][0], "forwards": f[name][1], "ratio_to": base,
                           "time_ratio": summary(times[name])["median_s"]
                           / summary(times[base])["median_s"],
-                          "flop_ratio": f[name][0] / f[base][0]}
+                          "flop_ratio": f[name][0] / f[base][0],
+                          "causal_flop_ratio": f[name][2] / f[base][2]}
         del works
         shapes = [shape(kind, mult) for _, mult in cfgs]
         if args.quick:  # one subprocess for all rows (saves interpreter start-ups)
@@ -351,11 +350,12 @@ def to_markdown(res: dict[str, Any]) -> str:
             t = (", ".join(f"{b} x {w}" for b, w in groups) if len(groups) > 1
                  else groups[0][1])
             table.append([name, t, s["d_model"], s["batch"], 1e3 * r["median_s"],
-                          rf(r["time_ratio"]), rf(r["flop_ratio"]), m.get("peak_delta_mb"),
-                          rf(r["memory_ratio"])])
+                          rf(r["time_ratio"]), rf(r["flop_ratio"]),
+                          rf(r["causal_flop_ratio"]) if "causal_flop_ratio" in r else "",
+                          m.get("peak_delta_mb"), rf(r["memory_ratio"])])
         parts.append(f"**{titles[kind]}**\n\n" + md_table(
             ["config", "T (or groups, rows x T)", "d", "B", "ms", "time x", "FLOPs x",
-             "peak MB", "memory x"], table))
+             "causal FLOPs x", "peak MB", "memory x"], table))
     if res.get("skipped"):
         parts.append(res["skipped"])
     return "\n\n".join(parts)

@@ -6,7 +6,9 @@ the path normlab itself takes on short CPU rows) and x-transformers' `Decoder` a
 (its default attention). normlab is held to the fastest of them.
 
 One step = forward, cross-entropy on the answer tokens, backward, gradient clipping, AdamW
-(`normlab.train.make_optimizer`, identical for every contender). All contenders see the same
+(`normlab.train.make_optimizer`, identical for every contender; the references, whose
+parameters are not named `W_*`, decay theirs by nanoGPT's rule, `ndim >= 2`, which there picks
+the weight matrices as normlab's names do here). All contenders see the same
 real training batch of the quick grid (`TrainStream`, seed 0) and are timed side by side,
 alternating per repeat. tokens/s counts every position of the padded batch (batch x seq len),
 which is what the model computes on. The batch carries the digit positions (`aux`) when the
@@ -97,6 +99,12 @@ def x_transformers_status() -> tuple[bool, str]:
     return True, f"x-transformers {version('x-transformers')} ({x_transformers.__name__})"
 
 
+def matrix_by_shape(name: str, p: torch.Tensor) -> bool:
+    """nanoGPT's rule for what AdamW decays (`configure_optimizers`): every tensor of two or
+    more dimensions, its weight matrices and embeddings; biases and norm gains are not."""
+    return p.ndim >= 2
+
+
 def build_contender(
     kind: str, cfg: ModelConfig, run: RunConfig, batch: dict[str, torch.Tensor],
     compiled: bool = False, device: torch.device | None = None, precision: str = "float32",
@@ -146,7 +154,8 @@ def build_contender(
     model.to(device or "cpu").train()
     if compiled:
         model.compile()  # in place: the loss closures above call the compiled module
-    opt = make_optimizer(model, run.train)
+    opt = make_optimizer(model, run.train) if kind == "normlab" else make_optimizer(
+        model, run.train, decayed=matrix_by_shape)
     clip = run.train.grad_clip
     mixed = autocast(precision, torch.device(device or "cpu"))
 

@@ -201,8 +201,12 @@ def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, Any]:
             "ci": [ci["lo"], ci["hi"]], "ci_coverage": ci["coverage"]}
 
 
-def summary(times: Sequence[float]) -> dict[str, float]:
-    return {"median_s": median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+def summary(times: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and count of a contender's times, and its median's CI (`ci_s`, with
+    its coverage), from which a quantity over the time (MFU) takes its own."""
+    ci = median_ci(times)
+    return {"median_s": median(times), "min_s": min(times), "max_s": max(times), "n": len(times),
+            "ci_s": [ci["lo"], ci["hi"]], "ci_coverage": ci["coverage"]}
 
 
 def _cpu_model() -> str:

@@ -56,8 +56,8 @@ MODULES: dict[str, Any] = {
 
 def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The few numbers worth quoting, from the individual results: each with its median, its
-    CI's stats (None for MFU, a single reading) and, where issue 6 sets one, its target and
-    this run's verdict (`targets.py`)."""
+    CI's stats (MFU's from its step time's; an older result without one gives "(no CI)") and,
+    where issue 6 sets one, its target and this run's verdict (`targets.py`)."""
     rows: list[tuple[str, float, dict[str, Any] | None, targets.Target | None]] = []
     for d, w in results.get("train_step", {}).get("widths", {}).items():
         # issue 6 compares eager steps; a --compile run's compiled ones are listed, not judged
@@ -79,7 +79,10 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             if name in w["contenders"]:  # the target is the default config's: pre, its width,
                 default = (name, d, setup) == (  # one thread, CPU, float32
                     "normlab-pre", targets.DEFAULT_WIDTH, targets.DEFAULT_CONFIG)
-                rows.append((f"MFU d{d} {name} (%)", 100 * w["contenders"][name]["mfu"], None,
+                c = w["contenders"][name]  # its CI from the step time's ({}: none recorded)
+                ci = ({"ci": [100 * x for x in c["mfu_ci"]], "ci_coverage": c["ci_coverage"]}
+                      if "mfu_ci" in c else {})
+                rows.append((f"MFU d{d} {name} (%)", 100 * c["mfu"], ci,
                              targets.MFU_PCT if default else None))
     for r in results.get("packing", {}).get("results", []):
         rows.append((f"packing {r['grid']} grid: padded / packed step (time)",
@@ -96,6 +99,9 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     for r in results.get("hooks", {}).get("results", []):
         rows.append((f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)",
                      r["ratio"]["median"], r["ratio"], targets.HOOKS))
+        if "predicted_overhead_pct" in r:  # the points' whole cost, which the ratio cannot see
+            rows.append((f"hooks {r['placement']} batch {r['batch']}: unused points' cost, "
+                         "predicted (% of a forward)", r["predicted_overhead_pct"], None, None))
     return [{"quantity": q, "median": v,
              **({k: st[k] for k in ("ci", "ci_coverage")} if st and "ci" in st else {}),
              "target": None if t is None else str(t),

@@ -75,3 +75,38 @@ def test_every_contender_steps_in_the_precision_asked(kind: str, precision: str)
         step()
         handle.remove()
     assert seen == [getattr(torch, precision)]
+
+
+@pytest.mark.parametrize("kind", ["nanogpt", "nanogpt-manual", "x-transformers"])
+def test_every_contender_decays_the_same_weights(kind: str, monkeypatch: pytest.MonkeyPatch
+                                                 ) -> None:
+    """The references' parameters are not named `W_*`: under normlab's rule AdamW decayed none
+    of them. By nanoGPT's rule (ndim >= 2) they decay as many weights as normlab's model of the
+    same sizes does, and only matrices."""
+    import bench_train_step
+    from bench_train_step import build_contender, x_transformers_status
+    from normlab.config import RunConfig
+
+    if kind == "x-transformers" and not x_transformers_status()[0]:
+        pytest.skip("x-transformers is not installed")
+    made: list[torch.optim.Optimizer] = []
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(opt := make_optimizer(*args, **kwargs))
+        return opt
+
+    from normlab.train import make_optimizer
+
+    monkeypatch.setattr(bench_train_step, "make_optimizer", spy)
+    cfg = ModelConfig(vocab_size=16, d_model=32, n_heads=4, n_layers=2, d_mlp=64, max_len=32,
+                      norm_placement="pre", pos_encoding="rope")
+    batch = {"tokens": torch.randint(1, 16, (4, 9)), "targets": torch.randint(0, 16, (4, 9))}
+    decayed = {}
+    for k in ("normlab", kind):
+        build_contender(k, cfg, RunConfig(), batch)
+        groups = {g["weight_decay"]: g["params"] for g in made[-1].param_groups}
+        assert set(groups) == {RunConfig().train.weight_decay, 0.0}
+        assert all(p.ndim >= 2 for p in groups[RunConfig().train.weight_decay])
+        assert all(p.ndim < 2 or k == "normlab" for p in groups[0.0])
+        decayed[k] = sum(p.numel() for p in groups[RunConfig().train.weight_decay])
+    assert decayed[kind] == decayed["normlab"] > 0

@@ -78,18 +78,25 @@ def lr_at(step: int, cfg: Any) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
-    """Weight decay on the weight matrices (`W_*`: embeddings, projections, unembedding)
-    only; norms, biases and logit scales are not decayed. By name, not by shape: the
-    attention's biases `b_Q`, `b_K`, `b_V` are [head, d_head], and were decayed by an
-    `ndim >= 2` rule.
+def is_weight_matrix(name: str, p: torch.Tensor) -> bool:
+    """normlab's parameters to decay: the weight matrices `W_*` (embeddings, projections,
+    unembedding), by name, not by shape: the attention's biases `b_Q`, `b_K`, `b_V` are
+    [head, d_head], and were decayed by an `ndim >= 2` rule."""
+    return name.rsplit(".", 1)[-1].startswith("W_")
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Any,
+                   decayed: Callable[[str, torch.Tensor], bool] = is_weight_matrix,
+                   ) -> torch.optim.AdamW:
+    """Weight decay on the weight matrices only (`decayed`, for a model of other names: the
+    benchmarks' references); norms, biases and logit scales are not decayed.
 
     The fused AdamW kernel (CPU and CUDA) updates every tensor in one call: a `qkv` model has
     ~70 parameter tensors, and the per-tensor loop cost ~5% of a small model's step.
     """
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    is_weight = [n.rsplit(".", 1)[-1].startswith("W_") for n, _ in named]
+    is_weight = [decayed(n, p) for n, p in named]
     decay = [p for p, w in zip(params, is_weight, strict=True) if w]
     rest = [p for p, w in zip(params, is_weight, strict=True) if not w]
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
