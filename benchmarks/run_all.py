@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import sys
 import time
 import traceback
@@ -109,9 +110,15 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
              "verdict": None if t is None else t.verdict(v, st)} for q, v, st, t in rows]
 
 
+def _percent(v: float) -> str:
+    """A percentage to one decimal, or to two significant digits below 1 (the unused hook
+    points' predicted cost, 0.02%, read "0.0")."""
+    return f"{v:.1f}" if abs(v) >= 1 or not math.isfinite(v) else f"{v:.2g}"
+
+
 def headlines(rows: list[dict[str, Any]], quick: bool = False) -> str:
     """`headline_rows` as a Markdown table."""
-    table = [[r["quantity"], f"{r['median']:.1f}" if "%" in r["quantity"] else rf(r["median"]),
+    table = [[r["quantity"], _percent(r["median"]) if "%" in r["quantity"] else rf(r["median"]),
               rci(r), r["target"] or "", r["verdict"] or ""] for r in rows]
     note = ("`--quick`: smaller sizes and fewer repeats than the targets are measured at; "
             "its verdicts are not the targets'.\n\n" if quick else "")

@@ -180,6 +180,9 @@ def test_headlines_table_and_json_carry_the_verdicts() -> None:
                         "| this run |")
     assert ("| decode pre n5d1: uncached / cached (time) | 2.90 | 2.80–3.10 (96%) | ≥ 3 | "
             "missed (CI crosses) |") in table
+    assert ("| hooks pre batch 128: unused points' cost, predicted (% of a forward) | 0.02 | — "
+            "|  |  |") in table  # two digits below 1%, where one decimal read "0.0"
+    assert "| MFU d64 normlab-pre (%) | 55.0 | 48.00–58.00 (96%) | ≥ 50 | met (CI crosses) |" in table
     assert "--quick" in run_all.headlines(rows, quick=True)
     json.dumps(rows)  # what run_all writes under "headlines": plain JSON
     assert run_all.headlines([]) == ""
