@@ -7,7 +7,9 @@
 # one sitting: `bash benchmarks/results/session37/ab_run.sh`. The old code runs from a git
 # worktree (WT, default ../ab-$OLD) with PYTHONPATH at its src/, so one .venv runs both; its
 # kernels compile into their own cache entry. `benchmarks/probes/ab_summary.py OUT old new`
-# prints every run's medians and their median (summary.txt).
+# prints every run's medians and their median (summary.txt). THREADS (default "1 2") and
+# BENCHES (default "train decode") narrow a later sitting, e.g. THREADS=2 BENCHES=train
+# ROUNDS="5 6 7 8".
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 git diff --quiet HEAD || { echo "ab_run.sh: commit first (tracked files changed)" >&2; exit 1; }
@@ -19,15 +21,22 @@ PY=$ROOT/.venv/bin/python
 mkdir -p $OUT
 [ -d "$WT" ] || git worktree add -q --detach "$WT" "$OLD"
 { echo "new $(git rev-parse HEAD)"; echo "old $(git -C "$WT" rev-parse HEAD)"; } >> $OUT/commits.txt
-date -u +"started %H:%M UTC (rounds ${ROUNDS:-1 2})" >> $OUT/commits.txt
-for T in 1 2; do
+BENCHES=${BENCHES:-train decode}
+date -u +"started %H:%M UTC (rounds ${ROUNDS:-1 2}, threads ${THREADS:-1 2}, $BENCHES)" \
+  >> $OUT/commits.txt
+for T in ${THREADS:-1 2}; do
   for round in ${ROUNDS:-1 2}; do
     for side in old new; do
       dir=$([ $side = old ] && echo "$WT" || echo "$ROOT")
-      (cd "$dir" && PYTHONPATH=src $PY benchmarks/bench_train_step.py --threads $T --repeats 15 \
-        --widths 64 --force --out "$ROOT/$OUT/train_${side}_${T}t_$round.json" > /dev/null)
-      (cd "$dir" && PYTHONPATH=src $PY benchmarks/bench_decode.py --threads $T --force \
-        --out "$ROOT/$OUT/decode_${side}_${T}t_$round.json" > /dev/null)
+      if [[ " $BENCHES " == *" train "* ]]; then
+        (cd "$dir" && PYTHONPATH=src $PY benchmarks/bench_train_step.py --threads $T \
+          --repeats 15 --widths 64 --force --out "$ROOT/$OUT/train_${side}_${T}t_$round.json" \
+          > /dev/null)
+      fi
+      if [[ " $BENCHES " == *" decode "* ]]; then
+        (cd "$dir" && PYTHONPATH=src $PY benchmarks/bench_decode.py --threads $T --force \
+          --out "$ROOT/$OUT/decode_${side}_${T}t_$round.json" > /dev/null)
+      fi
     done
   done
 done
