@@ -10,8 +10,9 @@ training-size forward; batch 1 is decode-sized, where fixed per-call costs domin
 A forward cannot run without its points, so what they cost against a model that has none
 (reading the attribute, the call and the check) comes from a tight loop that reads
 `self.hook_x(x)` as the model does, against the same method without the point; "predicted %"
-scales it by the points one forward calls (counted: fewer than the model has, since the fused
-attention paths pass no scores or pattern through theirs).
+scales it by the points one forward calls (`called_points`: fewer than the model has, since a
+norm with nothing attached skips its own two, the fused attention paths pass no scores or
+pattern through theirs, and the fused QK-Norm + RoPE no q or k).
 
     python benchmarks/bench_hooks.py [--quick] [--threads N]
 """
@@ -50,22 +51,23 @@ def _bare(self: HookPoint, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def calls_per_forward(model: Any, tokens: torch.Tensor, aux: Any) -> int:
-    """How many unhooked points one forward calls (HookPoint.__call__ counted for one)."""
-    n = 0
+def called_points(model: Any, tokens: torch.Tensor, aux: Any) -> list[str]:
+    """The names of the points one unhooked forward calls, in order (HookPoint.__call__
+    watched for one forward)."""
+    names = {id(p): n for n, p in model.hook_points().items()}
+    called: list[str] = []
 
-    def counting(self: HookPoint, x: torch.Tensor) -> torch.Tensor:
-        nonlocal n
-        n += 1
+    def watching(self: HookPoint, x: torch.Tensor) -> torch.Tensor:
+        called.append(names[id(self)])
         return ORIGINAL_CALL(self, x)
 
-    HookPoint.__call__ = counting
+    HookPoint.__call__ = watching
     try:
         with torch.no_grad():
             model(tokens, aux=aux)
     finally:
         HookPoint.__call__ = ORIGINAL_CALL
-    return n
+    return called
 
 
 def _inner_for(fn: Callable[[], Any], target_s: float, device: torch.device | None = None) -> int:
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             model(tokens, aux=aux)
                     return fn
 
-                n_calls = calls_per_forward(model, tokens, aux)
+                n_calls = len(called_points(model, tokens, aux))
                 contenders = {"hooks": forward(ORIGINAL_CALL), "bypassed": forward(_bare)}
                 inner = _inner_for(contenders["hooks"], target, device)
                 times = paired_timing(contenders, repeats=repeats, inner=inner, warmup=1,

@@ -100,7 +100,8 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     for r in results.get("hooks", {}).get("results", []):
         rows.append((f"hooks {r['placement']} batch {r['batch']}: with / bypassed (time)",
                      r["ratio"]["median"], r["ratio"], targets.HOOKS))
-        if "predicted_overhead_pct" in r:  # the points' whole cost, which the ratio cannot see
+        if "hook_calls" in r:  # the points' whole cost, which the ratio cannot see (older
+            # results scaled it by every registered point, 1.5-1.9x too many: not shown)
             rows.append((f"hooks {r['placement']} batch {r['batch']}: unused points' cost, "
                          "predicted (% of a forward)", r["predicted_overhead_pct"], None, None))
     return [{"quantity": q, "median": v,

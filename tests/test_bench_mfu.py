@@ -53,3 +53,18 @@ def test_the_causal_count_takes_the_keys_each_query_sees() -> None:
         2, 1, n_mm, layers, d_attn)
     f = flops_per_step(64, 128, 17)
     assert f["dense_flops"] < f["causal_flops"] < f["flops"] == f["dense_flops"] + f["attn_flops"]
+
+
+def test_mfu_takes_its_interval_from_the_step_times() -> None:
+    """MFU is the count over the time: the slow end of the time's CI is MFU's low end, the
+    coverage is the time's, and a summary without a CI (an older result) gives none."""
+    from bench_mfu import _utilisation
+    from common import summary
+
+    f = {"flops": 8.0, "causal_flops": 6.0}
+    times = summary([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])  # 7 repeats: [min, max], 98.4%
+    assert times["ci_s"] == [1.0, 7.0] and times["ci_coverage"] == pytest.approx(1 - 2 / 128)
+    u = _utilisation(f, times, peak=2.0)
+    assert (u["mfu"], u["mfu_causal"], u["mfu_ci"]) == (1.0, 0.75, [8 / 7 / 2, 4.0])
+    assert u["ci_coverage"] == times["ci_coverage"]
+    assert "mfu_ci" not in _utilisation(f, {"median_s": 4.0}, peak=2.0)

@@ -90,7 +90,7 @@ def _results() -> dict:
                      "speedup_call": _stats(15.0, 14.0, 16.0)},
         "hooks": {"results": [{"placement": "pre", "batch": 128,
                                "ratio": _stats(1.01, 0.98, 1.04),
-                               "predicted_overhead_pct": 0.02}]},
+                               "predicted_overhead_pct": 0.02, "hook_calls": 54}]},
     }
 
 
@@ -121,8 +121,10 @@ def test_headline_rows_hold_every_placement_and_each_target() -> None:
     res = _results()
     for c in res["mfu"]["widths"]["64"]["contenders"].values():
         del c["mfu_ci"], c["ci_coverage"]
+    del res["hooks"]["results"][0]["hook_calls"]  # scaled by every registered point: not shown
     rows = {r["quantity"]: r for r in run_all.headline_rows(res)}
     assert rows["MFU d64 normlab-pre (%)"]["verdict"] == "met (no CI)"
+    assert not [q for q in rows if "predicted" in q]
     assert rows["decode pre n5d1: uncached / cached (time)"]["ci"] == [2.8, 3.1]
 
 
@@ -182,7 +184,8 @@ def test_headlines_table_and_json_carry_the_verdicts() -> None:
             "missed (CI crosses) |") in table
     assert ("| hooks pre batch 128: unused points' cost, predicted (% of a forward) | 0.02 | — "
             "|  |  |") in table  # two digits below 1%, where one decimal read "0.0"
-    assert "| MFU d64 normlab-pre (%) | 55.0 | 48.00–58.00 (96%) | ≥ 50 | met (CI crosses) |" in table
+    assert ("| MFU d64 normlab-pre (%) | 55.0 | 48.00–58.00 (96%) | ≥ 50 | met (CI crosses) |"
+            in table)
     assert "--quick" in run_all.headlines(rows, quick=True)
     json.dumps(rows)  # what run_all writes under "headlines": plain JSON
     assert run_all.headlines([]) == ""

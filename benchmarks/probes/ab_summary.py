@@ -35,7 +35,8 @@ for t in (1, 2):
         every = train or col or dec  # a folder may hold only some of the three
         if not every:
             continue
-        print(f"== {t} thread(s), {rule}, {len(every)} runs, git {every[0]['info']['git'][:7]}")
+        commits = ", ".join(dict.fromkeys(r["info"]["git"][:7] for r in every))
+        print(f"== {t} thread(s), {rule}, {len(every)} runs, git {commits}")
         for name in train[0]["widths"]["64"]["contenders"] if train else []:
             cs = [r["widths"]["64"]["contenders"][name] for r in train]
             ms = [1e3 * c["median_s"] for c in cs]
