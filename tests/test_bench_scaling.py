@@ -52,6 +52,9 @@ def test_the_training_count_is_over_the_padded_problem_batch() -> None:
     width = make_batch(S.problems(s), "decoder")["tokens"].shape[1]
     assert widths == [(128, width)]
     assert S.flops("train", widths, 64, n_mm, 1) == 128 * width * (6 * n_mm + 48 * width * 64)
+    # over the keys each query sees, 1 + 2 + ... + width of them, what the kernel runs
+    assert S.flops("train", widths, 64, n_mm, 1, causal=True) == 128 * (
+        6 * n_mm * width + 48 * width * (width + 1) // 2 * 64)
 
 
 def test_full_runs_time_each_row_after_the_warm_up_rounds(monkeypatch) -> None:

@@ -94,11 +94,11 @@ def make_optimizer(model: torch.nn.Module, cfg: Any,
     The fused AdamW kernel (CPU and CUDA) updates every tensor in one call: a `qkv` model has
     ~70 parameter tensors, and the per-tensor loop cost ~5% of a small model's step.
     """
-    named = list(model.named_parameters())
-    params = [p for _, p in named]
-    is_weight = [decayed(n, p) for n, p in named]
-    decay = [p for p, w in zip(params, is_weight, strict=True) if w]
-    rest = [p for p, w in zip(params, is_weight, strict=True) if not w]
+    decay: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for n, p in model.named_parameters():
+        (decay if decayed(n, p) else rest).append(p)
+    params = decay + rest
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
         [

@@ -269,9 +269,9 @@ def _load() -> ctypes.CDLL | None:
     try:
         cc = compiler()
     except ValueError as err:  # shlex: an unclosed quote; every later call fell back unsaid
-        cc = [os.environ.get("CC", "")]
-        warnings.warn(f"normlab: CC={cc[0]!r} is not a command line ({err}); norms, RoPE, "
-                      "attention and GELU use torch's ops", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"normlab: CC={os.environ['CC']!r} is not a command line ({err}); "
+                      "norms, RoPE, attention and GELU use torch's ops", RuntimeWarning,
+                      stacklevel=2)
         return None
     src = SOURCE.read_bytes()
     for flags in FLAG_SETS:
