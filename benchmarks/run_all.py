@@ -113,8 +113,10 @@ def headline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _percent(v: float) -> str:
     """A percentage to one decimal, or to two significant digits below 1 (the unused hook
-    points' predicted cost, 0.02%, read "0.0")."""
-    return f"{v:.1f}" if abs(v) >= 1 or not math.isfinite(v) else f"{v:.2g}"
+    points' predicted cost, 0.02%, read "0.0"); 0.999 rounds to "1.0", where two digits gave
+    "1"."""
+    short = f"{v:.2g}"
+    return short if math.isfinite(v) and abs(float(short)) < 1 else f"{v:.1f}"
 
 
 def headlines(rows: list[dict[str, Any]], quick: bool = False) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -187,6 +188,9 @@ def test_headlines_table_and_json_carry_the_verdicts() -> None:
     assert ("| MFU d64 normlab-pre (%) | 55.0 | 48.00–58.00 (96%) | ≥ 50 | met (CI crosses) |"
             in table)
     assert "--quick" in run_all.headlines(rows, quick=True)
+    # each as the table writes it: two digits below 1%, one decimal from where they round to 1
+    got = [run_all._percent(v) for v in (0.0, 0.02, 0.96, 0.999, 1.0, -0.999, 55.04, math.nan)]
+    assert got == ["0", "0.02", "0.96", "1.0", "1.0", "-1.0", "55.0", "nan"]
     json.dumps(rows)  # what run_all writes under "headlines": plain JSON
     assert run_all.headlines([]) == ""
 

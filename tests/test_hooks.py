@@ -684,6 +684,8 @@ def test_reset_hooks_inside_a_hooks_block_leaves_it_cleanly() -> None:
         ({"prompts": [[3.9, 4.2]]}, r"prompts\[0\]: expected integer ids in \[0, 16\); got 3\.9"),
         ({"prompts": [[3, 4], [5, 99]]}, r"prompts\[1\]: expected integer ids in .*; got 99$"),
         ({"prompts": [[3, "4"]]}, r"prompts\[0\]: expected integer ids in .*; got '4'$"),
+        # taken as id 1 by torch's tensor, unseen
+        ({"prompts": [[3, 4], [5, True]]}, r"prompts\[1\]: expected integer ids in .*; got True$"),
         ({"prompts": [[3, 10**30]]}, r"prompts\[0\]: .*; got 1000000000000000000000000000000$"),
         # a pad or bos outside the vocabulary was reported as a bad id of `tokens`
         ({"prompts": [[3, 4], [5]], "pad": 16}, r"pad: expected a token id in \[0, 16\); got 16"),

@@ -36,7 +36,10 @@ def _pad(seqs: list[list[int]], pad: int, left: bool, name: str = "prompts",
         rows = torch.tensor(flat)
     except (TypeError, ValueError, RuntimeError, OverflowError):  # not numbers, or too large
         rows = torch.zeros(0)
-    ints = not (rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool)
+    # torch takes True among ints as 1, so a bool anywhere is refused by its type (~80 us for
+    # 4096 ids, a sixth of the list's conversion)
+    ints = not (rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool
+                or bool in set(map(type, flat)))
     if ints:
         rows = rows.long()
     if not ints or (high is not None and bool((rows < 0).any() | (rows >= high).any())):
