@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from normlab import ModelConfig, build_model
+from normlab.model import transformer
 from normlab.model.attention import kernel_by_default, learned_scale_init
+from normlab.model.transformer import footprint
 
 PLACEMENTS = ["none", "post", "pre", "qk", "qkv"]
 NORMS = ["layer", "rms"]
@@ -313,6 +317,89 @@ def test_other_errors_building_a_model_are_not_taken_for_its_size(monkeypatch) -
     monkeypatch.setattr(DecoderLM, "__init__", broken)
     with pytest.raises(RuntimeError, match="a bug, not a size"):
         build_model(tiny())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"n_layers": 3},
+        {"n_layers": 5, "pos_encoding": "rope", "tie_embeddings": True, "norm_placement": "qkv",
+         "n_aux_positions": 4, "mlp_type": "gated", "attn_bias": True, "n_kv_heads": 2},
+        {"arch": "encoder_decoder", "n_encoder_layers": 3, "n_decoder_layers": 4,
+         "norm_placement": "post", "pos_encoding": "sinusoidal"},
+    ],
+)
+def test_footprint_counts_the_bytes_the_built_model_holds(kwargs: dict) -> None:
+    """Sized from one layer a stack on the meta device: the built model's own tensors are the
+    truth."""
+    cfg = tiny(**kwargs)
+    model = build_model(cfg)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    fp = footprint(type(model), cfg)
+    assert fp.total == held and fp.layers == sum(
+        getattr(cfg, f) for f in fp.per_layer)
+    assert fp.shallow < fp.total and all(b > 0 for b in fp.per_layer.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"n_layers": 4000}, "ModelConfig.n_layers = 4000: the model's weights and tables take "),
+        # only the stack that holds the bytes
+        ({"arch": "encoder_decoder", "n_encoder_layers": 4000, "n_decoder_layers": 2},
+         "ModelConfig.n_encoder_layers = 4000: "),
+        ({"arch": "encoder_decoder", "n_encoder_layers": 3000, "n_decoder_layers": 3000},
+         "ModelConfig.n_encoder_layers = 3000, ModelConfig.n_decoder_layers = 3000: "),
+    ],
+)
+def test_a_model_deeper_than_memory_is_refused_before_it_is_built(monkeypatch, kwargs: dict,
+                                                                   named: str) -> None:
+    """Each layer's tensors are small, so the allocator granted them all and the kernel killed
+    the process once they were written (100,000 layers of d_model 64 on a 24 GiB machine,
+    after minutes): no line named n_layers. Here memory is set at 64 MiB: 4000 layers of ~33
+    KiB of weights and 64 KiB of modules each pass it, 300 fit."""
+    monkeypatch.setattr(transformer, "memory_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(transformer.DecoderLM, "__init__", _refuses_to_build(
+        transformer.DecoderLM.__init__, max_layers=1))
+    monkeypatch.setattr(transformer.EncoderDecoderLM, "__init__", _refuses_to_build(
+        transformer.EncoderDecoderLM.__init__, max_layers=1))
+    with pytest.raises(ValueError) as err:
+        build_model(tiny(**kwargs))
+    msg = str(err.value)
+    assert msg.startswith(named) and "\n" not in msg
+    assert msg.endswith("beyond this machine's 0.1 GiB of memory and swap; expected a smaller size")
+    monkeypatch.undo()
+    monkeypatch.setattr(transformer, "memory_bytes", lambda: 64 * 2**20)
+    assert len(build_model(tiny(n_layers=300)).blocks) == 300  # within it: built
+
+
+def _refuses_to_build(init, max_layers: int):
+    """`init` that fails a test which builds a model deeper than `max_layers` off the meta
+    device (the check must size it first)."""
+    def guarded(self, cfg):
+        deep = max(cfg.n_layers if cfg.arch == "decoder" else
+                   max(cfg.n_encoder_layers, cfg.n_decoder_layers), 0)
+        assert deep <= max_layers or torch.empty(0).is_meta, "built before it was sized"
+        init(self, cfg)
+    return guarded
+
+
+def test_a_machine_that_does_not_say_its_memory_builds_without_the_check(monkeypatch) -> None:
+    monkeypatch.setattr(transformer, "memory_bytes", lambda: None)
+    assert len(build_model(tiny(n_layers=3)).blocks) == 3
+
+
+def test_memory_bytes_reads_the_system(monkeypatch) -> None:
+    """Memory and swap from /proc/meminfo where Linux has it, else the physical pages."""
+    total = transformer.memory_bytes()
+    if Path("/proc/meminfo").exists():
+        info = Path("/proc/meminfo").read_text()
+        kib = [int(ln.split()[1]) for ln in info.splitlines()
+               if ln.startswith(("MemTotal:", "SwapTotal:"))]
+        assert total == 1024 * sum(kib)
+    monkeypatch.setattr(transformer.Path, "read_text", lambda self: "no such table")
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert transformer.memory_bytes() == pages > 0
 
 
 def test_numpy_floats_are_taken_as_python_floats() -> None:

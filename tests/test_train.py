@@ -1071,6 +1071,11 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
                      "model.pos_encoding='learned'")
     assert code == 2 and err.startswith("normlab: error: ModelConfig.max_len = 10000000000000")
     assert "\n" not in err and files() == before
+    # nor one of a billion small layers, which the allocator granted until the process was killed
+    code, err = _cli(capsys, *argv, "--set", f"model.n_layers={10**9}")
+    assert code == 2 and err.startswith("normlab: error: ModelConfig.n_layers = 1000000000: the "
+                                        "model's weights and tables take ")
+    assert "\n" not in err and files() == before
 
 
 @pytest.mark.parametrize(
