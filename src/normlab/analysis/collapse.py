@@ -23,9 +23,10 @@ Measurement vs theory (why they differ, on purpose):
   earlier layers' noise changed this layer's input, and value noise changes the inputs of later
   layers. The theory sees only key-norm noise at the row's own layer, applied to the recorded
   logits. Measured > predicted therefore signals propagation, not an error.
-- In `token` mode a query's own eps is a row-wide factor, which the theory rightly ignores;
-  but in self-attention the query token's key shares that eps, so its key is not independent
-  of the row temperature as the theory assumes.
+- In `token` mode a query's own eps is a row-wide factor, which cannot move the argmax while
+  1 + eps > 0 (in self-attention the query token's own key carries the same eps, which after
+  that factor is divided out is one more independent key factor, as the theory has it). A
+  negative 1 + eps, with probability Phi(-1/sigma), reverses the row; the theory leaves it out.
 - Targets without `k` (e.g. only `v`) have no direct effect on the row in the theory, which
   still reports the key-noise prediction for reference.
 """
@@ -582,9 +583,9 @@ THEORY_NOTE = (
     "noise). Each (site, head) draws its own noise (group_seed), so predicted_rate_se, which "
     "adds the heads' variances, holds. The measurement perturbs all selected sites at once: "
     "noise from earlier layers propagates into this layer's logits and value noise changes "
-    "later inputs, so measured rates may exceed the prediction; in token mode a self-attention "
-    "query shares its eps with its own key, and targets without k have no direct effect in the "
-    "theory."
+    "later inputs, so measured rates may exceed the prediction; a query's factor 1 + eps < 0 "
+    "(probability Phi(-1/sigma)) reverses its row, which the theory leaves out; targets without "
+    "k have no direct effect in the theory."
 )
 
 
