@@ -702,6 +702,16 @@ def test_reset_hooks_inside_a_hooks_block_leaves_it_cleanly() -> None:
          r"ModelConfig\.max_len=8; expected max_new <= 3$"),
         ({"prompts": [[3], [3] * 9], "max_new": 1},
          r"prompts\[1\]: expected at most ModelConfig\.max_len=8 tokens; got 9"),
+        # one prompt, not a list of them: "object of type 'int' has no len()"
+        ({"prompts": [3, 4]}, r"prompts\[0\]: expected a list of token ids; got 3$"),
+        ({"prompts": ["34"]}, r"prompts\[0\]: expected a list of token ids; got '34'$"),
+        ({"prompts": 7}, r"prompts: expected a list of token lists or a \[batch, pos\] tensor; "
+                         r"got int$"),
+        ({"prompts": "34"}, r"prompts: expected .*; got str$"),
+        # a level too deep: torch's "shape '[1, 1]' is invalid for input of size 2"
+        ({"prompts": [[[3, 4]]]}, r"prompts\[0\]: expected integer ids in .*; got \[3, 4\]$"),
+        # numpy's "truth value of an array ... is ambiguous"
+        ({"prompts": np.array([3, 4])}, r"prompts: expected .*; got shape \(2,\)$"),
     ],
 )
 def test_greedy_decode_refuses_bad_input_before_it_starts(kwargs: dict, error: str) -> None:
@@ -733,6 +743,28 @@ def test_what_fits_the_position_table_still_decodes() -> None:
     # numpy ids of any integer type, as token dumps hold them
     for dtype in (np.int32, np.uint16, np.int64):
         assert greedy_decode(dec, list(batch.numpy().astype(dtype)), max_new=2, eos=-1) == want
+    # a [batch, pos] numpy array as the tensor, and prompts from a generator or a tuple
+    assert greedy_decode(dec, batch.numpy(), max_new=2, eos=-1) == want
+    assert greedy_decode(dec, (r for r in batch.tolist()), max_new=2, eos=-1) == want
+    assert greedy_decode(dec, tuple(map(tuple, batch.tolist())), max_new=2, eos=-1) == want
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_a_generous_max_new_reserves_no_more_than_the_decode_uses(arch: str,
+                                                                    monkeypatch) -> None:
+    """With RoPE no table bounds max_new, and the cache reserved every position up front:
+    10**12 asked the allocator for 64 TB though eos ended the decode at once. The reserve is
+    capped at RESERVE_NEW new positions (here 2); past them the buffers double, and the tokens
+    are those of a decode that reserved all it needed."""
+    from normlab.model import generate
+
+    model = build_model(cfg(arch=arch, pos_encoding="rope", vocab_size=16))
+    prompts = [[3, 4, 5], [6, 7]]
+    want = greedy_decode(model, prompts, max_new=9, eos=-1, use_cache=False)
+    monkeypatch.setattr(generate, "RESERVE_NEW", 2)
+    assert greedy_decode(model, prompts, max_new=9, eos=-1) == want
+    first = want[0][0]  # as eos, it ends the decode of prompts[0] at its first token
+    assert greedy_decode(model, prompts[:1], max_new=10**12, eos=first) == [[first]]
 
 
 def test_task_positions_that_are_not_integers_are_named() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -263,7 +264,11 @@ def test_a_folder_that_does_not_load_is_one_line(folders: dict[str, Path], tmp_p
             (_weights_for(g, n_head=0), "cannot load the model: integer division or modulo"),
             (_weights_for(g, n_layer="two"), "cannot read config.json: Validation error for "
                                              "field 'n_layer': TypeError: Field 'n_layer' "
-                                             "expected int, got str")):
+                                             "expected int, got str"),
+            # it blamed the token ids ("token id 27 is outside the vocabulary ... ids 0..-6"),
+            # after two lines of transformers' warnings on the bos and eos ids
+            (_weights_for(g, vocab_size=-5), "config.json's vocab_size: expected a positive "
+                                             "integer; got -5")):
         msg = _error(["analyze", "--hf", str(folder), "--tokens", toks, "--out",
                       str(tmp_path / "out")], capsys)
         assert said in msg, msg
@@ -282,6 +287,9 @@ def test_odd_token_files_are_named(folders: dict[str, Path], tmp_path: Path,
                    f"vocabulary of {g!r}: vocab_size 50, ids 0..49 (1 out-of-range ids in all)")
     msg = _error(["analyze", "--hf", g, "--tokens", str(tmp_path), "--out", out], capsys)
     assert msg == f"normlab: error: --tokens file {str(tmp_path)!r} is a folder, not a file"
+    # a device or a pipe exists: it said "does not exist"
+    msg = _error(["analyze", "--hf", g, "--tokens", os.devnull, "--out", out], capsys)
+    assert msg == f"normlab: error: --tokens file {os.devnull!r} is not a regular file"
 
 
 def test_buffers_older_checkpoints_saved_still_load(folders: dict[str, Path],

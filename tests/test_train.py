@@ -610,6 +610,22 @@ def test_checkpoints_past_seven_digits_keep_the_newest(tmp_path: Path) -> None:
         9_999_999, 10_000_000]
 
 
+def test_an_earlier_step_saved_beside_later_ones_is_kept(tmp_path: Path) -> None:
+    """Pruning kept the newest two by step, so step 5 saved beside 10 and 20 was deleted as it
+    was written, and its returned path did not exist. It is now kept with the newest other."""
+    from normlab import ModelConfig, build_model
+    from normlab.checkpoint import save_checkpoint
+
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32))
+    for step in (10, 20):
+        save_checkpoint(tmp_path, step, model, None, {"config": {}})
+    path = save_checkpoint(tmp_path, 5, model, None, {"config": {}})
+    assert path.is_file() and path.with_suffix(".safetensors").is_file()
+    assert [json.loads(p.read_text())["step"] for p in list_checkpoints(tmp_path)] == [5, 20]
+    save_checkpoint(tmp_path, 30, model, None, {"config": {}})  # onwards, the newest two
+    assert [json.loads(p.read_text())["step"] for p in list_checkpoints(tmp_path)] == [20, 30]
+
+
 def test_a_run_killed_after_it_stopped_early_stays_stopped(tmp_path: Path) -> None:
     """Killed after the early-stop checkpoint, before train_done.json: resuming trained on to
     the next evaluation; it now ends where the straight run ended, with its record."""

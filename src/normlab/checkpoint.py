@@ -55,7 +55,8 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     meta: dict[str, Any],
 ) -> Path:
-    """Write one checkpoint atomically and prune all but the newest `KEEP`."""
+    """Write one checkpoint atomically and prune all but the newest `KEEP`, this one always
+    among them (an earlier step saved beside later ones was pruned as it was written)."""
     folder = Path(folder)
     tensors = {f"model/{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt_meta = None
@@ -77,7 +78,8 @@ def save_checkpoint(
     }
     path = folder / f"{_stem(step)}.json"
     write_json(path, sidecar)
-    for old in list_checkpoints(folder)[:-KEEP]:
+    others = [c for c in list_checkpoints(folder) if c != path]
+    for old in others[: max(len(others) - (KEEP - 1), 0)]:
         old.with_suffix(".safetensors").unlink(missing_ok=True)
         old.unlink(missing_ok=True)
     return path

@@ -45,6 +45,7 @@ from normlab.interop.hf import (
     check_hf_folder,
     context_length,
     from_hf_pretrained,
+    held_logs,
     require_transformers,
 )
 from normlab.io import check_out_folder, provenance, write_json
@@ -105,8 +106,9 @@ def analyze_hf(
 
     t0 = time.perf_counter()
     config, hf_class = _hf_config(folder)
-    if not path.is_file():
-        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+    if not path.is_file():  # /dev/null or a pipe exists, and is not a file to read twice
+        what = ("is a folder, not a file" if path.is_dir() else "does not exist"
+                if not path.exists() else "is not a regular file")
         raise ValueError(f"--{kind} file {str(path)!r} {what}")
     vocab = int(config.vocab_size)
     if kind == "tokens":
@@ -176,12 +178,17 @@ def _hf_config(folder: Path) -> tuple[Any, str]:
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with held_logs():  # its warnings on a bad config (bos_token_id outside the vocabulary)
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
     # transformers 5 checks a field's type with huggingface_hub's validation error, an
     # Exception (n_layer "two"), beside its own OSError, ValueError and KeyError
     except Exception as err:
         raise ValueError(f"--hf folder {str(folder)!r}: cannot read config.json: "
                          f"{first_line(err)}") from err
+    # else a vocabulary of -5 was reported as every token id being outside it
+    check_int(getattr(config, "vocab_size", None),
+              f"--hf folder {str(folder)!r}: config.json's vocab_size", low=1,
+              what="a positive integer")
     try:
         name = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
     except KeyError:

@@ -9,8 +9,9 @@ a silently wrong model is worse than none.
 
 from __future__ import annotations
 
+import contextlib
 import logging as std_logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,26 @@ class _Kept(std_logging.Handler):
         return f" (transformers' report: {rows[0]})" if rows else ""
 
 
+@contextlib.contextmanager
+def held_logs() -> Iterator[_Kept]:
+    """transformers' log lines held back, and its progress bar off, while it reads a folder:
+    an error is then the only line on stderr, and it may quote what was held."""
+    from transformers.utils import logging
+
+    report = _Kept()
+    bar = logging.is_progress_bar_enabled()
+    logging.disable_default_handler()
+    logging.add_handler(report)
+    logging.disable_progress_bar()
+    try:
+        yield report
+    finally:
+        logging.remove_handler(report)
+        logging.enable_default_handler()
+        if bar:
+            logging.enable_progress_bar()
+
+
 def from_hf_pretrained(path: str | Path) -> DecoderLM:
     """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`.
 
@@ -268,29 +289,20 @@ def from_hf_pretrained(path: str | Path) -> DecoderLM:
     folder = Path(path)
     check_hf_folder(folder, "from_hf_pretrained: folder")
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
 
     where = f"Hugging Face folder {str(folder)!r}"
-    report = _Kept()  # transformers' load report, kept for the one-line error below
-    bar = logging.is_progress_bar_enabled()
-    logging.disable_default_handler()
-    logging.add_handler(report)
-    logging.disable_progress_bar()  # an error is then the only line on stderr
-    try:
-        # the saved dtype is kept here; from_hf upcasts to float32 (lossless from bf16/fp16)
-        hf, info = AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True)
-    # transformers' errors: a damaged safetensors header, a pickle it will not load, a config
-    # value its model cannot be built with (n_head 0: ZeroDivisionError), weights it cannot
-    # convert ("look at the above report": its first flagged row is named)
-    except Exception as err:
-        raise ValueError(f"{where}: cannot load the model: {first_line(err)}"
-                         + report.flagged()) from err
-    finally:
-        logging.remove_handler(report)
-        logging.enable_default_handler()
-        if bar:
-            logging.enable_progress_bar()
+    with held_logs() as report:  # its load report, kept for the one-line error below
+        try:
+            # the saved dtype is kept here; from_hf upcasts to float32 (lossless from bf16/fp16)
+            hf, info = AutoModelForCausalLM.from_pretrained(
+                folder, local_files_only=True, output_loading_info=True,
+                ignore_mismatched_sizes=True)
+        # transformers' errors: a damaged safetensors header, a pickle it will not load, a
+        # config value its model cannot be built with (n_head 0: ZeroDivisionError), weights it
+        # cannot convert ("look at the above report": its first flagged row is named)
+        except Exception as err:
+            raise ValueError(f"{where}: cannot load the model: {first_line(err)}"
+                             + report.flagged()) from err
     unexpected = [k for k in info["unexpected_keys"] if not k.endswith(SAVED_BUFFERS)]
     for problem, keys in (("tensors the config asks for are missing from the weights",
                            [str(k) for k in info["missing_keys"]]),

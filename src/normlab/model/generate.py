@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sized
 
+import numpy as np
 import torch
 
 from normlab.checks import check_int, is_int
 from normlab.model.transformer import DecoderLM, EncoderDecoderLM, Model, evaluating
+
+#: New positions a decode's cache reserves up front at most. Past them its buffers double as
+#: they fill (`attention.append_kv`), so a generous `max_new` that `eos` ends early costs no
+#: memory it does not use: with RoPE (no table to bound it) 10**12 asked for 64 TB at once.
+RESERVE_NEW = 4096
 
 #: `aux_fn(ids, part)` -> task-supplied positions for a token row; `part` is "sequence" (a
 #: decoder-only row), "question" (an encoder source) or "answer" (a decoder target row).
@@ -39,7 +45,7 @@ def _pad(seqs: list[list[int]], pad: int, left: bool, name: str = "prompts",
     # torch takes True among ints as 1, so a bool anywhere is refused by its type (~80 us for
     # 4096 ids, a sixth of the list's conversion)
     ints = not (rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool
-                or bool in set(map(type, flat)))
+                or rows.ndim != 1 or bool in set(map(type, flat)))  # ndim: a list in a prompt
     if ints:
         rows = rows.long()
     if not ints or (high is not None and bool((rows < 0).any() | (rows >= high).any())):
@@ -86,7 +92,8 @@ def greedy_decode(
 ) -> list[list[int]]:
     """Generate up to `max_new` tokens per prompt; returns the new tokens, cut after `eos`.
 
-    `prompts` is a list of token lists (Python or numpy ints) or a [batch, pos] tensor.
+    `prompts` is a list (or any iterable) of token lists (Python or numpy ints), or a [batch,
+    pos] tensor or numpy array.
     Decoder-only prompts are left-padded (positions count real tokens only); for an
     encoder-decoder the prompt is the source and the decoder starts from `bos`. Models with
     task-supplied positions (`n_aux_positions > 0`) need `aux_fn`; with `aux_next` too, the
@@ -100,14 +107,20 @@ def greedy_decode(
         check_int(token, name, high=vocab, what=f"a token id in [0, {vocab})")
     check_int(eos, "eos", low=-(2**63), high=2**63,
               what="an int in [-2**63, 2**63) (a token id; -1 never ends)")
-    if isinstance(prompts, torch.Tensor):  # [batch, pos] ids, as TransformerLens users have
+    want = "a list of token lists or a [batch, pos] tensor"
+    # [batch, pos] ids, as TransformerLens users have them (a numpy array too)
+    if isinstance(prompts, torch.Tensor | np.ndarray):
         if prompts.ndim != 2:
-            raise ValueError(f"prompts: expected a list of token lists or a [batch, pos] "
-                             f"tensor; got shape {tuple(prompts.shape)}")
+            raise ValueError(f"prompts: expected {want}; got shape {tuple(prompts.shape)}")
         prompts = prompts.tolist()
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts: expected {want}; got {type(prompts).__name__}")
+    prompts = list(prompts)  # a generator or tuple of prompts too
     if not prompts:
         return []
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sized):  # one flat prompt
+            raise ValueError(f"prompts[{i}]: expected a list of token ids; got {prompt!r}")
         if not len(prompt):  # its row would be read from the padding alone (or attend to nothing)
             raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
     if max_new and cfg.position_table:
@@ -160,7 +173,7 @@ def _decode(
                            "aux_fn's positions")[0].to(device)
         memory = model.encode(src, src_mask, src_aux)
         # the reserve holds what is fed, never the last generated token: bos + max_new - 1
-        cache = model.new_cache(max_new) if use_cache else None
+        cache = model.new_cache(min(max_new, RESERVE_NEW)) if use_cache else None
         seq = torch.full((b, 1), bos, dtype=torch.long, device=device)
         tgt_rows = [[bos] for _ in range(b)]
         aux = None
@@ -185,7 +198,7 @@ def _decode(
         seq, mask = (t.to(device) for t in _pad(prompts, pad, True, "prompts", vocab))
         # the prompt and every generated token but the last, which is never fed back: the
         # buffers are as long as the decode fills them, with no position left unused
-        cache = model.new_cache(seq.shape[1] + max_new - 1) if use_cache else None
+        cache = model.new_cache(seq.shape[1] + min(max_new - 1, RESERVE_NEW)) if use_cache else None
         aux = None
         if aux_fn is not None:
             aux = _pad([aux_fn(p, "sequence") for p in prompts], 0, True,
