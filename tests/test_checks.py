@@ -2,13 +2,14 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from normlab import build_model
+from normlab import build_model, checks
 from normlab.analysis.data import resolve_sites
 from normlab.analysis.theory import monte_carlo_collapse, predict_collapse
 from normlab.checks import check_int, check_real, check_seed, check_sigmas, is_int
@@ -192,3 +193,16 @@ def test_one_sigma_is_named_sigma_and_a_numpy_threshold_is_a_number() -> None:
     with pytest.raises(ValueError, match=r"^sigma: expected a finite number >= 0; got -0\.1$"):
         Perturbation(model).draw(-0.1, 1, {"tgt": 4}, torch.Generator())
     assert check_threshold(np.float32(0.5)) == 0.5
+
+
+def test_memory_bytes_reads_the_system(monkeypatch) -> None:
+    """Memory and swap from /proc/meminfo where Linux has it, else the physical pages."""
+    total = checks.memory_bytes()
+    if Path("/proc/meminfo").exists():
+        info = Path("/proc/meminfo").read_text()
+        kib = [int(ln.split()[1]) for ln in info.splitlines()
+               if ln.startswith(("MemTotal:", "SwapTotal:"))]
+        assert total == 1024 * sum(kib)
+    monkeypatch.setattr(checks.Path, "read_text", lambda self: "no such table")
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert checks.memory_bytes() == pages > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -318,6 +319,15 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     assert "rows with at least two keys" in docs["interference"]["probe"]["note"]
     assert "draws its own noise" in c["theory_note"]
     assert res["collapse"]["n_examples"] == docs["norms"]["n_examples"] >= 16
+    # the per-row columns say where they came from, as every result file does, and which
+    # collapse.json they belong to (no pickle: a plain string)
+    with np.load(out / "collapse_rows.npz", allow_pickle=False) as rows:
+        meta = json.loads(str(rows["meta"]))
+        assert len(rows["rate"]) == c["n_sparse_rows"]
+    assert meta["seed"] == 3 and meta["config"] == c["config"]
+    assert {"git_commit", "torch"} <= set(meta["provenance"])
+    assert meta["collapse_json_sha256"] == hashlib.sha256(
+        (out / "collapse.json").read_bytes()).hexdigest()
 
 
 def test_collect_equals_the_full_forward_and_stops_after_the_last_name() -> None:

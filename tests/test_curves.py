@@ -83,6 +83,13 @@ def test_cli_curve_table_and_plot(tmp_path: Path, capsys) -> None:
     assert main(["compare", "--curve", "train", "--plot", str(png), "--force", str(a)]) == 0
     assert main(["compare", "--plot", str(png), str(a)]) == 2
     assert "--plot: needs --curve SPLIT" in capsys.readouterr().err
+    # a folder: "already exists; pass --force", and with --force the OS's error on a temp file
+    for force in ([], ["--force"]):
+        assert main(["compare", "--curve", "train", "--plot", str(png.parent), *force,
+                     str(a)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"normlab: error: --plot {str(png.parent)!r}: expected a file to write the figure "
+            "to; it is a folder")
     assert main(["compare", "--curve", "nope", str(a)]) == 2
     assert "no split 'nope'" in capsys.readouterr().err
 

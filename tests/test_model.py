@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -387,19 +385,6 @@ def _refuses_to_build(init, max_layers: int):
 def test_a_machine_that_does_not_say_its_memory_builds_without_the_check(monkeypatch) -> None:
     monkeypatch.setattr(transformer, "memory_bytes", lambda: None)
     assert len(build_model(tiny(n_layers=3)).blocks) == 3
-
-
-def test_memory_bytes_reads_the_system(monkeypatch) -> None:
-    """Memory and swap from /proc/meminfo where Linux has it, else the physical pages."""
-    total = transformer.memory_bytes()
-    if Path("/proc/meminfo").exists():
-        info = Path("/proc/meminfo").read_text()
-        kib = [int(ln.split()[1]) for ln in info.splitlines()
-               if ln.startswith(("MemTotal:", "SwapTotal:"))]
-        assert total == 1024 * sum(kib)
-    monkeypatch.setattr(transformer.Path, "read_text", lambda self: "no such table")
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert transformer.memory_bytes() == pages > 0
 
 
 def test_numpy_floats_are_taken_as_python_floats() -> None:

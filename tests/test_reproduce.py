@@ -95,6 +95,25 @@ def test_a_folder_of_other_runs_without_a_manifest_is_refused_before_anything_is
     assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
 
 
+def test_a_folder_of_the_users_own_files_is_refused_untouched(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a manifest, a folder holding a report.md and a summary.json of the user's own
+    was trained into and its files written over, with exit 0."""
+    (tmp_path / "report.md").write_text("my notes")
+    (tmp_path / "summary.json").write_text("keep")
+    assert main(["reproduce", "--profile", "smoke", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"normlab: error: --out {str(tmp_path)!r} holds files but no manifest.json and no "
+        "runs/; give the 'smoke' profile a folder of its own")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "thesis.tex").write_text("mine")
+    assert main(["reproduce", "--profile", "smoke", "--out", str(tmp_path)]) == 2
+    assert "and 'thesis.tex', which reproduce does not write;" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "report.md", "runs", "summary.json", "thesis.tex"]
+    assert (tmp_path / "report.md").read_text() == "my notes"
+
+
 def test_an_evaluation_made_by_hand_with_a_limit_is_made_again(
         smoke: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`normlab eval RUN --limit 4` left an eval.json the rerun took as done; the report then

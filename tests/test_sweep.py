@@ -122,3 +122,22 @@ def test_the_command_refuses_a_wrong_typed_key_in_one_line(
     assert captured.err.splitlines() == [
         f"normlab: error: sweep file {str(f)!r}: sweep.grid: expected a table; got 5"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize(("device", "in_config"), [("cuda", "auto"), (None, "cuda")])
+def test_a_gpu_this_machine_lacks_is_one_line_before_any_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str | None,
+        in_config: str) -> None:
+    """Asked of the local backend, it started a worker per run and each failed with the same
+    error, exit 1; `normlab train` refuses it in one line before any work."""
+    def never(*a: object, **k: object) -> None:
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(sweep, "_local_backend", never)
+    specs = [sweep.RunSpec(f"r{i}", str(tmp_path / f"r{i}"), {"train": {"device": in_config}})
+             for i in range(2)]
+    with pytest.raises(ValueError, match=r"^train\.device: 'cuda' requested but no CUDA device "
+                                         r"is available$"):
+        sweep.execute(specs, device=device, progress=False)
+    assert not any(tmp_path.iterdir())

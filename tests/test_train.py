@@ -108,9 +108,16 @@ def test_a_finished_run_resumes_only_with_its_own_config(tmp_path: Path) -> None
     assert done["config"] == json.loads(json.dumps(c.to_dict()))  # and what, seed included
     assert done.pop("config")["train"]["seed"] == c.train.seed and done.pop("provenance")
     assert train(c, tmp_path / "run", progress=False, resume=True) == done == last
-    with pytest.raises(ValueError, match="--resume: the config differs"):
+    # which field, of some 60: it said only that the config differs
+    with pytest.raises(ValueError, match=r"--resume: the config differs from the one saved in "
+                                         r"'.*run' \(model\.d_mlp: saved \d+, given 32\); use"):
         train(cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
                   "model.d_mlp=32"), tmp_path / "run", progress=False, resume=True)
+    with pytest.raises(ValueError, match=r"\(model\.d_mlp: saved \d+, given 32; 2 more: "
+                                         r"train\.lr, train\.steps\)"):
+        train(cfg("train.steps=11", "train.checkpoint_every=10", "train.eval_every=10",
+                  "model.d_mlp=32", "train.lr=0.5"), tmp_path / "run", progress=False,
+              resume=True)
     # a config built in Python with tuples is the same run as the lists read back from TOML
     c = cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
             "task.train=[[1, 1]]", "task.splits={held = [[2, 1]]}")
@@ -374,6 +381,9 @@ def test_cli_bad_input(tmp_path: Path, capsys) -> None:
     out = str(tmp_path / "run")
     code, err = _cli(capsys, "train", "--config", str(tmp_path / "missing.toml"), "--out", out)
     assert code == 2 and err.count("\n") == 0 and "not found" in err
+    code, err = _cli(capsys, "train", "--config", str(tmp_path), "--out", out)  # "not found"
+    assert code == 2 and err == (f"normlab: error: config file {str(tmp_path)!r} is a folder; "
+                                 "expected a TOML file")
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nd_modle = 3\n")
     code, err = _cli(capsys, "train", "--config", str(bad), "--out", out)
@@ -488,6 +498,18 @@ def test_analyze_writes_all_its_files_or_none(tmp_path: Path, monkeypatch, capsy
     code, err = _cli(capsys, "analyze", str(run), *small, "--force", "--seed", "7")
     assert code == 2 and err == "normlab: error: the probe failed"
     assert {f.name: f.read_bytes() for f in (run / "analysis").iterdir()} == before
+    # more draws than memory holds grew the process for minutes until the allocator said
+    # "can't allocate memory" (or the kernel killed it): sized first, refused by the flag
+    import normlab.analysis.collapse
+
+    monkeypatch.setattr(normlab.analysis.collapse, "memory_bytes", lambda: 2**30)
+    code, err = _cli(capsys, "analyze", str(run), "--examples", "4", "--draws", str(10**9),
+                     "--force")
+    assert code == 2 and re.fullmatch(
+        r"normlab: error: --draws: 1000000000 noise draws of \d+ examples need [\d,.]+ GiB of "
+        r"noise tables, more than this machine's 1\.0 GiB of memory and swap; expected fewer "
+        r"draws \(or examples\)", err), err
+    assert {f.name: f.read_bytes() for f in (run / "analysis").iterdir()} == before
 
 
 def test_cli_analyze_threads(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -560,6 +582,30 @@ def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
             train(cfg("train.steps=5", "train.device='cuda'"), tmp_path / "run", progress=False,
                   force=True)
         assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_force_deletes_only_what_normlab_wrote(tmp_path: Path) -> None:
+    """A folder holding any one marker (another tool's config.toml) counted as a run folder,
+    and --force deleted all of it: a thesis beside it too. Now it deletes what normlab
+    writes in a run folder, says what it kept, and the new run is whole."""
+    c = cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5")
+    out = tmp_path / "proj"
+    train(c, out, progress=False)
+    eval_run(out)
+    (out / "analysis").mkdir()
+    (out / "analysis" / "norms.json").write_text("{}")
+    (out / ".metrics.jsonl.x1y2.tmp").write_text("")  # a write a kill cut short
+    (out / "src").mkdir()
+    (out / "src" / "thesis.tex").write_text("precious")
+    (out / "notes.txt").write_text("mine")
+    lines: list[str] = []
+    train(c, out, progress=False, force=True, log=lines.append)
+    assert (out / "src" / "thesis.tex").read_text() == "precious"
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["checkpoints", "config.toml", "metrics.jsonl", "notes.txt", "src", "tb",
+         "train_done.json"])  # eval.json, heatmap.png, analysis/ and the temp file gone
+    assert f"--force: kept what normlab did not write in {str(out)!r}: notes.txt, src" in lines
 
 
 def test_resume_with_force_is_refused(tmp_path: Path, capsys) -> None:
@@ -643,6 +689,17 @@ def test_a_run_killed_after_it_stopped_early_stays_stopped(tmp_path: Path) -> No
     done = train(c, tmp_path / "full", progress=False)
     (tmp_path / "full" / "train_done.json").unlink()
     assert train(c, tmp_path / "full", progress=False, resume=True) == done
+
+
+def test_resume_writes_a_config_toml_that_was_deleted(tmp_path: Path) -> None:
+    """Resumed from a checkpoint, the folder stayed without the config.toml every run folder
+    holds (the README's list; `compare` and the report read it)."""
+    c = cfg("train.steps=10", "train.checkpoint_every=5", "train.eval_every=5")
+    train(c, tmp_path / "run", progress=False, stop_after=5)
+    written = (tmp_path / "run" / "config.toml").read_text()
+    (tmp_path / "run" / "config.toml").unlink()
+    train(c, tmp_path / "run", progress=False, resume=True)
+    assert (tmp_path / "run" / "config.toml").read_text() == written
 
 
 def test_resume_before_the_first_checkpoint_is_the_same_run_again(tmp_path: Path) -> None:
@@ -836,6 +893,13 @@ def test_cli_messages_name_what_is_wrong(tmp_path: Path, capsys) -> None:
     for sigmas in ("0,x", ""):  # "" was taken as the default sigmas
         code, err = _cli(capsys, "analyze", str(tmp_path), "--sigmas", sigmas)
         assert code == 2 and err.startswith("normlab: error: --sigmas: expected numbers")
+    # named by the flag, where the library named its parameter ("sigmas[1]", "threshold")
+    for flag, value, said in (("--sigmas", "0,-1", "--sigmas[1]: expected a finite number >= 0; "
+                                                   "got -1.0"),
+                              ("--threshold", "1.5", "--threshold: expected a number in (0, 1]; "
+                                                     "got 1.5")):
+        code, err = _cli(capsys, "analyze", str(tmp_path), flag, value)
+        assert code == 2 and err == f"normlab: error: {said}"
     code, err = _cli(capsys, "reproduce", "--profile", "smoke", "--out", str(tmp_path / "r"),
                      "--jobs", "-1")
     assert code == 2 and "--jobs: expected an int >= 1" in err
@@ -845,6 +909,69 @@ def test_cli_messages_name_what_is_wrong(tmp_path: Path, capsys) -> None:
         (tmp_path / "a" / "eval.json").write_text(text)
         code, err = _cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "a"))
         assert code == 2 and match in err and "eval.json" in err and "\n" not in err
+
+
+def test_resume_of_a_folder_that_does_not_exist_says_so(tmp_path: Path, capsys) -> None:
+    """A mistyped --out with --resume started a fresh full-length run without a word. It is
+    said, not refused: a job script may pass --resume on its first start too."""
+    out, config = tmp_path / "typo", tmp_path / "tiny.toml"
+    config.write_text(dump_toml(cfg("train.steps=2").to_dict()))
+    code = main(["train", "--config", str(config), "--out", str(out), "--resume", "--quiet"])
+    assert code == 0 and (out / "train_done.json").is_file()
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"normlab: --resume: {str(out)!r} does not exist; starting a new run there")
+
+
+@pytest.mark.parametrize(("command", "said"), [
+    ("train", "normlab: interrupted; finished checkpoints are kept (rerun with --resume)"),
+    ("sweep", "normlab: interrupted; finished runs and checkpoints are kept (rerun it to "
+              "continue)"),
+    ("eval", "normlab: interrupted"),
+])
+def test_ctrl_c_says_what_to_do_for_its_command(command: str, said: str, tmp_path: Path,
+                                                 monkeypatch, capsys) -> None:
+    """Every command said "(use --resume)", a flag only `train` has."""
+    import normlab.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    fn = {"train": "_cmd_train", "sweep": "_cmd_sweep", "eval": "_cmd_eval"}[command]
+    monkeypatch.setattr(cli, fn, interrupted)
+    argv = {"train": ["train", "--config", "x.toml", "--out", str(tmp_path)],
+            "sweep": ["sweep", "--config", "x.toml", "--out", str(tmp_path)],
+            "eval": ["eval", str(tmp_path)]}[command]
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == said
+
+
+def test_eval_writes_eval_json_last(tmp_path: Path, capsys) -> None:
+    """A heatmap that could not be written (a folder in its place) left eval.json behind, and
+    a rerun was then refused ("already exists; pass --force")."""
+    run = tmp_path / "run"
+    train(cfg("train.steps=2"), run, progress=False)
+    (run / "heatmap.png").mkdir()
+    code, err = _cli(capsys, "eval", str(run))
+    assert code == 2 and err.endswith("heatmap.png': expected a file to write; it is a folder")
+    assert not (run / "eval.json").exists()
+    (run / "heatmap.png").rmdir()
+    assert _cli(capsys, "eval", str(run))[0] == 0 and (run / "eval.json").is_file()
+
+
+def test_a_folder_in_a_result_files_place_is_one_line(tmp_path: Path) -> None:
+    """The OS's error named the temp file ("Is a directory: '.heatmap.png.b5wwdnlj.tmp' ->
+    ...") or said only "File exists" for a file where a folder must be."""
+    from normlab.io import atomic_write_text
+
+    (tmp_path / "heatmap.png").mkdir()
+    with pytest.raises(ValueError, match=r"^'.*heatmap\.png': expected a file to write; it is "
+                                         r"a folder$"):
+        atomic_write_text(tmp_path / "heatmap.png", "x")
+    (tmp_path / "analysis").write_text("")
+    with pytest.raises(ValueError, match=r"^'.*analysis/sub/norms\.json' cannot be written: "
+                                         r"'.*analysis' is a file, not a folder$"):
+        atomic_write_text(tmp_path / "analysis" / "sub" / "norms.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["analysis", "heatmap.png"]
 
 
 def test_result_files_are_written_whole_readable_and_figures_too(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from torch import nn
 
@@ -115,3 +117,16 @@ def check_on_cpu(model: nn.Module) -> None:
     if weight is not None and weight.device.type != "cpu":
         raise ValueError(f"model: expected a model on the CPU, where the analyses run; got one "
                          f"on {weight.device} (call model.cpu() first)")
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory and swap together (what no allocation can exceed), or None where
+    the system does not say."""
+    try:
+        info = dict(ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())
+        return sum(int(info[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None

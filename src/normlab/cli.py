@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.allocator import keep_freed_memory
-from normlab.checks import check_int, check_seed, check_threads
+from normlab.checks import check_int, check_seed, check_sigmas, check_threads
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -23,6 +23,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg.train.device = args.device
     if args.compile:
         cfg.train.compile = True
+    if args.resume and not Path(args.out).exists():  # a mistyped --out: said, not refused,
+        # since a job script may pass --resume on its first start too
+        print(f"normlab: --resume: {args.out!r} does not exist; starting a new run there",
+              file=sys.stderr)
     last = train(cfg, Path(args.out), resume=args.resume, force=args.force, progress=not args.quiet)
     print(json.dumps(last))
     return 0
@@ -66,13 +70,15 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
             "provenance": provenance(),
         }
     )
-    write_json(Path(run_dir) / "eval.json", result)
+    # the figure first: eval.json, written last, marks the evaluation done (a heatmap that
+    # could not be written left an eval.json that a rerun then refused to replace)
     heatmap(
         result,
         task.train_cells,
         Path(run_dir) / "heatmap.png",
         title=f"{cfg.model.norm_placement} seed {cfg.train.seed}: exact match %",
     )
+    write_json(Path(run_dir) / "eval.json", result)
     return result
 
 
@@ -175,6 +181,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         header, rows = curve_table(curves)
         title = f"exact match % on {args.curve} (training seconds)"
         if args.plot:
+            if Path(args.plot).is_dir():  # "already exists; pass --force", which then failed
+                raise ValueError(f"--plot {args.plot!r}: expected a file to write the figure "
+                                 "to; it is a folder")
             # the name as it is, not a pattern: "p[1].png" matched "p1.png" and not itself
             refuse_overwrite(Path(args.plot).parent, glob.escape(Path(args.plot).name),
                              args.force)
@@ -200,6 +209,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
+    try:
+        return _analyze(args)
+    except ValueError as err:  # too many draws for memory, found once the model is read
+        if str(err).startswith("n_draws: "):
+            raise ValueError(f"--draws: {str(err).removeprefix('n_draws: ')}") from None
+        raise
+
+
+def _analyze(args: argparse.Namespace) -> int:
     from normlab.analysis.report import analyze_run
     from normlab.io import refuse_overwrite
 
@@ -231,6 +249,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
                              "run's analysis goes to RUN_DIR/analysis")
     _check_flags(args, {"--draws": 1, "--examples": 1, "--seq-len": 1})
     check_seed(args.seed, "--seed")
+    # under the flags' names, as the counts are (the library names its parameters)
+    from normlab.analysis.collapse import check_threshold
+
+    check_threshold(args.threshold, "--threshold")
+    if "sigmas" in kwargs:
+        check_sigmas(kwargs["sigmas"], "--sigmas")
     if args.threads is not None:
         import torch
 
@@ -362,7 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_freed_memory()  # this is normlab's own process (normlab.allocator says why)
         return args.fn(args)
     except KeyboardInterrupt:
-        print("normlab: interrupted; finished checkpoints are kept (use --resume)", file=sys.stderr)
+        kept = {"train": "; finished checkpoints are kept (rerun with --resume)",
+                "sweep": "; finished runs and checkpoints are kept (rerun it to continue)",
+                "reproduce": "; finished runs and checkpoints are kept (rerun it to continue)",
+                }.get(args.cmd, "")
+        print(f"normlab: interrupted{kept}", file=sys.stderr)
         return 130
     # OSError names its file (a full disk); MemoryError and OverflowError come from a size in
     # the config past what fits

@@ -250,7 +250,8 @@ def load_config(
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} not found")
+            raise ValueError(f"config file {str(p)!r} " + (
+                "is a folder; expected a TOML file" if p.is_dir() else "not found"))
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:

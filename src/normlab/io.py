@@ -23,8 +23,16 @@ from normlab.model import native
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: never a half file."""
+    """Write to a temp file in the same folder, fsync, then rename: never a half file. A folder
+    where the file goes, or a file where a folder must, is one line naming the path (the OS
+    named the temp file, or said "File exists")."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r}: expected a file to write; it is a folder")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{str(path)!r} cannot be written: {str(blocker)!r} is a file, not a "
+                         "folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

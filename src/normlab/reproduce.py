@@ -47,6 +47,10 @@ PROFILES = {
 }
 
 
+#: What `reproduce` writes in its --out (`report.write_report`'s files, and the runs).
+REPRODUCE_FILES = ("manifest.json", "runs", "report.md", "report.html", "summary.json", "figures")
+
+
 def config_root() -> Path:
     """The repository's configs/ (next to src/), else ./configs."""
     here = Path(normlab.__file__).resolve().parents[2]
@@ -85,8 +89,14 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str |
             raise ValueError(f"--out {str(out)!r} holds the {before!r} profile's runs; give "
                              f"the {profile!r} profile a folder of its own")
     elif out.is_dir() and any(out.iterdir()):
-        # made before manifests existed, or by hand: its runs must be this profile's, checked
-        # now; each run found changed only failed, and its report was written over
+        # made before manifests existed, or by hand: it may hold only what reproduce writes
+        # (a report.md of the user's own was written over), and its runs must be this
+        # profile's, checked now; each run found changed only failed
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in REPRODUCE_FILES)
+        if foreign or not (out / "runs").is_dir():
+            what = f"{foreign[0]!r}, which reproduce does not write" if foreign else "no runs/"
+            raise ValueError(f"--out {str(out)!r} holds files but no manifest.json and "
+                             f"{what}; give the {profile!r} profile a folder of its own")
         from normlab.config import RunConfig
         from normlab.train import check_saved_config
 

@@ -183,9 +183,12 @@ class Progress:
 
 
 RUN_MARKERS = ("config.toml", "checkpoints", "metrics.jsonl", DONE)  # what training writes
+# all that normlab writes in a run folder: training, `eval`, `analyze`, a sweep's timings
+RUN_FILES = (*RUN_MARKERS, "tb", "eval.json", "heatmap.png", "analysis", "timings.json")
 
 
-def prepare_run_dir(out: Path, *, resume: bool, force: bool) -> None:
+def prepare_run_dir(out: Path, *, resume: bool, force: bool,
+                    log: Callable[[str], None] = lambda s: None) -> None:
     out = check_out_folder(out)
     has_content = out.exists() and any(out.iterdir())
     if has_content and not (resume or force):
@@ -201,7 +204,15 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool) -> None:
             "checkpoints/ or metrics.jsonl); give --out a new or a run folder"
         )
     if has_content and force and not resume:
-        shutil.rmtree(out)
+        # what normlab wrote, and no more: a config.toml of another tool's marked its whole
+        # folder, and --force deleted a thesis beside it
+        for p in [*(out / name for name in RUN_FILES), *out.glob(".*.tmp")]:  # a killed write
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        if kept := sorted(p.name for p in out.iterdir()):
+            log(f"--force: kept what normlab did not write in {str(out)!r}: {', '.join(kept)}")
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -276,7 +287,7 @@ def train(
     # the folder is touched (with --force: emptied) only now, after everything that can refuse
     # the config (the device, the optimizer's settings, a batch or the evaluation sets too
     # large for memory): a refusal leaves the old run as it was
-    prepare_run_dir(out, resume=resume, force=force)
+    prepare_run_dir(out, resume=resume, force=force, log=log)
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
     last: dict[str, Any] = {"step": step}
@@ -307,6 +318,8 @@ def train(
         if meta.get("early_stopped"):  # killed after stopping early, before train_done.json
             last["early_stopped"] = True
         log(f"resuming {out} from step {step}")
+        if not (out / "config.toml").is_file():  # deleted since: every run folder holds one
+            atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
     else:
         if resume:  # killed before its first checkpoint: it starts again, as the same run
             check_saved_config(out, cfg)
@@ -489,10 +502,21 @@ def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str,
 
 def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path,
                        remedy: tuple[str, str] = RESUME_REMEDY) -> None:
-    """Resuming (or finding finished) the run in `out` needs the config it was made with."""
-    if _comparable(saved) != _comparable(cfg.to_dict()):
+    """Resuming (or finding finished) the run in `out` needs the config it was made with; the
+    error names the fields that differ (of some 60, set by a file, `--set` or a sweep)."""
+    was, now = _comparable(saved), _comparable(cfg.to_dict())
+    if was != now:
         who, what = remedy
-        raise ValueError(f"{who}: the config differs from the one saved in {str(out)!r}; {what}")
+        keys = [f"{t}.{k}" for t in sorted(was.keys() | now.keys())
+                for k in sorted(was.get(t, {}).keys() | now.get(t, {}).keys())
+                if was.get(t, {}).get(k) != now.get(t, {}).get(k)]
+        t, k = keys[0].split(".", 1)
+        diff = f"{keys[0]}: saved {was.get(t, {}).get(k)!r}, given {now.get(t, {}).get(k)!r}"
+        if len(keys) > 1:
+            diff += f"; {len(keys) - 1} more: {', '.join(keys[1:4])}"
+            diff += ", ..." if len(keys) > 4 else ""
+        raise ValueError(f"{who}: the config differs from the one saved in {str(out)!r} "
+                         f"({diff}); {what}")
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:

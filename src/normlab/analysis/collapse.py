@@ -60,6 +60,7 @@ from normlab.checks import (
     check_seed,
     check_sigma,
     check_sigmas,
+    memory_bytes,
 )
 from normlab.io import save_figure
 from normlab.model import EncoderDecoderLM, Model
@@ -95,8 +96,8 @@ CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): 
 # --------------------------------------------------------------------------- validation
 
 
-def check_threshold(theta: float) -> float:
-    return check_real(theta, "threshold", what="a number in (0, 1]", ok=lambda v: 0 < v <= 1)
+def check_threshold(theta: float, name: str = "threshold") -> float:
+    return check_real(theta, name, what="a number in (0, 1]", ok=lambda v: 0 < v <= 1)
 
 
 def check_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
@@ -410,6 +411,21 @@ def _cluster_ci(flips: np.ndarray, counts: np.ndarray, w: np.ndarray) -> list[fl
     return [float(lo), float(hi)]
 
 
+def _check_noise_fits(pert: Perturbation, data: EvalData, n_draws: int) -> None:
+    """A sigma's noise tables, every draw's, are drawn before its forwards (so an example's
+    noise does not depend on its group): sized from one row's tables, n_draws too many for
+    memory is refused by name, where 10**12 grew the process until the allocator or the
+    kernel stopped it."""
+    limit = memory_bytes()
+    one = {id(t): t for t in pert.draw(0.0, 1, data.lengths, torch.Generator()).values()}
+    need = 2 * n_draws * data.n_examples * sum(t.numel() * t.element_size() for t in one.values())
+    if limit is not None and need > limit:  # 2: the draws, and their tables concatenated
+        raise ValueError(f"n_draws: {n_draws} noise draws of {data.n_examples} examples need "
+                         f"{need / 2**30:,.1f} GiB of noise tables, more than this machine's "
+                         f"{limit / 2**30:,.1f} GiB of memory and swap; expected fewer draws "
+                         "(or examples)")
+
+
 def measure_collapse(
     model: Model,
     data: EvalData,
@@ -452,6 +468,8 @@ def measure_collapse(
     seed = check_seed(seed)
     max_tokens = check_int(max_tokens, "max_tokens", low=1)
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
+    if any(sigmas):
+        _check_noise_fits(pert, data, n_draws)
     rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads)
     B, R = data.n_examples, len(rows)
     by_site = {name: (rows.site == i).nonzero().squeeze(1) for i, name in enumerate(rows.sites)}

@@ -2,7 +2,8 @@
 
 Files: `norms.json` + `norms.png` (H1 norm spread), `collapse.json` + `collapse.png` (H2 circuit
 collapse, accuracy under noise, theory beside it), `collapse_rows.npz` (per sparse row: site
-index, head, example, query position, winning key, weight, collapse frequency per sigma) and
+index, head, example, query position, winning key, weight, collapse frequency per sigma; `meta`,
+the record and the SHA-256 of the collapse.json beside it) and
 `interference.json` + `interference.png` (per-head probe and the synthetic demonstration). Every
 JSON carries `provenance()`, the run config, the seed and the analysis parameters.
 
@@ -17,6 +18,7 @@ collapse sweep is about 70% of it. Cost scales with n_examples * n_draws * len(s
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import io
 import json
@@ -155,11 +157,17 @@ def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
 
 
 def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any]) -> list[str]:
-    """`collapse.json` and its per-row columns, `collapse_rows.npz`; returns their paths."""
+    """`collapse.json` and its per-row columns, `collapse_rows.npz`; returns their paths. The
+    npz's `meta` (a JSON string) records what every result file does (the seed, parameters,
+    config, versions and commit) and the SHA-256 of the collapse.json written with it, so a
+    copied npz still says where it came from."""
     write_json(out / "collapse.json", collapse)
+    meta = {k: collapse[k] for k in ("seed", "params", "checkpoint_step", "run_dir", "config",
+                                     "provenance") if k in collapse}
+    meta["collapse_json_sha256"] = hashlib.sha256((out / "collapse.json").read_bytes()).hexdigest()
     buf = io.BytesIO()  # written as atomically as the JSON beside it
     np.savez_compressed(buf, sites=np.array(collapse["sites"]),
-                        sigmas=np.array(collapse["sigmas"]),
+                        sigmas=np.array(collapse["sigmas"]), meta=np.array(json.dumps(meta)),
                         **{k: v.numpy() for k, v in rows.items()})
     atomic_write_bytes(out / "collapse_rows.npz", buf.getvalue())
     return [str(out / "collapse.json"), str(out / "collapse_rows.npz")]

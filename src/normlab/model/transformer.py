@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from normlab.checks import check_int
+from normlab.checks import check_int, memory_bytes
 from normlab.model.block import PLACEMENTS, Block, dropped
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookedModule, HookPoint
@@ -333,19 +331,6 @@ def build_model(cfg: ModelConfig) -> Model:
                 w in str(err).lower() for w in ("allocate", "overflow")):
             raise
         raise ValueError(_too_large(cls, cfg, limit)) from err
-
-
-def memory_bytes() -> int | None:
-    """This machine's memory and swap together (what no allocation can exceed), or None where
-    the system does not say."""
-    try:
-        info = dict(ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())
-        return sum(int(info[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
-    except (OSError, KeyError, ValueError):
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, AttributeError):
-            return None
 
 
 # Python's own bytes for a block's modules, hook points and tensor objects, a lower bound: a
