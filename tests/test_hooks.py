@@ -705,6 +705,10 @@ def test_reset_hooks_inside_a_hooks_block_leaves_it_cleanly() -> None:
         # one prompt, not a list of them: "object of type 'int' has no len()"
         ({"prompts": [3, 4]}, r"prompts\[0\]: expected a list of token ids; got 3$"),
         ({"prompts": ["34"]}, r"prompts\[0\]: expected a list of token ids; got '34'$"),
+        ({"prompts": list(torch.tensor([3, 4]))},
+         r"prompts\[0\]: expected a list of token ids; got tensor\(3\)$"),
+        ({"prompts": [np.array(3)]}, r"prompts\[0\]: expected a list of token ids; got "
+                                     r"array\(3\)$"),
         ({"prompts": 7}, r"prompts: expected a list of token lists or a \[batch, pos\] tensor; "
                          r"got int$"),
         ({"prompts": "34"}, r"prompts: expected .*; got str$"),

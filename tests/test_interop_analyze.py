@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,10 @@ def test_tokens_file(family: str, folders: dict[str, Path], tmp_path: Path,
     assert 0.0 <= collapse["collapse_rate"][1] <= 1.0 and collapse["n_sparse_rows"] > 0
     assert collapse["accuracy"] is None and "no task" in collapse["accuracy_note"]
     assert collapse["params"]["n_draws"] == 4 and collapse["draws_per_sigma"] == [1, 4]
+    # the per-row columns name the model and the tokens they came from, as collapse.json does
+    with np.load(out / "collapse_rows.npz", allow_pickle=False) as rows:
+        meta = json.loads(str(rows["meta"]))
+    assert meta["hf"] == collapse["hf"] and meta["input"] == collapse["input"]
 
 
 def test_text_with_tokenizer(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -162,6 +167,11 @@ def test_errors(folders: dict[str, Path], tmp_path: Path,
                                        "--out", out], capsys)
     msg = _error([*base, str(folders["qwen2"]), "--tokens", toks, "--out", out], capsys)
     assert "'Qwen2ForCausalLM' is not supported" in msg and "GPT2LMHeadModel" in msg
+    # the architecture first: a config with no vocab_size of its own (CLIP's) read as one
+    # whose vocab_size is bad
+    msg = _error([*base, str(_weights_for(folders["qwen2"], vocab_size=-5)), "--tokens", toks,
+                  "--out", out], capsys)
+    assert "'Qwen2ForCausalLM' is not supported" in msg
     assert "threshold" in _error([*base, g, "--tokens", toks, "--out", out, "--threshold",
                                   "1.5"], capsys)
     # one mode's options with the other were dropped without a word

@@ -365,10 +365,23 @@ def test_a_model_deeper_than_memory_is_refused_before_it_is_built(monkeypatch, k
         build_model(tiny(**kwargs))
     msg = str(err.value)
     assert msg.startswith(named) and "\n" not in msg
-    assert msg.endswith("beyond this machine's 0.1 GiB of memory and swap; expected a smaller size")
+    assert msg.endswith("beyond this machine's 64.0 MiB of memory and swap; expected a smaller "
+                        "size")
     monkeypatch.undo()
     monkeypatch.setattr(transformer, "memory_bytes", lambda: 64 * 2**20)
     assert len(build_model(tiny(n_layers=300)).blocks) == 300  # within it: built
+
+
+def test_a_layer_too_wide_for_memory_names_the_width(monkeypatch) -> None:
+    """Two layers of d_model 1024 (4 * 1024**2 + 2 * 1024 * 4096 weights, 48.0 MiB each, and
+    0.2 MiB of embeddings) past 64 MiB: the depth was named, as if fewer layers were the fix;
+    a layer that is itself a large share of memory names the width."""
+    monkeypatch.setattr(transformer, "memory_bytes", lambda: 64 * 2**20)
+    with pytest.raises(ValueError) as err:
+        build_model(tiny(d_model=1024, n_heads=4, d_mlp=4096, n_layers=2))
+    assert str(err.value).startswith("ModelConfig.d_mlp = 4096, ModelConfig.d_model = 1024: the "
+                                     "model's weights and tables take 96.2 MiB, more than could "
+                                     "be allocated (the largest, blocks.0.mlp.W_in")
 
 
 def _refuses_to_build(init, max_layers: int):

@@ -141,3 +141,10 @@ def test_a_gpu_this_machine_lacks_is_one_line_before_any_run(
                                          r"is available$"):
         sweep.execute(specs, device=device, progress=False)
     assert not any(tmp_path.iterdir())
+    # a finished run's eval and analysis run on the CPU: a rerun there is not refused
+    for s in specs:
+        Path(s.out).mkdir()
+        (Path(s.out) / "train_done.json").write_text("{}")
+    monkeypatch.setattr(sweep, "_local_backend", lambda jobs, device: (None, None))
+    with pytest.raises(TypeError):  # past the check, into the stubbed backend
+        sweep.execute(specs, device=device, progress=False)

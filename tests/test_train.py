@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import normlab.train as tr
 from conftest import TINY_RUN as TINY
 from normlab import allocator, build_model
+from normlab.analysis.report import analyze_run
 from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from normlab.cli import eval_run, main
 from normlab.config import dump_toml, load_config
@@ -585,27 +586,54 @@ def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
 
 
 def test_force_deletes_only_what_normlab_wrote(tmp_path: Path) -> None:
-    """A folder holding any one marker (another tool's config.toml) counted as a run folder,
-    and --force deleted all of it: a thesis beside it too. Now it deletes what normlab
-    writes in a run folder, says what it kept, and the new run is whole."""
+    """A folder holding any one marker (another tool's config.toml or checkpoints/) counted as
+    a run folder, and --force deleted all of it: a thesis beside it too. It now deletes the
+    files normlab writes in a run folder, by name, and says what it kept; the new run is
+    whole, and a run, evaluated and analysed, leaves nothing behind."""
     c = cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5")
     out = tmp_path / "proj"
     train(c, out, progress=False)
     eval_run(out)
-    (out / "analysis").mkdir()
-    (out / "analysis" / "norms.json").write_text("{}")
+    analyze_run(out, n_examples=4, n_draws=1, sigmas=[0.1])
+    (out / "timings.json").write_text("{}")  # as a sweep writes it
     (out / ".metrics.jsonl.x1y2.tmp").write_text("")  # a write a kill cut short
-    (out / "src").mkdir()
-    (out / "src" / "thesis.tex").write_text("precious")
-    (out / "notes.txt").write_text("mine")
+    (out / "checkpoints" / ".step_0000005.json.ab.tmp").write_text("")
     lines: list[str] = []
     train(c, out, progress=False, force=True, log=lines.append)
+    assert not any("kept" in ln for ln in lines)  # all of it was normlab's
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints", "config.toml", "metrics.jsonl", "tb", "train_done.json"]
+    # beside a run: another tool's files, in folders normlab writes into too
+    (out / "src").mkdir()
+    (out / "src" / "thesis.tex").write_text("precious")
+    (out / "checkpoints" / "epoch=3.ckpt").write_text("lightning")
+    (out / "analysis").mkdir()
+    (out / "analysis" / "mine.csv").write_text("mine")
+    train(c, out, progress=False, force=True, log=lines.append)
     assert (out / "src" / "thesis.tex").read_text() == "precious"
-    assert (out / "notes.txt").read_text() == "mine"
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["checkpoints", "config.toml", "metrics.jsonl", "notes.txt", "src", "tb",
-         "train_done.json"])  # eval.json, heatmap.png, analysis/ and the temp file gone
-    assert f"--force: kept what normlab did not write in {str(out)!r}: notes.txt, src" in lines
+    assert (out / "checkpoints" / "epoch=3.ckpt").read_text() == "lightning"
+    assert (out / "analysis" / "mine.csv").read_text() == "mine"
+    assert lines[-1] == (f"--force: kept what normlab did not write in {str(out)!r}: "
+                         "analysis/mine.csv, checkpoints/epoch=3.ckpt, src/thesis.tex")
+
+
+def test_force_and_resume_refuse_another_tools_project(tmp_path: Path) -> None:
+    """Another tool's config.toml and checkpoints/ (Hugo's, Lightning's) marked a run folder;
+    now only files normlab writes do, and a foreign config.toml beside a run is not replaced."""
+    c = cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5")
+    other = tmp_path / "site"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.toml").write_text('baseURL = "https://example.org"\n')
+    (other / "checkpoints" / "epoch=3.ckpt").write_text("lightning")
+    for kw in (dict(force=True), dict(resume=True)):
+        with pytest.raises(ValueError, match="is not a normlab run folder"):
+            train(c, other, progress=False, **kw)
+    (other / "metrics.jsonl").write_text("")  # a run's log beside that config.toml
+    with pytest.raises(ValueError, match=r"config\.toml' is not a normlab run config, and the "
+                                         r"new run's would replace it"):
+        train(c, other, progress=False, force=True)
+    assert (other / "config.toml").read_text() == 'baseURL = "https://example.org"\n'
+    assert (other / "metrics.jsonl").exists()
 
 
 def test_resume_with_force_is_refused(tmp_path: Path, capsys) -> None:

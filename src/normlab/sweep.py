@@ -326,11 +326,12 @@ def execute(
     if backend == "ray":
         submit, wait = _ray_backend(device, address)
     else:
-        from normlab.train import pick_device
+        from normlab.train import DONE, pick_device
 
-        # a GPU this machine lacks: one line now, where every run failed with it in turn
+        # a GPU this machine lacks, for runs still to train: one line now, where every run
+        # failed with it in turn (a finished run's eval and analysis run on the CPU)
         for name in sorted({device or s.config.get("train", {}).get("device", "auto")
-                            for s in specs}):
+                            for s in specs if not (Path(s.out) / DONE).is_file()}):
             pick_device(name)
         threads = max(1, min(_threads(s) for s in specs)) if specs else 1
         submit, wait = _local_backend(jobs or max(1, (os.cpu_count() or 1) // threads), device)

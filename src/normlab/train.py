@@ -6,9 +6,9 @@ after `normlab eval`, `eval.json`. Nothing already written is overwritten unless
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -182,9 +182,38 @@ class Progress:
             self.bar.stop()
 
 
-RUN_MARKERS = ("config.toml", "checkpoints", "metrics.jsonl", DONE)  # what training writes
-# all that normlab writes in a run folder: training, `eval`, `analyze`, a sweep's timings
-RUN_FILES = (*RUN_MARKERS, "tb", "eval.json", "heatmap.png", "analysis", "timings.json")
+# What normlab writes in a run folder, by name: training (its config, checkpoints, log, record,
+# TensorBoard events), `eval`, `analyze` and a sweep's timings. `--force` deletes these and no
+# more, so a folder's other files, another tool's config.toml or checkpoints/ too, are kept.
+RUN_TOP = ("metrics.jsonl", DONE, "eval.json", "heatmap.png", "timings.json")
+RUN_SUB = {
+    "checkpoints": ("step_*.json", "step_*.safetensors"),
+    "tb": ("events.out.tfevents.*",),
+    "analysis": ("norms.json", "norms.png", "collapse.json", "collapse.png", "collapse_rows.npz",
+                 "interference.json", "interference.png"),
+}
+
+
+def _written_here(out: Path) -> tuple[list[Path], bool]:
+    """The files of `out` normlab wrote (with the temp files of writes a kill cut short), and
+    whether they mark a run: a config.toml that loads as a run config, a checkpoint, the log or
+    the record. Another tool's config.toml or checkpoints/ mark nothing and are not listed."""
+    found: list[Path] = []
+    for folder, patterns in ((out, (*RUN_TOP, "config.toml")), *(
+            (out / sub, pats) for sub, pats in RUN_SUB.items())):
+        for pattern in patterns:
+            found += [p for p in folder.glob(pattern) if p.is_file()]
+            stem = pattern.removesuffix("*.json").removesuffix("*.safetensors").rstrip("*.")
+            found += [p for p in folder.glob(f".{stem}*.tmp") if p.is_file()]  # atomic writes
+    config = out / "config.toml"
+    if config.is_file():
+        try:
+            load_config(config)
+        except ValueError:  # not a normlab run's
+            found = [p for p in found if p != config]
+    marks = any((p.parent == out and p.name in ("config.toml", "metrics.jsonl", DONE))
+                or (p.parent.name == "checkpoints" and p.suffix == ".json") for p in found)
+    return sorted(set(found)), marks
 
 
 def prepare_run_dir(out: Path, *, resume: bool, force: bool,
@@ -196,23 +225,28 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
             f"run folder {str(out)!r} already exists; pass --resume to continue it "
             "or --force to start over"
         )
-    if has_content and not any((out / m).exists() for m in RUN_MARKERS):
-        # --force deletes the folder, --resume writes into it: neither in a folder that holds
-        # something else (a mistyped --out)
+    ours, marks = _written_here(out) if has_content else ([], False)
+    if has_content and not marks:
+        # --force deletes a run, --resume writes into it: neither in a folder that holds
+        # something else (a mistyped --out, another tool's project)
         raise ValueError(
-            f"{str(out)!r} holds files but is not a normlab run folder (no config.toml, "
-            "checkpoints/ or metrics.jsonl); give --out a new or a run folder"
+            f"{str(out)!r} holds files but is not a normlab run folder (no run config.toml, "
+            "checkpoint or metrics.jsonl); give --out a new or a run folder"
         )
     if has_content and force and not resume:
-        # what normlab wrote, and no more: a config.toml of another tool's marked its whole
-        # folder, and --force deleted a thesis beside it
-        for p in [*(out / name for name in RUN_FILES), *out.glob(".*.tmp")]:  # a killed write
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            elif p.exists() or p.is_symlink():
-                p.unlink()
-        if kept := sorted(p.name for p in out.iterdir()):
-            log(f"--force: kept what normlab did not write in {str(out)!r}: {', '.join(kept)}")
+        if (out / "config.toml").is_file() and out / "config.toml" not in ours:
+            raise ValueError(f"{str(out / 'config.toml')!r} is not a normlab run config, and the "
+                             "new run's would replace it; move it, or give --out another folder")
+        # what normlab wrote, and no more: any config.toml or checkpoints/ marked a folder as
+        # a run's, and --force deleted all of it, a thesis beside them too
+        for p in ours:
+            p.unlink()
+        for sub in RUN_SUB:
+            with contextlib.suppress(OSError):  # kept where it holds something else
+                (out / sub).rmdir()
+        if kept := sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()):
+            shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+            log(f"--force: kept what normlab did not write in {str(out)!r}: {shown}")
     out.mkdir(parents=True, exist_ok=True)
 
 

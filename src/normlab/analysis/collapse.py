@@ -26,7 +26,8 @@ Measurement vs theory (why they differ, on purpose):
 - In `token` mode a query's own eps is a row-wide factor, which cannot move the argmax while
   1 + eps > 0 (in self-attention the query token's own key carries the same eps, which after
   that factor is divided out is one more independent key factor, as the theory has it). A
-  negative 1 + eps, with probability Phi(-1/sigma), reverses the row; the theory leaves it out.
+  negative 1 + eps (normal noise: probability Phi(-1/sigma); uniform: none for sigma <= 1)
+  reverses the row; the theory leaves it out.
 - Targets without `k` (e.g. only `v`) have no direct effect on the row in the theory, which
   still reports the key-noise prediction for reference.
 """
@@ -602,8 +603,8 @@ THEORY_NOTE = (
     "adds the heads' variances, holds. The measurement perturbs all selected sites at once: "
     "noise from earlier layers propagates into this layer's logits and value noise changes "
     "later inputs, so measured rates may exceed the prediction; a query's factor 1 + eps < 0 "
-    "(probability Phi(-1/sigma)) reverses its row, which the theory leaves out; targets without "
-    "k have no direct effect in the theory."
+    "(normal noise: probability Phi(-1/sigma); uniform: none for sigma <= 1) reverses its row, "
+    "which the theory leaves out; targets without k have no direct effect in the theory."
 )
 
 

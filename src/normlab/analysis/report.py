@@ -163,7 +163,7 @@ def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any]) ->
     copied npz still says where it came from."""
     write_json(out / "collapse.json", collapse)
     meta = {k: collapse[k] for k in ("seed", "params", "checkpoint_step", "run_dir", "config",
-                                     "provenance") if k in collapse}
+                                     "provenance", "hf_dir", "hf", "input") if k in collapse}
     meta["collapse_json_sha256"] = hashlib.sha256((out / "collapse.json").read_bytes()).hexdigest()
     buf = io.BytesIO()  # written as atomically as the JSON beside it
     np.savez_compressed(buf, sites=np.array(collapse["sites"]),

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -178,17 +179,15 @@ def _hf_config(folder: Path) -> tuple[Any, str]:
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     try:
-        with held_logs():  # its warnings on a bad config (bos_token_id outside the vocabulary)
+        # its warnings on a bad config (bos_token_id outside the vocabulary): shown only once
+        # the config is accepted below, else the error is the one line
+        with held_logs() as report:
             config = AutoConfig.from_pretrained(folder, local_files_only=True)
     # transformers 5 checks a field's type with huggingface_hub's validation error, an
     # Exception (n_layer "two"), beside its own OSError, ValueError and KeyError
     except Exception as err:
         raise ValueError(f"--hf folder {str(folder)!r}: cannot read config.json: "
                          f"{first_line(err)}") from err
-    # else a vocabulary of -5 was reported as every token id being outside it
-    check_int(getattr(config, "vocab_size", None),
-              f"--hf folder {str(folder)!r}: config.json's vocab_size", low=1,
-              what="a positive integer")
     try:
         name = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
     except KeyError:
@@ -196,6 +195,12 @@ def _hf_config(folder: Path) -> tuple[Any, str]:
     if name not in CONVERTERS:
         raise ValueError(f"architecture {name!r} is not supported; expected one of "
                          f"{', '.join(CONVERTERS)}")
+    # else a vocabulary of -5 was reported as every token id being outside it
+    check_int(getattr(config, "vocab_size", None),
+              f"--hf folder {str(folder)!r}: config.json's vocab_size", low=1,
+              what="a positive integer")
+    for message in report.messages:
+        print(f"transformers: {message}", file=sys.stderr)
     return config, name
 
 

@@ -119,7 +119,10 @@ def greedy_decode(
     if not prompts:
         return []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sized):  # one flat prompt
+        # one flat prompt: its ids (ints, or 0-d tensors and arrays, which are Sized but
+        # have no len) where token lists should be
+        if (isinstance(prompt, str | bytes) or not isinstance(prompt, Sized)
+                or getattr(prompt, "ndim", 1) == 0):
             raise ValueError(f"prompts[{i}]: expected a list of token ids; got {prompt!r}")
         if not len(prompt):  # its row would be read from the padding alone (or attend to nothing)
             raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")

@@ -321,8 +321,8 @@ def build_model(cfg: ModelConfig) -> Model:
     limit = memory_bytes() if torch.get_default_device().type == "cpu" else None
     if limit is not None:
         with contextlib.suppress(RuntimeError):  # shapes that overflow: the build names them
-            if footprint(cls, cfg).need > limit:
-                raise ValueError(_too_large(cls, cfg, limit))
+            if (fp := footprint(cls, cfg)).need > limit:
+                raise ValueError(_too_large(cls, cfg, limit, fp))
     try:
         return cls(cfg)
     # torch's allocator names only a byte count, its size check only a shape
@@ -333,10 +333,11 @@ def build_model(cfg: ModelConfig) -> Model:
         raise ValueError(_too_large(cls, cfg, limit)) from err
 
 
-# Python's own bytes for a block's modules, hook points and tensor objects, a lower bound: a
-# 2000-layer model's resident memory grew 103 KiB a layer at d_model 8 (3 KiB of weights), 239 at
-# 64 (193 KiB of weights), torch 2.13 on Linux
-MODULE_BYTES_PER_LAYER = 64 * 2**10
+# Python's own bytes for a block's modules, hook points and tensor objects, kept below what any
+# model measured holds so that no model that fits is refused: 45 KiB a layer beyond the weights
+# under `none`, 63 under `pre`, 87 under `qkv` (torch 2.13, Linux;
+# benchmarks/probes/module_bytes.py)
+MODULE_BYTES_PER_LAYER = 32 * 2**10
 
 
 @dataclass
@@ -373,33 +374,39 @@ def footprint(cls: type[Model], cfg: ModelConfig) -> Footprint:
     return Footprint(total, shallow, per_layer, layers, (name, list(big.shape)))
 
 
-def _too_large(cls: type[Model], cfg: ModelConfig, limit: int | None) -> str:
-    """Which of `cfg`'s sizes made the model too large: its depth where one layer a stack fits
-    in `limit` bytes (this machine's memory) but all of them, modules too, do not; else the
-    fields within 4x of its largest tensor's largest dimension (d_mlp is 4 d_model by
-    default); where even a shape overflows, of the largest size."""
+def _bytes(n: float) -> str:
+    unit = next(u for u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if n >= u[0] or
+                u[1] == "KiB")
+    return f"{n / unit[0]:,.1f} {unit[1]}"
+
+
+def _too_large(cls: type[Model], cfg: ModelConfig, limit: int | None,
+               fp: Footprint | None = None) -> str:
+    """Which of `cfg`'s sizes made the model too large: its depth where one layer a stack
+    takes at most a quarter of `limit` bytes (this machine's memory) but all of them, modules
+    too, do not fit; else (a layer that is itself a large share: its width) the fields within
+    4x of its largest tensor's largest dimension (d_mlp is 4 d_model by default); where even
+    a shape overflows, of the largest size. `fp`: `footprint(cls, cfg)`, where known."""
     sizes = {f.name: v for f in fields(cfg) for v in [getattr(cfg, f.name)]
              if isinstance(v, int) and not isinstance(v, bool)}
     try:
-        fp = footprint(cls, cfg)
+        fp = fp or footprint(cls, cfg)
     except RuntimeError:
         top = max(sizes.values())
         why = "too large for torch to size the model's tensors"
     else:
-        gib = fp.total / 2**30
-        if limit is not None and fp.shallow <= limit < fp.need:
+        if limit is not None and 4 * fp.shallow <= limit < fp.need:
             deep = {f: b * getattr(cfg, f) for f, b in fp.per_layer.items()}
             named = ", ".join(f"ModelConfig.{f} = {getattr(cfg, f)}" for f, b in deep.items()
                               if 2 * b >= max(deep.values()))  # the stacks that hold the most
-            each = ", ".join(f"{b / 2**20:,.2f} MiB a layer of {f}"
-                             for f, b in fp.per_layer.items())
-            mods = MODULE_BYTES_PER_LAYER * fp.layers / 2**30
-            return (f"{named}: the model's weights and tables take {gib:,.1f} GiB ({each}) and "
-                    f"its modules at least {mods:,.1f} GiB more, beyond this machine's "
-                    f"{limit / 2**30:,.1f} GiB of memory and swap; expected a smaller size")
+            each = ", ".join(f"{_bytes(b)} a layer of {f}" for f, b in fp.per_layer.items())
+            mods = _bytes(MODULE_BYTES_PER_LAYER * fp.layers)
+            return (f"{named}: the model's weights and tables take {_bytes(fp.total)} ({each}) "
+                    f"and its modules at least {mods} more, beyond this machine's "
+                    f"{_bytes(limit)} of memory and swap; expected a smaller size")
         name, shape = fp.largest
         top = max(shape)
-        why = (f"the model's weights and tables take {gib:,.1f} GiB, more than could "
+        why = (f"the model's weights and tables take {_bytes(fp.total)}, more than could "
                f"be allocated (the largest, {name}, is {shape})")
     named = ", ".join(f"ModelConfig.{k} = {v}" for k, v in sorted(
         sizes.items(), key=lambda kv: -kv[1]) if 4 * v >= top)
