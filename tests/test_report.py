@@ -351,9 +351,9 @@ def test_a_finished_run_of_another_config_is_not_taken_as_done(tmp_path: Path) -
         "model": spec.config["model"] | {"d_mlp": 64}})
     # said in the sweep's words (it read "--resume: ... normlab train: --force", flags a
     # sweep user never gave), for a finished run and for one killed part way
-    message = (r"^sweep: the config differs from the one saved in .*pre-s0'; the sweep file "
-               r"changed since that run was made: give the sweep another --out, or remove "
-               r"that run's folder$")
+    message = (r"^sweep: the config differs from the one saved in .*pre-s0' \(model\.d_mlp: "
+               r"saved 32, given 64\); the sweep file changed since that run was made: give the "
+               r"sweep another --out, or remove that run's folder$")
     with pytest.raises(ValueError, match=message):
         run_one(changed)
     (Path(spec.out) / "train_done.json").unlink()
