@@ -709,6 +709,9 @@ def test_reset_hooks_inside_a_hooks_block_leaves_it_cleanly() -> None:
          r"prompts\[0\]: expected a list of token ids; got tensor\(3\)$"),
         ({"prompts": [np.array(3)]}, r"prompts\[0\]: expected a list of token ids; got "
                                      r"array\(3\)$"),
+        # no order to read: {1: 2} decoded from [1]
+        ({"prompts": [{1: 2}]}, r"prompts\[0\]: expected a list of token ids; got \{1: 2\}$"),
+        ({"prompts": {(3, 4)}}, r"prompts: expected .*; got set$"),
         ({"prompts": 7}, r"prompts: expected a list of token lists or a \[batch, pos\] tensor; "
                          r"got int$"),
         ({"prompts": "34"}, r"prompts: expected .*; got str$"),

@@ -165,6 +165,9 @@ def test_errors(folders: dict[str, Path], tmp_path: Path,
                                               capsys)
     assert "does not exist" in _error([*base, g, "--tokens", str(tmp_path / "no.txt"),
                                        "--out", out], capsys)
+    # transformers' warnings on the config (an eos id outside the vocabulary) came before it
+    assert "does not exist" in _error([*base, str(_weights_for(folders["gpt2"], eos_token_id=99)),
+                                       "--tokens", str(tmp_path / "no.txt"), "--out", out], capsys)
     msg = _error([*base, str(folders["qwen2"]), "--tokens", toks, "--out", out], capsys)
     assert "'Qwen2ForCausalLM' is not supported" in msg and "GPT2LMHeadModel" in msg
     # the architecture first: a config with no vocab_size of its own (CLIP's) read as one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from normlab.analysis.report import analyze_run
 from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from normlab.cli import eval_run, main
 from normlab.config import dump_toml, load_config
-from normlab.train import TrainingError, loss_on, lr_at, train
+from normlab.train import TrainingError, _written_here, loss_on, lr_at, train
 
 
 def cfg(*extra: str):
@@ -634,6 +635,38 @@ def test_force_and_resume_refuse_another_tools_project(tmp_path: Path) -> None:
         train(c, other, progress=False, force=True)
     assert (other / "config.toml").read_text() == 'baseURL = "https://example.org"\n'
     assert (other / "metrics.jsonl").exists()
+    # names that only look like normlab's mark nothing, and an empty config.toml (which loads
+    # as all defaults) is not a run's
+    odd = tmp_path / "odd"
+    (odd / "checkpoints").mkdir(parents=True)
+    for name in ("checkpoints/step_notes.json", "checkpoints/step_final.safetensors",
+                 "config.toml", ".metrics.jsonl.swp.tmp"):
+        (odd / name).write_text("")
+    with pytest.raises(ValueError, match="is not a normlab run folder"):
+        train(c, odd, progress=False, force=True)
+    assert len(list(odd.rglob("*"))) == 5
+
+
+def test_force_never_deletes_through_a_linked_folder(tmp_path: Path) -> None:
+    """checkpoints/, tb/ or analysis/ as links to another run's folders: --force deleted that
+    run's checkpoints, events and analysis through them, and the new run wrote into them. It
+    is refused, naming the link."""
+    c = cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5")
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(c, first, progress=False)
+    analyze_run(first, n_examples=4, n_draws=1, sigmas=[0.1])
+    before = sorted(p.relative_to(first) for p in first.rglob("*"))
+    train(c, second, progress=False)
+    for sub in ("checkpoints", "tb", "analysis"):
+        shutil.rmtree(second / sub, ignore_errors=True)
+        (second / sub).symlink_to(first / sub, target_is_directory=True)
+    with pytest.raises(ValueError, match=r"^--force: '.*second/checkpoints' is a link \(to "
+                                         r"'.*first/checkpoints'\); remove it, or give --out"):
+        train(c, second, progress=False, force=True)
+    assert sorted(p.relative_to(first) for p in first.rglob("*")) == before
+    assert _written_here(second)[0] == sorted(second / n for n in ("config.toml",
+                                                                     "metrics.jsonl",
+                                                                     "train_done.json"))
 
 
 def test_resume_with_force_is_refused(tmp_path: Path, capsys) -> None:

@@ -7,10 +7,12 @@ after `normlab eval`, `eval.json`. Nothing already written is overwritten unless
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,33 +189,58 @@ class Progress:
 # more, so a folder's other files, another tool's config.toml or checkpoints/ too, are kept.
 RUN_TOP = ("metrics.jsonl", DONE, "eval.json", "heatmap.png", "timings.json")
 RUN_SUB = {
-    "checkpoints": ("step_*.json", "step_*.safetensors"),
+    "checkpoints": ("step_#.json", "step_#.safetensors"),  # #: the step's digits
     "tb": ("events.out.tfevents.*",),
     "analysis": ("norms.json", "norms.png", "collapse.json", "collapse.png", "collapse_rows.npz",
                  "interference.json", "interference.png"),
 }
 
 
+def _named_as_ours(name: str, patterns: tuple[str, ...]) -> bool:
+    """`name` is one normlab writes, or the temp file of its atomic write (`.NAME.XXXXXXXX.tmp`,
+    io.atomic_write_bytes) that a kill left."""
+    if name.startswith(".") and name.endswith(".tmp"):
+        name = name[1:-4].rpartition(".")[0]
+    for pattern in patterns:
+        head, digits, tail = pattern.partition("#")
+        if digits:  # step_0000010.json, never step_notes.json
+            middle = name.removeprefix(head).removesuffix(tail)
+            if name.startswith(head) and name.endswith(tail) and middle.isdigit():
+                return True
+        elif fnmatch.fnmatchcase(name, pattern):
+            return True
+    return False
+
+
+def _is_run_config(path: Path) -> bool:
+    """A config.toml normlab wrote: its three tables, read as a run config. An empty file or
+    another tool's would load as all defaults, or not at all."""
+    try:
+        if not {"model", "task", "train"} <= tomllib.loads(path.read_text()).keys():
+            return False
+        load_config(path)
+    except (ValueError, RecursionError, UnicodeDecodeError, OSError):
+        return False
+    return True
+
+
 def _written_here(out: Path) -> tuple[list[Path], bool]:
-    """The files of `out` normlab wrote (with the temp files of writes a kill cut short), and
-    whether they mark a run: a config.toml that loads as a run config, a checkpoint, the log or
-    the record. Another tool's config.toml or checkpoints/ mark nothing and are not listed."""
-    found: list[Path] = []
-    for folder, patterns in ((out, (*RUN_TOP, "config.toml")), *(
-            (out / sub, pats) for sub, pats in RUN_SUB.items())):
-        for pattern in patterns:
-            found += [p for p in folder.glob(pattern) if p.is_file()]
-            stem = pattern.removesuffix("*.json").removesuffix("*.safetensors").rstrip("*.")
-            found += [p for p in folder.glob(f".{stem}*.tmp") if p.is_file()]  # atomic writes
-    config = out / "config.toml"
-    if config.is_file():
-        try:
-            load_config(config)
-        except ValueError:  # not a normlab run's
-            found = [p for p in found if p != config]
+    """The files in `out` that normlab writes, by name (with the temp files of writes a kill
+    cut short), and whether they mark a run: its config.toml, a checkpoint, the log or the
+    record. A subfolder that is a link is not looked into: its files are not this run's."""
+    def at_top(p: Path) -> bool:
+        if p.name == "config.toml":
+            return _is_run_config(p)
+        return _named_as_ours(p.name, (*RUN_TOP, "config.toml"))  # config.toml's temp files too
+
+    found = [p for p in out.iterdir() if (p.is_file() or p.is_symlink()) and at_top(p)]
+    for sub, patterns in RUN_SUB.items():
+        if (out / sub).is_dir() and not (out / sub).is_symlink():
+            found += [p for p in (out / sub).iterdir()
+                      if (p.is_file() or p.is_symlink()) and _named_as_ours(p.name, patterns)]
     marks = any((p.parent == out and p.name in ("config.toml", "metrics.jsonl", DONE))
                 or (p.parent.name == "checkpoints" and p.suffix == ".json") for p in found)
-    return sorted(set(found)), marks
+    return sorted(found), marks
 
 
 def prepare_run_dir(out: Path, *, resume: bool, force: bool,
@@ -234,6 +261,11 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
             "checkpoint or metrics.jsonl); give --out a new or a run folder"
         )
     if has_content and force and not resume:
+        if linked := [out / sub for sub in RUN_SUB if (out / sub).is_symlink()]:
+            # its files may be another run's, and the new run would write into them
+            raise ValueError(f"--force: {str(linked[0])!r} is a link (to "
+                             f"{str(linked[0].readlink())!r}); remove it, or give --out another "
+                             "folder")
         if (out / "config.toml").is_file() and out / "config.toml" not in ours:
             raise ValueError(f"{str(out / 'config.toml')!r} is not a normlab run config, and the "
                              "new run's would replace it; move it, or give --out another folder")

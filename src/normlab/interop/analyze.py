@@ -106,7 +106,7 @@ def analyze_hf(
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    config, hf_class = _hf_config(folder)
+    config, hf_class, held = _hf_config(folder)
     if not path.is_file():  # /dev/null or a pipe exists, and is not a file to read twice
         what = ("is a folder, not a file" if path.is_dir() else "does not exist"
                 if not path.exists() else "is not a regular file")
@@ -122,6 +122,8 @@ def analyze_hf(
     if data.lengths["tokens"] > context:
         raise ValueError(f"rows of {data.lengths['tokens']} tokens exceed the model's context "
                          f"of {context} positions; lower seq_len (--seq-len)")
+    for message in held:  # transformers' warnings on the config, once nothing else is refused
+        print(f"transformers: {message}", file=sys.stderr)
     model = from_hf_pretrained(folder)
     seconds["load"] = time.perf_counter() - t0
 
@@ -173,14 +175,15 @@ def analyze_hf(
 # --------------------------------------------------------------------------- model
 
 
-def _hf_config(folder: Path) -> tuple[Any, str]:
-    """The folder's config and the causal-LM class it loads as; unsupported ones refused."""
+def _hf_config(folder: Path) -> tuple[Any, str, list[str]]:
+    """The folder's config, the causal-LM class it loads as (unsupported ones refused) and
+    the warnings transformers logged reading it, held for the caller to show."""
     check_hf_folder(folder, "--hf folder")
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     try:
         # its warnings on a bad config (bos_token_id outside the vocabulary): shown only once
-        # the config is accepted below, else the error is the one line
+        # the analysis is about to run, else an error is the one line
         with held_logs() as report:
             config = AutoConfig.from_pretrained(folder, local_files_only=True)
     # transformers 5 checks a field's type with huggingface_hub's validation error, an
@@ -199,9 +202,7 @@ def _hf_config(folder: Path) -> tuple[Any, str]:
     check_int(getattr(config, "vocab_size", None),
               f"--hf folder {str(folder)!r}: config.json's vocab_size", low=1,
               what="a positive integer")
-    for message in report.messages:
-        print(f"transformers: {message}", file=sys.stderr)
-    return config, name
+    return config, name, report.messages
 
 
 def _hf_meta(folder: Path, config: Any, hf_class: str) -> dict[str, Any]:

@@ -333,11 +333,11 @@ def build_model(cfg: ModelConfig) -> Model:
         raise ValueError(_too_large(cls, cfg, limit)) from err
 
 
-# Python's own bytes for a block's modules, hook points and tensor objects, kept below what any
-# model measured holds so that no model that fits is refused: 45 KiB a layer beyond the weights
-# under `none`, 63 under `pre`, 87 under `qkv` (torch 2.13, Linux;
-# benchmarks/probes/module_bytes.py)
-MODULE_BYTES_PER_LAYER = 32 * 2**10
+# Python's own bytes for each module of a layer (with its hook points and tensor objects), kept
+# below what every model measured holds so that no model that fits is refused: 2.63-2.78 KiB a
+# module beyond the weights, 45 KiB a layer under `none` (17 modules), 63 under `pre` (23), 87
+# under `qkv` (32) (torch 2.13, Linux; benchmarks/probes/module_bytes.py)
+MODULE_BYTES = 2560
 
 
 @dataclass
@@ -345,13 +345,13 @@ class Footprint:
     total: int  # bytes of every weight and table
     shallow: int  # bytes at one layer in each stack
     per_layer: dict[str, int]  # bytes a layer, by depth field
-    layers: int  # layers in all stacks
+    modules: int  # modules in all layers of all stacks
     largest: tuple[str, list[int]]  # the largest tensor, as named at one layer
 
     @property
     def need(self) -> int:
-        """Bytes the model cannot be built in less than: its tensors and its modules."""
-        return self.total + MODULE_BYTES_PER_LAYER * self.layers
+        """Bytes the model cannot be built in less than: its tensors and its layers' modules."""
+        return self.total + MODULE_BYTES * self.modules
 
 
 def footprint(cls: type[Model], cfg: ModelConfig) -> Footprint:
@@ -370,8 +370,10 @@ def footprint(cls: type[Model], cfg: ModelConfig) -> Footprint:
     shallow = sum(size.values())
     total = shallow + sum(b * (getattr(cfg, f) - 1) for f, b in per_layer.items())
     name, big = max(tensors, key=lambda nt: nt[1].numel())
-    layers = sum(getattr(cfg, f) for f in stacks)
-    return Footprint(total, shallow, per_layer, layers, (name, list(big.shape)))
+    names = [n for n, _ in model.named_modules()]
+    modules = sum(getattr(cfg, f) * sum(n.startswith(f"{at}blocks.0") for n in names)
+                  for f, at in stacks.items())
+    return Footprint(total, shallow, per_layer, modules, (name, list(big.shape)))
 
 
 def _bytes(n: float) -> str:
@@ -383,10 +385,11 @@ def _bytes(n: float) -> str:
 def _too_large(cls: type[Model], cfg: ModelConfig, limit: int | None,
                fp: Footprint | None = None) -> str:
     """Which of `cfg`'s sizes made the model too large: its depth where one layer a stack
-    takes at most a quarter of `limit` bytes (this machine's memory) but all of them, modules
-    too, do not fit; else (a layer that is itself a large share: its width) the fields within
-    4x of its largest tensor's largest dimension (d_mlp is 4 d_model by default); where even
-    a shape overflows, of the largest size. `fp`: `footprint(cls, cfg)`, where known."""
+    takes at most a quarter of `limit` bytes (this machine's memory) and the tables beside the
+    layers fit, but all of it, modules too, does not; else (a layer, or a table, that is itself
+    a large share: its width) the fields within 4x of its largest tensor's largest dimension
+    (d_mlp is 4 d_model by default); where even a shape overflows, of the largest size. `fp`:
+    `footprint(cls, cfg)`, where known."""
     sizes = {f.name: v for f in fields(cfg) for v in [getattr(cfg, f.name)]
              if isinstance(v, int) and not isinstance(v, bool)}
     try:
@@ -395,19 +398,23 @@ def _too_large(cls: type[Model], cfg: ModelConfig, limit: int | None,
         top = max(sizes.values())
         why = "too large for torch to size the model's tensors"
     else:
-        if limit is not None and 4 * fp.shallow <= limit < fp.need:
+        layer = sum(fp.per_layer.values())  # one layer in each stack
+        if limit is not None and 4 * layer <= limit and fp.shallow - layer <= limit < fp.need:
             deep = {f: b * getattr(cfg, f) for f, b in fp.per_layer.items()}
             named = ", ".join(f"ModelConfig.{f} = {getattr(cfg, f)}" for f, b in deep.items()
                               if 2 * b >= max(deep.values()))  # the stacks that hold the most
             each = ", ".join(f"{_bytes(b)} a layer of {f}" for f, b in fp.per_layer.items())
-            mods = _bytes(MODULE_BYTES_PER_LAYER * fp.layers)
+            mods = _bytes(MODULE_BYTES * fp.modules)
             return (f"{named}: the model's weights and tables take {_bytes(fp.total)} ({each}) "
                     f"and its modules at least {mods} more, beyond this machine's "
                     f"{_bytes(limit)} of memory and swap; expected a smaller size")
         name, shape = fp.largest
         top = max(shape)
-        why = (f"the model's weights and tables take {_bytes(fp.total)}, more than could "
-               f"be allocated (the largest, {name}, is {shape})")
+        beyond = ("more than could be allocated" if limit is None or fp.total > limit else
+                  f"and its modules at least {_bytes(MODULE_BYTES * fp.modules)} more, "
+                  f"beyond this machine's {_bytes(limit)} of memory and swap")
+        why = (f"the model's weights and tables take {_bytes(fp.total)}, {beyond} (the largest, "
+               f"{name}, is {shape})")
     named = ", ".join(f"ModelConfig.{k} = {v}" for k, v in sorted(
         sizes.items(), key=lambda kv: -kv[1]) if 4 * v >= top)
     return f"{named}: {why}; expected a smaller size"
