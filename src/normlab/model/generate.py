@@ -114,9 +114,8 @@ def greedy_decode(
         if prompts.ndim != 2:
             raise ValueError(f"prompts: expected {want}; got shape {tuple(prompts.shape)}")
         prompts = prompts.tolist()
-    # a dict or set has no order to give the rows (or the ids) in
-    if isinstance(prompts, str | bytes | Mapping | AbstractSet) or not isinstance(prompts,
-                                                                                  Iterable):
+    not_a_sequence = str | bytes | Mapping | AbstractSet  # a dict or set has no order
+    if isinstance(prompts, not_a_sequence) or not isinstance(prompts, Iterable):
         raise ValueError(f"prompts: expected {want}; got {type(prompts).__name__}")
     prompts = list(prompts)  # a generator or tuple of prompts too
     if not prompts:
@@ -124,8 +123,8 @@ def greedy_decode(
     for i, prompt in enumerate(prompts):
         # one flat prompt: its ids (ints, or 0-d tensors and arrays, which are Sized but
         # have no len) where token lists should be
-        if (isinstance(prompt, str | bytes | Mapping | AbstractSet)
-                or not isinstance(prompt, Sized) or getattr(prompt, "ndim", 1) == 0):
+        if (isinstance(prompt, not_a_sequence) or not isinstance(prompt, Sized)
+                or getattr(prompt, "ndim", 1) == 0):
             raise ValueError(f"prompts[{i}]: expected a list of token ids; got {prompt!r}")
         if not len(prompt):  # its row would be read from the padding alone (or attend to nothing)
             raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
