@@ -130,3 +130,11 @@ def memory_bytes() -> int | None:
             return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, AttributeError):
             return None
+
+
+def format_bytes(n: float) -> str:
+    """A size for a message: GiB, MiB or KiB, one decimal."""
+    for size, unit in ((2**30, "GiB"), (2**20, "MiB")):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n / 2**10:,.1f} KiB"

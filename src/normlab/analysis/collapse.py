@@ -61,6 +61,7 @@ from normlab.checks import (
     check_seed,
     check_sigma,
     check_sigmas,
+    format_bytes,
     memory_bytes,
 )
 from normlab.io import save_figure
@@ -422,8 +423,8 @@ def _check_noise_fits(pert: Perturbation, data: EvalData, n_draws: int) -> None:
     need = 2 * n_draws * data.n_examples * sum(t.numel() * t.element_size() for t in one.values())
     if limit is not None and need > limit:  # 2: the draws, and their tables concatenated
         raise ValueError(f"n_draws: {n_draws} noise draws of {data.n_examples} examples need "
-                         f"{need / 2**30:,.1f} GiB of noise tables, more than this machine's "
-                         f"{limit / 2**30:,.1f} GiB of memory and swap; expected fewer draws "
+                         f"{format_bytes(need)} of noise tables, more than this machine's "
+                         f"{format_bytes(limit)} of memory and swap; expected fewer draws "
                          "(or examples)")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch import nn
 
-from normlab.checks import check_int, memory_bytes
+from normlab.checks import check_int, format_bytes, memory_bytes
 from normlab.model.block import PLACEMENTS, Block, dropped
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookedModule, HookPoint
@@ -376,12 +376,6 @@ def footprint(cls: type[Model], cfg: ModelConfig) -> Footprint:
     return Footprint(total, shallow, per_layer, modules, (name, list(big.shape)))
 
 
-def _bytes(n: float) -> str:
-    unit = next(u for u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if n >= u[0] or
-                u[1] == "KiB")
-    return f"{n / unit[0]:,.1f} {unit[1]}"
-
-
 def _too_large(cls: type[Model], cfg: ModelConfig, limit: int | None,
                fp: Footprint | None = None) -> str:
     """Which of `cfg`'s sizes made the model too large: its depth where one layer a stack
@@ -399,22 +393,20 @@ def _too_large(cls: type[Model], cfg: ModelConfig, limit: int | None,
         why = "too large for torch to size the model's tensors"
     else:
         layer = sum(fp.per_layer.values())  # one layer in each stack
+        weights = f"the model's weights and tables take {format_bytes(fp.total)}"
+        modules = (f"and its modules at least {format_bytes(MODULE_BYTES * fp.modules)} more, "
+                   f"beyond this machine's {format_bytes(limit or 0)} of memory and swap")
         if limit is not None and 4 * layer <= limit and fp.shallow - layer <= limit < fp.need:
             deep = {f: b * getattr(cfg, f) for f, b in fp.per_layer.items()}
             named = ", ".join(f"ModelConfig.{f} = {getattr(cfg, f)}" for f, b in deep.items()
                               if 2 * b >= max(deep.values()))  # the stacks that hold the most
-            each = ", ".join(f"{_bytes(b)} a layer of {f}" for f, b in fp.per_layer.items())
-            mods = _bytes(MODULE_BYTES * fp.modules)
-            return (f"{named}: the model's weights and tables take {_bytes(fp.total)} ({each}) "
-                    f"and its modules at least {mods} more, beyond this machine's "
-                    f"{_bytes(limit)} of memory and swap; expected a smaller size")
+            each = ", ".join(f"{format_bytes(b)} a layer of {f}" for f, b in fp.per_layer.items())
+            return f"{named}: {weights} ({each}) {modules}; expected a smaller size"
         name, shape = fp.largest
         top = max(shape)
-        beyond = ("more than could be allocated" if limit is None or fp.total > limit else
-                  f"and its modules at least {_bytes(MODULE_BYTES * fp.modules)} more, "
-                  f"beyond this machine's {_bytes(limit)} of memory and swap")
-        why = (f"the model's weights and tables take {_bytes(fp.total)}, {beyond} (the largest, "
-               f"{name}, is {shape})")
+        beyond = ("more than could be allocated" if limit is None or fp.total > limit
+                  else modules)
+        why = f"{weights}, {beyond} (the largest, {name}, is {shape})"
     named = ", ".join(f"ModelConfig.{k} = {v}" for k, v in sorted(
         sizes.items(), key=lambda kv: -kv[1]) if 4 * v >= top)
     return f"{named}: {why}; expected a smaller size"
