@@ -9,12 +9,14 @@
 # kernels compile into their own cache entry. `benchmarks/probes/ab_summary.py OUT old new`
 # prints every run's medians and their median (summary.txt). THREADS (default "1 2") and
 # BENCHES (default "train decode") narrow a later sitting, e.g. THREADS=2 BENCHES=train
-# ROUNDS="5 6 7 8".
+# ROUNDS="5 6 7 8". OUT (default this folder's ab/) lets a later session A/B its own change
+# with the same procedure (the thirty-eighth: OLD=1268c01 BENCHES=decode
+# OUT=benchmarks/results/session38/ab).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 git diff --quiet HEAD || { echo "ab_run.sh: commit first (tracked files changed)" >&2; exit 1; }
 ROOT=$(pwd)
-OUT=benchmarks/results/session37/ab
+OUT=${OUT:-benchmarks/results/session37/ab}
 OLD=${OLD:-097a642}
 WT=${WT:-../ab-$OLD}
 PY=$ROOT/.venv/bin/python
