@@ -39,6 +39,12 @@ def _stem(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def is_checkpoint_file(name: str) -> bool:
+    """A name `save_checkpoint` writes: `step_<digits>.json` or `.safetensors`."""
+    stem, _, ext = name.rpartition(".")
+    return ext in ("json", "safetensors") and stem.startswith("step_") and stem[5:].isdigit()
+
+
 def list_checkpoints(folder: Path) -> list[Path]:
     """Sidecars of complete checkpoints, oldest first: by step, which their names order only
     up to 7 digits (step 10,000,000 sorted before 9,999,999 and was pruned as it was written)."""

@@ -7,7 +7,6 @@ after `normlab eval`, `eval.json`. Nothing already written is overwritten unless
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import math
 import sys
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 from normlab.checkpoint import (
     CheckpointError,
+    is_checkpoint_file,
     latest_checkpoint,
     list_checkpoints,
     model_state,
@@ -184,32 +184,27 @@ class Progress:
             self.bar.stop()
 
 
-# What normlab writes in a run folder, by name: training (its config, checkpoints, log, record,
-# TensorBoard events), `eval`, `analyze` and a sweep's timings. `--force` deletes these and no
-# more, so a folder's other files, another tool's config.toml or checkpoints/ too, are kept.
-RUN_TOP = ("metrics.jsonl", DONE, "eval.json", "heatmap.png", "timings.json")
-RUN_SUB = {
-    "checkpoints": ("step_#.json", "step_#.safetensors"),  # #: the step's digits
-    "tb": ("events.out.tfevents.*",),
-    "analysis": ("norms.json", "norms.png", "collapse.json", "collapse.png", "collapse_rows.npz",
-                 "interference.json", "interference.png"),
+# What normlab writes in a run folder, by name, folder by folder ("": the run folder itself):
+# training (its config, checkpoints, log, record, TensorBoard events), `eval`, `analyze` and a
+# sweep's timings. `--force` deletes these and no more, so a folder's other files, another
+# tool's config.toml or checkpoints/ too, are kept.
+ANALYSIS_FILES = ("norms.json", "norms.png", "collapse.json", "collapse.png",
+                  "collapse_rows.npz", "interference.json", "interference.png")
+RUN_FILES: dict[str, Callable[[str], bool]] = {
+    "": lambda n: n in ("config.toml", "metrics.jsonl", DONE, "eval.json", "heatmap.png",
+                        "timings.json"),
+    "checkpoints": is_checkpoint_file,
+    "tb": lambda n: n.startswith("events.out.tfevents."),
+    "analysis": lambda n: n in ANALYSIS_FILES,
 }
 
 
-def _named_as_ours(name: str, patterns: tuple[str, ...]) -> bool:
-    """`name` is one normlab writes, or the temp file of its atomic write (`.NAME.XXXXXXXX.tmp`,
-    io.atomic_write_bytes) that a kill left."""
+def _target(name: str) -> str:
+    """The file a name stands for: itself, or, for the temp file of an atomic write that a
+    kill left (`.NAME.XXXXXXXX.tmp`, io.atomic_write_bytes), NAME."""
     if name.startswith(".") and name.endswith(".tmp"):
-        name = name[1:-4].rpartition(".")[0]
-    for pattern in patterns:
-        head, digits, tail = pattern.partition("#")
-        if digits:  # step_0000010.json, never step_notes.json
-            middle = name.removeprefix(head).removesuffix(tail)
-            if name.startswith(head) and name.endswith(tail) and middle.isdigit():
-                return True
-        elif fnmatch.fnmatchcase(name, pattern):
-            return True
-    return False
+        return name[1:-4].rpartition(".")[0]
+    return name
 
 
 def _is_run_config(path: Path) -> bool:
@@ -228,16 +223,13 @@ def _written_here(out: Path) -> tuple[list[Path], bool]:
     """The files in `out` that normlab writes, by name (with the temp files of writes a kill
     cut short), and whether they mark a run: its config.toml, a checkpoint, the log or the
     record. A subfolder that is a link is not looked into: its files are not this run's."""
-    def at_top(p: Path) -> bool:
-        if p.name == "config.toml":
-            return _is_run_config(p)
-        return _named_as_ours(p.name, (*RUN_TOP, "config.toml"))  # config.toml's temp files too
-
-    found = [p for p in out.iterdir() if (p.is_file() or p.is_symlink()) and at_top(p)]
-    for sub, patterns in RUN_SUB.items():
-        if (out / sub).is_dir() and not (out / sub).is_symlink():
-            found += [p for p in (out / sub).iterdir()
-                      if (p.is_file() or p.is_symlink()) and _named_as_ours(p.name, patterns)]
+    found: list[Path] = []
+    for sub, ours in RUN_FILES.items():
+        folder = out / sub
+        if sub and (not folder.is_dir() or folder.is_symlink()):
+            continue
+        found += [p for p in folder.iterdir() if (p.is_file() or p.is_symlink())
+                  and ours(_target(p.name)) and (p != out / "config.toml" or _is_run_config(p))]
     marks = any((p.parent == out and p.name in ("config.toml", "metrics.jsonl", DONE))
                 or (p.parent.name == "checkpoints" and p.suffix == ".json") for p in found)
     return sorted(found), marks
@@ -261,7 +253,7 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
             "checkpoint or metrics.jsonl); give --out a new or a run folder"
         )
     if has_content and force and not resume:
-        if linked := [out / sub for sub in RUN_SUB if (out / sub).is_symlink()]:
+        if linked := [out / sub for sub in RUN_FILES if sub and (out / sub).is_symlink()]:
             # its files may be another run's, and the new run would write into them
             raise ValueError(f"--force: {str(linked[0])!r} is a link (to "
                              f"{str(linked[0].readlink())!r}); remove it, or give --out another "
@@ -273,7 +265,7 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
         # a run's, and --force deleted all of it, a thesis beside them too
         for p in ours:
             p.unlink()
-        for sub in RUN_SUB:
+        for sub in filter(None, RUN_FILES):
             with contextlib.suppress(OSError):  # kept where it holds something else
                 (out / sub).rmdir()
         if kept := sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()):
@@ -573,14 +565,13 @@ def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path,
     was, now = _comparable(saved), _comparable(cfg.to_dict())
     if was != now:
         who, what = remedy
-        keys = [f"{t}.{k}" for t in sorted(was.keys() | now.keys())
+        keys = [(t, k) for t in sorted(was.keys() | now.keys())
                 for k in sorted(was.get(t, {}).keys() | now.get(t, {}).keys())
                 if was.get(t, {}).get(k) != now.get(t, {}).get(k)]
-        t, k = keys[0].split(".", 1)
-        diff = f"{keys[0]}: saved {was.get(t, {}).get(k)!r}, given {now.get(t, {}).get(k)!r}"
-        if len(keys) > 1:
-            diff += f"; {len(keys) - 1} more: {', '.join(keys[1:4])}"
-            diff += ", ..." if len(keys) > 4 else ""
+        (t, k), more = keys[0], [f"{t}.{k}" for t, k in keys[1:]]
+        diff = f"{t}.{k}: saved {was.get(t, {}).get(k)!r}, given {now.get(t, {}).get(k)!r}"
+        if more:
+            diff += f"; {len(more)} more: {', '.join(more[:3])}{', ...' if more[3:] else ''}"
         raise ValueError(f"{who}: the config differs from the one saved in {str(out)!r} "
                          f"({diff}); {what}")
 
