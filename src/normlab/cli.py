@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.allocator import keep_freed_memory
-from normlab.checks import check_int, check_seed, check_sigmas, check_threads
+from normlab.checks import check_int, check_seed, check_threads
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -208,12 +208,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `analyze`'s flags by the library parameter they set, whose checks name the parameter
+ANALYZE_FLAGS = {"sigmas": "--sigmas", "threshold": "--threshold", "n_draws": "--draws",
+                 "n_examples": "--examples"}
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     try:
         return _analyze(args)
-    except ValueError as err:  # too many draws for memory, found once the model is read
-        if str(err).startswith("n_draws: "):
-            raise ValueError(f"--draws: {str(err).removeprefix('n_draws: ')}") from None
+    except ValueError as err:  # "sigmas[1]: ..." is "--sigmas[1]: ..." as the user typed it
+        msg = str(err)
+        for param, flag in ANALYZE_FLAGS.items():
+            if msg.startswith((f"{param}:", f"{param}[")):
+                raise ValueError(flag + msg.removeprefix(param)) from None
         raise
 
 
@@ -249,12 +256,6 @@ def _analyze(args: argparse.Namespace) -> int:
                              "run's analysis goes to RUN_DIR/analysis")
     _check_flags(args, {"--draws": 1, "--examples": 1, "--seq-len": 1})
     check_seed(args.seed, "--seed")
-    # under the flags' names, as the counts are (the library names its parameters)
-    from normlab.analysis.collapse import check_threshold
-
-    check_threshold(args.threshold, "--threshold")
-    if "sigmas" in kwargs:
-        check_sigmas(kwargs["sigmas"], "--sigmas")
     if args.threads is not None:
         import torch
 
@@ -386,10 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_freed_memory()  # this is normlab's own process (normlab.allocator says why)
         return args.fn(args)
     except KeyboardInterrupt:
-        kept = {"train": "; finished checkpoints are kept (rerun with --resume)",
-                "sweep": "; finished runs and checkpoints are kept (rerun it to continue)",
-                "reproduce": "; finished runs and checkpoints are kept (rerun it to continue)",
-                }.get(args.cmd, "")
+        runs = "; finished runs and checkpoints are kept (rerun it to continue)"
+        kept = {"train": "; finished checkpoints are kept (rerun with --resume)", "sweep": runs,
+                "reproduce": runs}.get(args.cmd, "")
         print(f"normlab: interrupted{kept}", file=sys.stderr)
         return 130
     # OSError names its file (a full disk); MemoryError and OverflowError come from a size in

@@ -98,8 +98,8 @@ CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): 
 # --------------------------------------------------------------------------- validation
 
 
-def check_threshold(theta: float, name: str = "threshold") -> float:
-    return check_real(theta, name, what="a number in (0, 1]", ok=lambda v: 0 < v <= 1)
+def check_threshold(theta: float) -> float:
+    return check_real(theta, "threshold", what="a number in (0, 1]", ok=lambda v: 0 < v <= 1)
 
 
 def check_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
