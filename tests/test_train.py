@@ -1035,6 +1035,29 @@ def test_a_folder_in_a_result_files_place_is_one_line(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["analysis", "heatmap.png"]
 
 
+def test_an_os_error_while_writing_names_the_file_not_its_temp_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk said "[Errno 28] No space left on device" or named '.x.png.vtzhkrsy.tmp',
+    a file the user never chose; the old result and no temp file stay."""
+    import errno
+    import os
+
+    from normlab.io import atomic_write_text
+
+    target = tmp_path / "eval.json"
+    target.write_text("old")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=r"^'.*/eval\.json' cannot be written: No space left on "
+                                      r"device$"):
+        atomic_write_text(target, "new")
+    assert [p.name for p in tmp_path.iterdir()] == ["eval.json"]
+    assert target.read_text() == "old"
+
+
 def test_result_files_are_written_whole_readable_and_figures_too(tmp_path: Path) -> None:
     """Atomic writes leave no temp file, give the mode the umask allows (read from the
     process, not by setting it), and a figure that fails to render leaves the old file."""

@@ -25,7 +25,8 @@ from normlab.model import native
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temp file in the same folder, fsync, then rename: never a half file. A folder
     where the file goes, or a file where a folder must, is one line naming the path (the OS
-    named the temp file, or said "File exists")."""
+    named the temp file, or said "File exists"); so is any error the OS gives (a full disk, a
+    folder that takes no files such as /proc)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{str(path)!r}: expected a file to write; it is a folder")
@@ -33,17 +34,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     if blocker is not None:
         raise ValueError(f"{str(path)!r} cannot be written: {str(blocker)!r} is a file, not a "
                          "folder")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results should be readable
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):  # the OS named the temp file, which the user never chose
+            raise OSError(f"{str(path)!r} cannot be written: {err.strerror or err}") from None
         raise
     _fsync_dir(path.parent)
 
