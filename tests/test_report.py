@@ -74,6 +74,12 @@ def test_verdict_rules() -> None:
     assert verdict_sign((-0.3, -0.1)) == "agrees"
     assert verdict_sign((0.1, 0.3)) == "disagrees"
     assert verdict_sign((-0.1, 0.1)) == "inconclusive"
+    # the band's edges count as inside it, and an interval touching 0 decides no sign
+    assert verdict_band((0.1, 0.4), 0.1, 0.4) == "agrees"
+    assert verdict_band((0.0, 0.1), 0.1, 0.4) == "inconclusive"
+    assert verdict_band((0.4, 0.5), 0.1, 0.4) == "inconclusive"
+    assert verdict_sign((-0.2, 0.0)) == verdict_sign((0.0, 0.2)) == "inconclusive"
+    assert verdict_sign((0.1, 0.3), expect_negative=False) == "agrees"
 
 
 def _run(placement: str, seed: int, train: float, held: float, h90: float, rate: float):
@@ -101,6 +107,18 @@ def test_claims_table_on_synthetic_runs() -> None:
     assert rows["H2"]["verdict"] == "agrees" and rows["H2"]["ours"] == pytest.approx(0.01)
     assert rows["H3"]["verdict"] == "agrees"
     assert rows["H4"]["verdict"] == "agrees" and rows["H4"]["ours"] == pytest.approx(-0.3)
+    # every seed's difference is -0.30, so H4's interval is the floor alone, by hand: a
+    # held-out accuracy is the mean of two splits (256 and 768 questions), each of variance
+    # Agresti-Coull's p~ (1 - p~) / (n + 4), p~ = (p n + 2) / (n + 4); three seeds, t(2)
+    def ac(p: float, n: int) -> float:
+        pt = (p * n + 2) / (n + 4)
+        return pt * (1 - pt) / (n + 4)
+
+    v4 = [sum(ac(p, 256) + ac(p, 768) for p in pair) / 4
+          for pair in ((0.50, 0.20), (0.52, 0.22), (0.51, 0.21))]
+    half = 4.303 * math.sqrt(sum(v4) / 3) / math.sqrt(3)
+    assert rows["H4"]["ci95"] == pytest.approx([-0.3 - half, -0.3 + half])
+    assert half == pytest.approx(0.0576, abs=1e-4)
     # flip H4: QKV-Norm better out of distribution
     for s in runs["qkv"]:
         runs["qkv"][s]["eval"]["splits"]["extrapolation"]["accuracy"] = 0.9
@@ -119,7 +137,7 @@ def test_collect_refuses_two_runs_of_one_placement_and_seed(tmp_path: Path) -> N
 
     for name, d_model in (("pre-d32-s0", 32), ("pre-d64-s0", 64)):
         (tmp_path / name).mkdir()
-        ev = _run("pre", 0, 0.99, 0.5, 0.2, 0.01)["eval"]
+        ev = _run("pre", 0, 1.0, 0.5, 0.2, 0.01)["eval"]  # accuracies its counts can give
         ev["config"]["model"]["d_model"] = d_model
         (tmp_path / name / "eval.json").write_text(json.dumps(ev))
     assert list(collect([tmp_path / "pre-d32-s0"])["pre"]) == [0]

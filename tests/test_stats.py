@@ -54,3 +54,45 @@ def test_median_ci_refuses_nan_and_a_level_outside_0_1(xs: list[float], level: f
                                                       match: str) -> None:
     with pytest.raises(ValueError, match=match):
         median_ci(xs, level)
+
+
+def test_median_ci_of_a_thousand_repeats_and_more() -> None:
+    """`2.0**n` overflowed a float from 1024 values on (a benchmark's `--repeats 1024` died at
+    its end). Checked in exact rational arithmetic: k is the largest whose coverage reaches
+    95%, and k + 1 falls short."""
+    from fractions import Fraction
+
+    def exact(n: int, k: int) -> Fraction:
+        return 1 - 2 * Fraction(sum(math.comb(n, i) for i in range(k)), 2**n)
+
+    for n in (1024, 2001):
+        ci = median_ci(list(range(n)))
+        k = int(ci["lo"]) + 1  # the values are 0..n-1: the k-th smallest is k - 1
+        assert ci["hi"] == n - k
+        assert exact(n, k) >= Fraction(95, 100) > exact(n, k + 1)
+        assert ci["coverage"] == pytest.approx(float(exact(n, k)), abs=1e-15)
+    # the normal approximation's k, n/2 - 1.96 sqrt(n)/2, within one
+    assert abs(int(median_ci(list(range(1024)))["lo"]) + 1 - (512 - 1.96 * 16)) < 1.5
+
+
+@pytest.mark.parametrize("df", [0, -3, True, 2.0])
+def test_t975_refuses_degrees_of_freedom_below_one(df: object) -> None:
+    """df 0 read the table's last entry (2.042) through Python's negative indexing."""
+    from normlab.stats import t975
+
+    with pytest.raises(ValueError, match=r"t975: expected degrees of freedom >= 1"):
+        t975(df)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("values", "within", "match"), [
+    ([0.1, math.nan], None, "expected finite values"),  # gave a NaN interval: "inconclusive"
+    ([0.1, math.inf], None, "expected finite values"),
+    ([0.1, 0.2], [0.01, math.nan], "within-seed variances >= 0"),  # max() dropped the NaN
+    ([0.1, 0.1], [0.01, -0.02], "within-seed variances >= 0"),
+])
+def test_mean_ci_refuses_what_is_no_measurement(values: list[float], within: list[float] | None,
+                                                match: str) -> None:
+    from normlab.stats import mean_ci
+
+    with pytest.raises(ValueError, match=match):
+        mean_ci(values, within)

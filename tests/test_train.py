@@ -1413,7 +1413,7 @@ def test_compare_refuses_one_split_name_over_other_cells(tmp_path: Path, capsys)
 
     def run(name: str, cells: list[str], **split: int) -> Path:
         (tmp_path / name).mkdir()
-        doc = {"splits": {"extrapolation": good | split}, "config": cfg,
+        doc = {"splits": {"train": good, "extrapolation": good | split}, "config": cfg,
                "cells": [{"cell": c, "split": "extrapolation", "accuracy": 0.5} for c in cells]}
         (tmp_path / name / "eval.json").write_text(json.dumps(doc))
         return tmp_path / name
@@ -1427,9 +1427,18 @@ def test_compare_refuses_one_split_name_over_other_cells(tmp_path: Path, capsys)
         f"normlab: error: {str(c / 'eval.json')!r}: split 'extrapolation' holds cells n5d1, "
         f"{str(a / 'eval.json')!r}'s n1d2, n4d1; expected one split's runs to share its cells "
         "(compare puts them in one column)")
-    # a damaged interval: printed as "50.0 [nan, inf]"
-    for ci in ("[NaN, Infinity]", "[0.8, 0.2]", "[-0.1, 0.5]"):
-        (c / "eval.json").write_text(json.dumps({"splits": {"x": good}, "config": cfg})
-                                     .replace("[0.2, 0.8]", ci))
+    # a damaged interval: printed as "50.0 [nan, inf]"; one that misses its own accuracy, as
+    # "10.0 [98.3, 99.4]"; an accuracy no count of questions gives, or no questions
+    for bad in ({"ci95": "[NaN, Infinity]"}, {"ci95": "[0.8, 0.2]"}, {"ci95": "[-0.1, 0.5]"},
+                {"ci95": "[0.6, 0.8]"}, {"count": 7}, {"count": 0}, {"count": 7.0}):
+        split = good | {k: v for k, v in bad.items() if k == "count"}
+        text = json.dumps({"splits": {"train": split}, "config": cfg})
+        (c / "eval.json").write_text(text.replace("[0.2, 0.8]", bad.get("ci95", "[0.2, 0.8]")))
         code, err = _cli(capsys, "compare", str(c))
-        assert code == 2 and "expected normlab eval results" in err, (ci, err)
+        assert code == 2 and "expected normlab eval results" in err, (bad, err)
+    (c / "eval.json").write_text(json.dumps({"splits": {"x": good}, "config": cfg}))
+    code, err = _cli(capsys, "compare", str(c))  # no train split: the report read it unasked
+    assert code == 2 and "train among them" in err, err
+    (c / "eval.json").write_text(json.dumps({"splits": {"train": good | {"count": 6}},
+                                             "config": cfg}))
+    assert _cli(capsys, "compare", str(c))[0] == 0  # 3 of 6, inside [0.2, 0.8]

@@ -28,8 +28,9 @@ from normlab.tasks.addition import (
 )
 
 #: what `is_eval_result` asks of an eval.json, as its readers' errors say it
-EVAL_RESULT = ("normlab eval results (splits with an accuracy and a ci95 in [0, 1] and a count "
-               "each, config.model.norm_placement, config.train.seed)")
+EVAL_RESULT = ("normlab eval results (splits, train among them, each with a count >= 1 of "
+               "questions, an accuracy that count can give and a ci95 in [0, 1] around it; "
+               "config.model.norm_placement, config.train.seed)")
 
 
 def is_eval_result(doc: Any) -> bool:
@@ -37,15 +38,22 @@ def is_eval_result(doc: Any) -> bool:
     those types: a damaged or foreign file is then one line naming it, not a KeyError."""
 
     def split_ok(v: Any) -> bool:
+        # what `evaluate` writes holds by construction: right answers over a count, inside
+        # their Wilson interval; else `compare` printed "10.0 [98.3, 99.4]" as measured
         ci = v.get("ci95") if isinstance(v, dict) else None
-        return (isinstance(v, dict) and is_fraction(v.get("accuracy")) and is_int(v.get("count"))
-                and v["count"] >= 0 and isinstance(ci, list) and len(ci) == 2
-                and all(is_fraction(x) for x in ci) and ci[0] <= ci[1])
+        if not (isinstance(v, dict) and is_fraction(v.get("accuracy")) and is_int(v.get("count"))
+                and v["count"] >= 1 and isinstance(ci, list) and len(ci) == 2
+                and all(is_fraction(x) for x in ci)):
+            return False
+        right = v["accuracy"] * v["count"]
+        return (abs(right - round(right)) < 1e-6
+                and ci[0] - 1e-9 <= v["accuracy"] <= ci[1] + 1e-9)
 
     cfg = doc.get("config") if isinstance(doc, dict) else None
     model, train = ((cfg.get("model"), cfg.get("train")) if isinstance(cfg, dict)
                     else (None, None))
     return (isinstance(doc, dict) and isinstance(doc.get("splits"), dict)
+            and "train" in doc["splits"]  # every task's first split, which the report reads
             and all(split_ok(v) for v in doc["splits"].values())
             and isinstance(model, dict) and isinstance(model.get("norm_placement"), str)
             and isinstance(train, dict) and is_int(train.get("seed")))

@@ -20,6 +20,8 @@ def t975(df: int) -> float:
     """The 97.5% quantile of Student's t with `df` degrees of freedom: the table up to 30, then
     the Cornish-Fisher expansion around the normal's `Z975` (within 1e-4 from 31 on; the
     normal's value alone made intervals over 32+ seeds ~4% too narrow)."""
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:  # df 0 read the table's end
+        raise ValueError(f"t975: expected degrees of freedom >= 1, got {df!r}")
     if df <= len(_T975):
         return _T975[df - 1]
     z = Z975
@@ -45,6 +47,8 @@ def mean_ci(
     vals = [float(v) for v in values]
     if not vals:
         raise ValueError("mean_ci: expected at least one value")
+    if not all(map(math.isfinite, vals)):  # NaN gave a NaN interval, read as "inconclusive"
+        raise ValueError(f"mean_ci: expected finite values, got {vals}")
     if support is not None and not all(support[0] <= v <= support[1] for v in vals):
         raise ValueError(f"mean_ci: expected values in [{support[0]}, {support[1]}]; got {vals}")
     n = len(vals)
@@ -55,6 +59,9 @@ def mean_ci(
     if within_var is not None:
         if len(within_var) != n:
             raise ValueError(f"mean_ci: expected {n} within-seed variances, got {len(within_var)}")
+        if not all(math.isfinite(v) and v >= 0 for v in within_var):  # max() dropped a NaN
+            raise ValueError("mean_ci: expected within-seed variances >= 0, got "
+                             f"{list(within_var)}")
         var = max(var, sum(within_var) / n)
     sd = math.sqrt(var)
     t = t975(n - 1)
@@ -82,7 +89,8 @@ def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, float]:
         raise ValueError(f"median_ci: expected a level in (0, 1); got {level!r}")
 
     def coverage(k: int) -> float:
-        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0**n
+        # integers throughout: 2.0**n overflowed a float from 1024 repeats on
+        return 1.0 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
 
     k = 1
     while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
