@@ -589,3 +589,26 @@ def test_no_examples_gives_no_intervals_not_an_error() -> None:
     data = EvalData.from_tokens(torch.zeros(0, 6, dtype=torch.long))
     res = measure_collapse(small(), data, sigmas=[0.0, 0.1], n_draws=2)
     assert res["n_sparse_rows"] == 0 and res["collapse_ci95"] == [[None, None], [None, None]]
+
+
+def test_the_collapse_interval_is_never_narrower_than_wilsons_under_noise() -> None:
+    """A percentile bootstrap of 0 flips is [0, 0] (every committed quick run at sigma 0.01,
+    0 of 128,672 row-draws), and of rows all in one example [r, r]: as if the rate were
+    known. Under noise the interval now holds at least the Wilson interval over row-draws,
+    whose upper end at 0 of n is z^2 / (n + z^2); at sigma 0 a rate of 0 is exact."""
+    import numpy as np
+
+    from normlab.analysis.collapse import _cluster_ci, _resamples
+    from normlab.stats import Z975, wilson_ci
+
+    flips, counts = np.zeros(260), np.full(260, 16.0 * 32)
+    w = _resamples(260, seed=0)
+    n = counts.sum()
+    assert _cluster_ci(flips, counts, w) == [0.0, pytest.approx(Z975**2 / (n + Z975**2))]
+    assert _cluster_ci(flips, counts, w, noisy=False) == [0.0, 0.0]
+    one = np.zeros(50)
+    flips, counts = one.copy(), one.copy()
+    flips[7], counts[7] = 3.0, 32.0  # every sparse row in example 7: 3 of 32 row-draws flip
+    lo, hi = _cluster_ci(flips, counts, _resamples(50, seed=0))
+    w_lo, w_hi = wilson_ci(3, 32)
+    assert (lo, hi) == (pytest.approx(w_lo), pytest.approx(w_hi)) and lo < 3 / 32 < hi

@@ -89,7 +89,8 @@ def _run(placement: str, seed: int, train: float, held: float, h90: float, rate:
                      for split, acc, n in (("train", train, 1280), ("interpolation", held, 256),
                                            ("extrapolation", held, 768))}}
     norms = {"summary": {"all": {"h90": h90}}}
-    col = {"sigmas": [0.0, 0.1], "collapse_rate": [0.0, rate]}
+    col = {"sigmas": [0.0, 0.1], "collapse_rate": [0.0, rate], "n_sparse_rows": 4000,
+           "draws_per_sigma": [1, 32]}
     return {"eval": ev, "norms": norms, "collapse": col, "dir": Path(f"{placement}-s{seed}")}
 
 
@@ -298,7 +299,8 @@ TINY_SET = ('[set]\n"task.grid" = "smoke"\n"task.eval_size" = 8\n"model.d_model"
 DONE_AT_6 = json.dumps({"checkpoint_step": 6})
 # the least a norms.json and a collapse.json hold for the report (and so for the sweep) to read
 NORMS = json.dumps({"summary": {"all": {"h90": 0.5}}})
-COLLAPSE = json.dumps({"sigmas": [0.0], "collapse_rate": [0.0]})
+COLLAPSE = json.dumps({"sigmas": [0.0], "collapse_rate": [0.0], "n_sparse_rows": 5,
+                       "draws_per_sigma": [1]})
 
 
 def _tiny_sweep(tmp_path: Path, seeds: str = "[0, 1]") -> Path:
@@ -615,7 +617,7 @@ def test_seed_means_pair_sigmas_by_value(tmp_path: Path) -> None:
     path = tmp_path / "runs/pre-s1/analysis/collapse.json"
     col = json.loads(path.read_text())
     keep = [col["sigmas"].index(s) for s in (0.3, 0.1, 0.0)]  # fewer, and reversed
-    for key in ("sigmas", "collapse_rate", "predicted_rate", "accuracy"):
+    for key in ("sigmas", "collapse_rate", "predicted_rate", "accuracy", "draws_per_sigma"):
         col[key] = [col[key][i] for i in keep]
     path.write_text(json.dumps(col))
     summary = write_report(tmp_path / "report", dirs, "quick")
@@ -908,3 +910,21 @@ def test_a_report_refuses_runs_of_another_model_or_recipe(tmp_path: Path) -> Non
     ev_path.write_text(json.dumps(ev))
     runs = collect(dirs)
     assert sorted(runs["pre"]) == [0, 1, 9] and sorted(runs["qkv"]) == [1]
+
+
+@pytest.mark.parametrize(("rows", "draws", "rate"), [(24, 2, 0.0), (50, 2, 0.01)])
+def test_h2_seeds_that_measure_the_same_rate_keep_its_sampling_error(rows: int, draws: int,
+                                                                     rate: float) -> None:
+    """Two seeds that both saw 0 flips in 48 row-draws gave H2 the interval [0, 0] and
+    "disagrees" (0 of 96 allows up to 3.8%); both at 1 of 100, [1%, 1%] and "agrees" (2 of 200
+    allows 0.12% to 3.6%). By hand, Agresti-Coull over each seed's row-draws n: p~ = (k + 2) /
+    (n + 4), variance p~ (1 - p~) / (n + 4); two seeds, t(1) = 12.706."""
+    runs = {"pre": {s: _run("pre", s, 1.0, 0.5, 0.2, rate) for s in (0, 1)}}
+    for r in runs["pre"].values():
+        r["collapse"] |= {"n_sparse_rows": rows, "draws_per_sigma": [1, draws]}
+    h2 = {r["id"]: r for r in claims_table(runs)}["H2"]
+    n = rows * draws
+    pt = (rate * n + 2) / (n + 4)
+    half = 12.706 * math.sqrt(pt * (1 - pt) / (n + 4)) / math.sqrt(2)
+    assert h2["ci95"] == pytest.approx([max(0.0, rate - half), rate + half])
+    assert h2["verdict"] == "inconclusive"

@@ -13,7 +13,7 @@ from normlab.checks import check_int, check_on_cpu, is_fraction, is_int
 from normlab.io import save_figure
 from normlab.model import Model
 from normlab.model.generate import greedy_decode
-from normlab.stats import Z975
+from normlab.stats import wilson_ci
 from normlab.tasks.addition import (
     EOS,
     IGNORE_INDEX,
@@ -57,19 +57,6 @@ def is_eval_result(doc: Any) -> bool:
             and all(split_ok(v) for v in doc["splits"].values())
             and isinstance(model, dict) and isinstance(model.get("norm_placement"), str)
             and isinstance(train, dict) and is_int(train.get("seed")))
-
-
-def wilson_ci(correct: int, count: int, z: float = Z975) -> tuple[float, float]:
-    """95% Wilson score interval for a binomial proportion (sane at 0% and 100%)."""
-    if count == 0:
-        return (0.0, 1.0)
-    p = correct / count
-    denom = 1 + z * z / count
-    centre = (p + z * z / (2 * count)) / denom
-    half = z * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count)) / denom
-    # at 0 (or all) correct the bound is 0 (1) exactly; centre - half rounds to ~1e-17
-    return (0.0 if correct == 0 else max(0.0, centre - half),
-            1.0 if correct == count else min(1.0, centre + half))
 
 
 def predict(

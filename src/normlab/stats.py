@@ -71,6 +71,20 @@ def mean_ci(
     return m, (max(m - half, support[0]), min(m + half, support[1]))
 
 
+def wilson_ci(correct: int, count: int, z: float = Z975) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion (sane at 0% and 100%):
+    an accuracy over its questions, a collapse rate over its row-draws."""
+    if count == 0:
+        return (0.0, 1.0)
+    p = correct / count
+    denom = 1 + z * z / count
+    centre = (p + z * z / (2 * count)) / denom
+    half = z * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count)) / denom
+    # at 0 (or all) correct the bound is 0 (1) exactly; centre - half rounds to ~1e-17
+    return (0.0 if correct == 0 else max(0.0, centre - half),
+            1.0 if correct == count else min(1.0, centre + half))
+
+
 def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, float]:
     """Distribution-free confidence interval for the median: [x_(k), x_(n+1-k)] of the sorted xs.
 

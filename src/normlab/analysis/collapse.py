@@ -70,6 +70,7 @@ from normlab.model.attention import pattern_formed_anyway
 from normlab.model.generate import greedy_decode
 from normlab.model.hooks import torch_hooked
 from normlab.model.norms import Norm
+from normlab.stats import wilson_ci
 from normlab.tasks.addition import (
     EOS,
     Cell,
@@ -92,7 +93,8 @@ cache size; `benchmarks/probes/collapse_prof.py`)."""
 
 CI_METHOD = ("cluster bootstrap over examples (1000 resamples, percentile 95%): draws and rows "
              "of one example are correlated, so examples, not row-draws, are resampled; every "
-             "sigma uses the same resamples")
+             "sigma uses the same resamples; at sigma > 0 widened to at least the Wilson interval "
+             "over row-draws, which a bootstrap of 0 flips or of one example's rows lacks")
 
 
 # --------------------------------------------------------------------------- validation
@@ -403,13 +405,20 @@ def _resamples(n: int, seed: int, n_boot: int = 1000) -> np.ndarray:
     return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
 
 
-def _cluster_ci(flips: np.ndarray, counts: np.ndarray, w: np.ndarray) -> list[float | None]:
-    """95% percentile CI of sum(flips)/sum(counts) over the resamples `w` [n_boot, examples]."""
+def _cluster_ci(flips: np.ndarray, counts: np.ndarray, w: np.ndarray,
+                noisy: bool = True) -> list[float | None]:
+    """95% percentile CI of sum(flips)/sum(counts) over the resamples `w` [n_boot, examples],
+    widened to at least the Wilson interval over the row-draws where there is noise: a
+    bootstrap of 0 flips, or of rows all in one example, has zero width ([0, 0] at sigma 0.01
+    in every committed quick run), as if the rate were known exactly."""
     if counts.sum() == 0:
         return [None, None]
     num, den = w @ flips, w @ counts
     rates = num[den > 0] / den[den > 0]
     lo, hi = np.percentile(rates, [2.5, 97.5])
+    if noisy:
+        w_lo, w_hi = wilson_ci(float(flips.sum()), float(counts.sum()))
+        lo, hi = min(lo, w_lo), max(hi, w_hi)
     return [float(lo), float(hi)]
 
 
@@ -531,7 +540,7 @@ def measure_collapse(
         f_ex = np.bincount(ex, weights=flips[:, si].numpy(), minlength=B)
         c_ex = rows_per_example * draws_used[si]
         collapse_rate.append(float(f_ex.sum() / c_ex.sum()) if R else None)
-        ci.append(_cluster_ci(f_ex, c_ex, resamples))
+        ci.append(_cluster_ci(f_ex, c_ex, resamples, noisy=sigmas[si] > 0))
     theory = _theory(rows, [s.name for s in pert.all_sites], sigmas, noise, theory_draws, seed)
     per_head = []
     for (site_name, h), n_valid in rows.valid_rows.items():
