@@ -67,6 +67,17 @@ def test_bad_logs_give_one_line_errors(tmp_path: Path) -> None:
     a, _ = _logs(tmp_path)
     with pytest.raises(ValueError, match=r"no split 'extrapolation'.*logged: interpolation, train"):
         learning_curve(a, "extrapolation")
+    # an accuracy in percent was printed as 5700.0, NaN as "nan"; seconds as text failed with
+    # "Unknown format code 'f' for object of type 'str'", naming no file
+    for i, rec in enumerate([{"accuracy": {"train": 57.0}}, {"accuracy": {"train": float("nan")}},
+                             {"elapsed_s": "12"}, {"elapsed_s": -1.0},
+                             {"elapsed_s": float("inf")}]):
+        run = _run(tmp_path / f"odd{i}", [{"step": 100, "elapsed_s": 5.0,
+                                           "accuracy": {"train": 0.5}} | rec, {"step": 200}])
+        field = "accuracy" if "accuracy" in rec else "elapsed_s"
+        with pytest.raises(ValueError, match=rf"odd{i}/metrics\.jsonl' line 1: expected "
+                                             rf"'{field}'"):
+            read_metrics(run)
 
 
 def test_cli_curve_table_and_plot(tmp_path: Path, capsys) -> None:
@@ -83,6 +94,8 @@ def test_cli_curve_table_and_plot(tmp_path: Path, capsys) -> None:
     assert main(["compare", "--curve", "train", "--plot", str(png), "--force", str(a)]) == 0
     assert main(["compare", "--plot", str(png), str(a)]) == 2
     assert "--plot: needs --curve SPLIT" in capsys.readouterr().err
+    assert main(["compare", "--curve", "", str(a)]) == 2  # printed the accuracy table, exit 0
+    assert "no split '' in metrics.jsonl" in capsys.readouterr().err
     # a folder: "already exists; pass --force", and with --force the OS's error on a temp file
     for force in ([], ["--force"]):
         assert main(["compare", "--curve", "train", "--plot", str(png.parent), *force,

@@ -928,3 +928,16 @@ def test_h2_seeds_that_measure_the_same_rate_keep_its_sampling_error(rows: int, 
     half = 12.706 * math.sqrt(pt * (1 - pt) / (n + 4)) / math.sqrt(2)
     assert h2["ci95"] == pytest.approx([max(0.0, rate - half), rate + half])
     assert h2["verdict"] == "inconclusive"
+
+
+def test_a_train_done_record_whose_seconds_are_not_a_number_is_named(tmp_path: Path) -> None:
+    """train_done.json's "elapsed_s": "759 s" failed the report with "Unknown format code 'f'
+    for object of type 'str'", naming no file."""
+    from normlab.report import write_report
+
+    dirs = _quick_copy(tmp_path)
+    path = dirs[1] / "train_done.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"elapsed_s": "759 s"}))
+    with pytest.raises(ValueError, match=r"pre-s1/train_done\.json': expected an object with an "
+                                         r"int \"step\".*\"elapsed_s\", seconds\)"):
+        write_report(tmp_path / "report", dirs, "quick")

@@ -170,7 +170,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from normlab.io import refuse_overwrite
 
-    if args.curve:
+    if args.curve is not None:  # "--curve ''" printed the accuracy table
         import dataclasses
 
         from normlab.curves import curve_table, learning_curve, plot_curves, run_labels

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import platform
 import reprlib
@@ -18,7 +19,7 @@ import torch
 
 import normlab
 from normlab import allocator
-from normlab.checks import is_real
+from normlab.checks import is_fraction, is_real
 from normlab.model import native
 
 
@@ -165,9 +166,13 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             raise ValueError(f"{str(path)!r} line {i}: expected an object with an int 'step'")
         acc = rec.get("accuracy", {})  # what the learning curves read
-        if not isinstance(acc, dict) or not all(is_real(v) for v in acc.values()):
+        if not isinstance(acc, dict) or not all(is_fraction(v) for v in acc.values()):
             raise ValueError(f"{str(path)!r} line {i}: expected 'accuracy' to map splits to "
-                             f"numbers; got {acc!r}")
+                             f"numbers in [0, 1]; got {acc!r}")  # 57.0 was plotted as 5700%
+        t = rec.get("elapsed_s")
+        if t is not None and not (is_real(t) and 0 <= t < math.inf):
+            raise ValueError(f"{str(path)!r} line {i}: expected 'elapsed_s' to be seconds >= 0; "
+                             f"got {t!r}")  # "12" failed as "Unknown format code 'f'"
         records.append(rec)
     return records
 

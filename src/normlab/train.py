@@ -30,7 +30,7 @@ from normlab.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from normlab.checks import first_line, is_int
+from normlab.checks import first_line, is_int, is_real
 from normlab.config import RunConfig, dump_toml, load_config
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import (
@@ -46,8 +46,11 @@ from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
 DONE = "train_done.json"  # written once training has finished (all steps or early stop)
 #: what `DONE` holds, in words and as a test, for the sweep and the report (`io.read_json`)
-DONE_RECORD = ('an object with an int "step", where training ended',
-               lambda d: isinstance(d, dict) and is_int(d.get("step")))
+DONE_RECORD = ('an object with an int "step", where training ended (and its "elapsed_s", '
+               'seconds)',
+               lambda d: isinstance(d, dict) and is_int(d.get("step"))
+               and (d.get("elapsed_s") is None or (is_real(d["elapsed_s"])
+                                                   and 0 <= d["elapsed_s"] < math.inf)))
 
 
 class TrainingError(RuntimeError):
