@@ -83,7 +83,8 @@ def test_a_run_name_must_be_one_folder_inside_out(tmp_path: Path, monkeypatch: p
     assert sorted(os.listdir(tmp_path)) == ["cwd", "s.toml"] and not os.listdir(here)
 
 
-DONE_EXPECTED = 'expected an object with an int "step", where training ended'
+DONE_EXPECTED = ('expected an object with an int "step", where training ended (and its '
+                 '"elapsed_s", seconds)')
 TIMINGS_EXPECTED = "expected an object of step name -> seconds"
 NOT_JSON = "not valid JSON (Expecting value: line 1 column 1 (char 0))"
 

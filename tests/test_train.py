@@ -673,7 +673,7 @@ def test_resume_with_force_is_refused(tmp_path: Path, capsys) -> None:
     """`train --resume --force` ignored --force, and a changed config's error then told the
     user to pass --force: the two are refused together, before the folder is touched."""
     c = cfg("train.steps=2", "train.checkpoint_every=1", "train.eval_every=2",
-            "train.warmup_steps=1")  # no warning on stderr
+            "train.warmup_steps=0")  # no warning on stderr
     train(c, tmp_path / "run", progress=False, stop_after=1)
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
     (tmp_path / "c.toml").write_text(dump_toml(cfg("train.steps=3").to_dict()))
@@ -905,12 +905,18 @@ def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path: Path) -> None:
     lines: list[str] = []
     train(cfg("train.steps=8", "train.warmup_steps=10", "train.eval_every=8",
               "train.checkpoint_every=8"), tmp_path / "run", progress=False, log=lines.append)
-    warned = [ln for ln in lines if ln.startswith("warning: train.warmup_steps = 10 >= "
+    warned = [ln for ln in lines if ln.startswith("warning: train.warmup_steps = 10 of "
                                                  "train.steps = 8")]
     assert len(warned) == 1 and "to 0.8 x train.lr at the last step" in warned[0]
+    # 7 of 8: the last step is the first past warm-up, at lr itself, so none decays either
     lines.clear()
     train(cfg("train.steps=8", "train.warmup_steps=7", "train.eval_every=8",
               "train.checkpoint_every=8"), tmp_path / "run2", progress=False, log=lines.append)
+    warned = [ln for ln in lines if ln.startswith("warning: train.warmup_steps = 7 of ")]
+    assert len(warned) == 1 and "to 1 x train.lr at the last step" in warned[0]
+    lines.clear()
+    train(cfg("train.steps=8", "train.warmup_steps=6", "train.eval_every=8",
+              "train.checkpoint_every=8"), tmp_path / "run3", progress=False, log=lines.append)
     assert not any("warning" in ln for ln in lines)
 
 
@@ -1263,7 +1269,7 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
     import normlab.tasks.addition as addition
 
     good = tmp_path / "good.toml"
-    good.write_text("[task]\ngrid = 'smoke'\n[train]\nsteps = 2\nwarmup_steps = 1\n"
+    good.write_text("[task]\ngrid = 'smoke'\n[train]\nsteps = 2\nwarmup_steps = 0\n"
                     "[model]\nd_model = 16\nn_layers = 1\n")
     out = tmp_path / "run"
     assert main(["train", "--config", str(good), "--out", str(out), "--quiet"]) == 0
@@ -1442,3 +1448,133 @@ def test_compare_refuses_one_split_name_over_other_cells(tmp_path: Path, capsys)
     (c / "eval.json").write_text(json.dumps({"splits": {"train": good | {"count": 6}},
                                              "config": cfg}))
     assert _cli(capsys, "compare", str(c))[0] == 0  # 3 of 6, inside [0.2, 0.8]
+
+
+def test_files_named_like_checkpoints_are_not_pruned_or_resumed_from(tmp_path: Path) -> None:
+    """Pruning took a user's `step_notes.json` for the oldest checkpoint and deleted it with
+    its `.safetensors` namesake; a stray `notes.json` made a run killed before its first
+    checkpoint fail to resume ("no checkpoint") instead of starting again."""
+    c = cfg("train.steps=30", "train.checkpoint_every=10", "train.eval_every=10")
+    train(c, tmp_path / "straight", progress=False)
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "run" / "config.toml").write_text(dump_toml(c.to_dict()))
+    for name in ("notes.json", "step_notes.json", "step_notes.safetensors", "step_.json"):
+        (ckpt / name).write_text("mine")
+    train(c, tmp_path / "run", progress=False, resume=True)  # started again, and finished
+    assert {p.name for p in ckpt.iterdir()} == {
+        "notes.json", "step_notes.json", "step_notes.safetensors", "step_.json",
+        "step_0000020.json", "step_0000020.safetensors", "step_0000030.json",
+        "step_0000030.safetensors"}
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step_0000020.json", "step_0000030.json"]
+    name = "step_0000030.safetensors"  # the same run as the straight one: the same weights
+    assert (ckpt / name).read_bytes() == (tmp_path / "straight/checkpoints" / name).read_bytes()
+
+
+def test_a_folder_another_process_trains_in_is_refused_untouched(tmp_path: Path,
+                                                                 capsys) -> None:
+    """Two `train --resume` of one folder (a requeued job whose first start still ran) both
+    trained: 40 log lines for 20, steps 10, 20, 30, 40, 10, 50, ... The folder is locked while
+    a process trains in it; the lock goes with the process (here: released by train)."""
+    import fcntl
+    import os
+
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=10")
+    run = tmp_path / "run"
+    train(c, run, progress=False, stop_after=10)
+    before = {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY)  # "another process": another open lock
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for flag in ("--resume", "--force"):
+            code, err = _cli(capsys, "train", "--config", str(_toml(tmp_path, c)), "--out",
+                             str(run), flag, "--quiet")
+            assert code == 2 and err == (f"normlab: error: run folder {str(run)!r} is being "
+                                         "trained by another process; wait for it to end, or "
+                                         "give --out another folder")
+        assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    finally:
+        os.close(fd)
+    train(c, run, progress=False, resume=True)
+    train(c, tmp_path / "run2", progress=False)  # released: the same process trains again
+    train(c, tmp_path / "run2", progress=False, force=True)
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))
+
+
+def _toml(tmp_path: Path, c) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(c.to_dict()))
+    return path
+
+
+def test_a_resume_removes_checkpoint_temp_files_a_kill_left(tmp_path: Path) -> None:
+    """A kill during a checkpoint's write left `.step_*.safetensors.XXXX.tmp`, a checkpoint's
+    size, that no resume removed: one more per preemption. A resume removes those in
+    checkpoints/ and nothing else."""
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=10")
+    run = tmp_path / "run"
+    train(c, run, progress=False, stop_after=10)
+    stale = run / "checkpoints" / ".step_00000020.safetensors.k1ll3d0n.tmp"
+    stale.write_bytes(b"\0" * 1000)
+    theirs = [run / "checkpoints" / ".notes.txt.abc.tmp", run / ".eval.json.x1y2z3.tmp"]
+    for p in theirs:
+        p.write_text("not a checkpoint's")
+    train(c, run, progress=False, resume=True)
+    assert not stale.exists() and all(p.exists() for p in theirs)
+
+
+def test_a_checkpoint_takes_the_runs_provenance_and_no_training_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each checkpoint ran `provenance()` (two git calls, 0.6 s) and threw it away, and its
+    write counted as training time in elapsed_s: 1.05 s against 0.15 s for the same 60 steps
+    saved at each step or once. On a clock that only a checkpoint moves, elapsed_s is 0."""
+    import normlab.checkpoint as ck
+
+    monkeypatch.setattr(ck, "provenance", lambda: pytest.fail("provenance taken again"))
+    clock = [0.0]
+    real_save = tr.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        clock[0] += 1000.0  # a checkpoint that takes 1000 s
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(tr, "save_checkpoint", slow_save)
+    monkeypatch.setattr(tr.time, "perf_counter", lambda: clock[0])
+    c = cfg("train.steps=4", "train.checkpoint_every=1", "train.eval_every=2",
+            "train.warmup_steps=0")
+    last = train(c, tmp_path / "run", progress=False)
+    assert clock[0] == 4000.0 and last["elapsed_s"] == 0.0
+    sidecar = json.loads((tmp_path / "run/checkpoints/step_0000004.json").read_text())
+    done = json.loads((tmp_path / "run/train_done.json").read_text())
+    assert sidecar["provenance"] == done["provenance"] and sidecar["elapsed_s"] == 0.0
+
+
+def test_resume_with_force_on_a_new_folder_prints_only_the_refusal(tmp_path: Path,
+                                                                    capsys) -> None:
+    """It said "does not exist; starting a new run there", then refused the flag pair."""
+    c = cfg("train.steps=2")
+    code, err = _cli(capsys, "train", "--config", str(_toml(tmp_path, c)), "--out",
+                     str(tmp_path / "new"), "--resume", "--force", "--quiet")
+    assert code == 2 and err == ("normlab: error: --resume and --force: give one; --resume "
+                                 "continues the run, --force deletes it and starts over")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_log_line_that_cannot_be_written_names_the_log(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full disk the appended log line failed with "[Errno 28] No space left on device",
+    naming no file."""
+    import errno
+
+    real_open = Path.open
+
+    def full(self: Path, mode: str = "r", *args, **kwargs):
+        if self.name == "metrics.jsonl" and mode == "a":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full)
+    with pytest.raises(OSError, match=r"^'.*run/metrics\.jsonl' cannot be written: No space "
+                                      r"left on device$"):
+        train(cfg("train.steps=4", "train.eval_every=2"), tmp_path / "run", progress=False)

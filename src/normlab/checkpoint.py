@@ -48,10 +48,12 @@ def is_checkpoint_file(name: str) -> bool:
 def list_checkpoints(folder: Path) -> list[Path]:
     """Sidecars of complete checkpoints, oldest first: by step, which their names order only
     up to 7 digits (step 10,000,000 sorted before 9,999,999 and was pruned as it was written)."""
-    def step(p: Path) -> tuple[int, str]:
-        digits = p.stem.removeprefix("step_")
-        return (int(digits) if digits.isdigit() else -1, p.name)
-    return sorted(Path(folder).glob("step_*.json"), key=step)
+    def step(p: Path) -> int:
+        return int(p.stem.removeprefix("step_"))
+    # only save_checkpoint's names: a user's "step_notes.json" was taken for the oldest
+    # checkpoint and pruned, with its .safetensors namesake
+    found = (p for p in Path(folder).glob("step_*.json") if is_checkpoint_file(p.name))
+    return sorted(found, key=step)
 
 
 def save_checkpoint(
@@ -79,7 +81,8 @@ def save_checkpoint(
         "sha256": hashlib.sha256(blob).hexdigest(),
         "optimizer": opt_meta,
         **rng_state(next(model.parameters()).device),
-        "provenance": provenance(),
+        # the caller's, where it has one: train takes it once (its git calls cost 0.6 s a save)
+        "provenance": meta["provenance"] if "provenance" in meta else provenance(),
         **meta,
     }
     path = folder / f"{_stem(step)}.json"

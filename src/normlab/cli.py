@@ -23,8 +23,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg.train.device = args.device
     if args.compile:
         cfg.train.compile = True
-    if args.resume and not Path(args.out).exists():  # a mistyped --out: said, not refused,
-        # since a job script may pass --resume on its first start too
+    # a mistyped --out: said, not refused, since a job script may pass --resume on its first
+    # start too (with --force as well, train refuses the pair: no note before the error)
+    if args.resume and not args.force and not Path(args.out).exists():
         print(f"normlab: --resume: {args.out!r} does not exist; starting a new run there",
               file=sys.stderr)
     last = train(cfg, Path(args.out), resume=args.resume, force=args.force, progress=not args.quiet)

@@ -7,8 +7,10 @@ after `normlab eval`, `eval.json`. Nothing already written is overwritten unless
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
+import os
 import sys
 import time
 import tomllib
@@ -255,6 +257,12 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
             f"{str(out)!r} holds files but is not a normlab run folder (no run config.toml, "
             "checkpoint or metrics.jsonl); give --out a new or a run folder"
         )
+    if has_content and resume:
+        # a kill while a checkpoint was written left its temp file, a whole checkpoint's size:
+        # one more at each preemption, until --force (the run lock keeps out their writer)
+        for p in ours:
+            if p.parent.name == "checkpoints" and p.name != _target(p.name):
+                p.unlink()
     if has_content and force and not resume:
         if linked := [out / sub for sub in RUN_FILES if sub and (out / sub).is_symlink()]:
             # its files may be another run's, and the new run would write into them
@@ -289,6 +297,40 @@ def _truncate_metrics(path: Path, step: int) -> dict[str, Any] | None:
     return next((rec for rec in keep if rec["step"] == step), None)
 
 
+class _RunLock:
+    """An exclusive `flock` on a run folder while this process trains in it: a job started
+    twice (requeued while its first start still ran; job scripts pass --resume on every start)
+    trained both, their log lines interleaved and TensorBoard files doubled. Where the file
+    system has no locks (some network ones) training goes on unguarded, as before."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+
+    def take(self, out: Path) -> None:
+        """Lock `out` if it exists and is not locked by this object yet; refuse if it is held."""
+        if self.fd is not None or not out.is_dir():
+            return
+        try:
+            fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"run folder {str(out)!r} is being trained by another process; "
+                             "wait for it to end, or give --out another folder") from None
+        except OSError:
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def train(
     cfg: RunConfig,
     out: Path,
@@ -302,9 +344,18 @@ def train(
     """Train one run into `out`; returns the last metrics record.
 
     `stop_after` ends the process-equivalent early (after that many steps), used to test
-    that a killed run resumes to the same weights.
+    that a killed run resumes to the same weights. One process at a time trains in a folder.
     """
-    out = Path(out)
+    lock = _RunLock()
+    try:
+        return _train(cfg, Path(out), lock, resume=resume, force=force, progress=progress,
+                      stop_after=stop_after, log=log)
+    finally:
+        lock.release()
+
+
+def _train(cfg: RunConfig, out: Path, lock: _RunLock, *, resume: bool, force: bool,
+           progress: bool, stop_after: int | None, log: Callable[[str], None]) -> dict[str, Any]:
     if resume and force:  # --force was ignored, and a changed config's error then suggested it
         raise ValueError("--resume and --force: give one; --resume continues the run, --force "
                          "deletes it and starts over")
@@ -314,11 +365,14 @@ def train(
         check_saved_config(out, cfg)
         done = read_json(out / DONE, *DONE_RECORD)  # as the sweep and the report read it
         return {k: v for k, v in done.items() if k not in ("config", "provenance")}
-    resuming = (
-        resume and (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("*.json"))
-    )
-    if tc.warmup_steps >= tc.steps:  # legal (a short smoke run of a long recipe), but say so
-        log(f"warning: train.warmup_steps = {tc.warmup_steps} >= train.steps = {tc.steps}: the "
+    # a checkpoint's sidecar, not any JSON file: a stray notes.json made a run killed before
+    # its first checkpoint fail with "no checkpoint" rather than start again
+    resuming = resume and (out / "checkpoints").is_dir() and bool(list_checkpoints(
+        out / "checkpoints"))
+    # legal (a short smoke run of a long recipe), but say so; at steps - 1 the last step is the
+    # first past warm-up, at the peak: no step decays either
+    if tc.warmup_steps >= tc.steps - 1:
+        log(f"warning: train.warmup_steps = {tc.warmup_steps} of train.steps = {tc.steps}: the "
             f"learning rate warms up all run, to {lr_at(tc.steps - 1, tc) / tc.lr:.3g} x "
             "train.lr at the last step, and never decays")
     torch.set_num_threads(tc.threads)
@@ -348,7 +402,9 @@ def train(
     # the folder is touched (with --force: emptied) only now, after everything that can refuse
     # the config (the device, the optimizer's settings, a batch or the evaluation sets too
     # large for memory): a refusal leaves the old run as it was
+    lock.take(out)  # before --force deletes anything; a new folder, once it is made
     prepare_run_dir(out, resume=resume, force=force, log=log)
+    lock.take(out)
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
     last: dict[str, Any] = {"step": step}
@@ -420,8 +476,12 @@ def train(
         save_checkpoint(ckpt_dir, step, model, opt, meta)
 
     def record(rec: dict[str, Any]) -> None:
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        try:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as err:  # a full disk said "[Errno 28] No space left", naming no file
+            raise OSError(f"{str(metrics_path)!r} cannot be written: {err.strerror or err}"
+                          ) from None
         if writer is not None:
             for k, v in rec.items():
                 if isinstance(v, int | float) and k != "step":
@@ -507,7 +567,9 @@ def train(
             )
             # one checkpoint at a stop, whether or not the step had one, saying it stopped
             if checkpoint_now or stop:
+                c0 = time.perf_counter()
                 checkpoint(early_stopped=bool(stop))
+                t0 += time.perf_counter() - c0  # writing is no training time (elapsed_s, tok/s)
             if stop:
                 log(f"early stop at step {step}: {tc.early_stop_split} accuracy {best:.4f}")
                 last["early_stopped"] = True
