@@ -558,6 +558,18 @@ def test_a_cell_whose_sums_python_cannot_write_is_refused_by_name() -> None:
         TaskConfig(grid="smoke", splits={"x": [[n, d]]}).resolve()
 
 
+def test_a_cell_of_a_billion_digits_is_refused_without_writing_its_sums() -> None:
+    """The check built 10**d for the exact width: [1, 10**9] hung validation (and [1, 10**7]
+    took 13 s); the width now comes from d and n, checked here against `str` of the sum."""
+    with pytest.raises(ValueError, match=r"^task\.train\[0\]: cell n1d1000000000 has sums of "
+                                         r"up to 1000000000 digits"):
+        TaskConfig(grid="smoke", train=[[1, 10**9]]).resolve()
+    for n in (1, 2, 9, 10, 11, 99, 100, 101, 999, 1000, 1001, 12345, 10**6, 10**6 + 1):
+        for d in (1, 2, 3, 4, 5, 6, 7, 8, 30):
+            want = len(str(n * (10**d - 1)))  # the largest |sum|, written out
+            assert A._sum_digits(A.Cell.from_pair([n, d], "x")) == want, (n, d)
+
+
 @pytest.mark.parametrize("answer", ["-5", "N0", "N05", "05", "", "5N", 5])
 def test_only_canonical_answers_are_written(answer: object) -> None:
     """`-5` was written with the minus operator as its sign (and 5N under lsd_complement), `N0`

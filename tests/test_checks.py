@@ -206,3 +206,45 @@ def test_memory_bytes_reads_the_system(monkeypatch) -> None:
     monkeypatch.setattr(checks.Path, "read_text", lambda self: "no such table")
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert checks.memory_bytes() == pages > 0
+
+
+@pytest.mark.parametrize(("key", "sign", "message"), [
+    ("train.lr", "", r"^train\.lr: expected a positive finite number; got inf$"),
+    ("train.weight_decay", "-", r"^train\.weight_decay: expected a finite number >= 0; got -inf$"),
+    ("model.dropout", "", r"^ModelConfig\.dropout: expected a number in \[0, 1\); got inf$"),
+])
+def test_a_float_field_given_an_int_past_floats_range_is_named(tmp_path, key: str, sign: str,
+                                                               message: str) -> None:
+    """A 400-digit integer in a float field, from a file or --set, failed in the config's
+    reader with "int too large to convert to float" (the CLI: "out of memory or range ... is
+    a size too large?"), naming no field, before the field's check could."""
+    from normlab.config import load_config
+
+    big = sign + "1" + "0" * 400
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [f"{key}={big}"])
+    table, name = key.split(".")
+    (tmp_path / "c.toml").write_text(f"[{table}]\n{name} = {big}\n")
+    with pytest.raises(ValueError, match=message):
+        load_config(tmp_path / "c.toml")
+
+
+def test_toml_nested_past_what_tomllib_reads_is_named(tmp_path) -> None:
+    """tomllib raises RecursionError past ~900 levels: "maximum recursion depth exceeded"
+    named neither the file nor the key."""
+    from normlab.config import load_config
+
+    deep = "[" * 5000 + "]" * 5000
+    (tmp_path / "deep.toml").write_text(f"[task]\ntrain = {deep}\n")
+    with pytest.raises(ValueError, match=r"^config file '.*deep\.toml': invalid TOML \(nested too "
+                                         r"deeply to read\)$"):
+        load_config(tmp_path / "deep.toml")
+    with pytest.raises(ValueError, match=r"^--set 'task\.train': expected a TOML value; this one "
+                                         r"is nested too deeply to read$"):
+        load_config(None, [f"task.train={deep}"])
+    from normlab.sweep import load_sweep
+
+    (tmp_path / "sweep.toml").write_text(f"[grid]\n\"task.train\" = {deep}\n")
+    with pytest.raises(ValueError, match=r"^sweep file '.*sweep\.toml': invalid TOML \(nested "
+                                         r"too deeply to read\)$"):
+        load_sweep(tmp_path / "sweep.toml", tmp_path / "out")

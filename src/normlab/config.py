@@ -136,8 +136,18 @@ def typed(cls: type, table: Any, where: str) -> Any:
             raise ValueError(
                 f"{where}.{key}: expected {want}; got {type(value).__name__} {value!r}"
             )
-    values = {k: (float(v) if hints[k] is float else v) for k, v in table.items()}
+    values = {k: (_as_float(v) if hints[k] is float else v) for k, v in table.items()}
     return cls(**values)
+
+
+def _as_float(v: int | float) -> float:
+    """A TOML number as a float; an integer past float's range as infinity of its sign, which
+    each field's check then takes (early_stop_accuracy: never stop) or refuses by name, where
+    float() raised an OverflowError naming no field."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
 def _fits_toml(value: Any) -> bool:
@@ -237,25 +247,37 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         doc = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
         return path, raw  # a bare word is a string: --set model.norm_placement=qkv
+    except RecursionError:  # tomllib's, past ~900 nested levels: "maximum recursion depth"
+        raise ValueError(f"--set {key!r}: expected a TOML value; this one is nested too "
+                         "deeply to read") from None
     if set(doc) != {"v"}:  # "3\nlr = 5.0": what followed the newline was dropped unseen
         raise ValueError(f"--set {key!r}: expected one TOML value after '='; got {raw!r}")
     return path, doc["v"]
+
+
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """A TOML file's tables, or one line naming `what` and the file: missing, a folder, not
+    UTF-8 (a ValueError naming no file), not TOML, or nested past what tomllib reads (its
+    RecursionError said only "maximum recursion depth exceeded")."""
+    where = f"{what} {str(path)!r}"
+    if not path.is_file():
+        raise ValueError(where + (" is a folder; expected a TOML file" if path.is_dir()
+                                  else " not found"))
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not UTF-8 text, as TOML is ({err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{where}: invalid TOML ({err})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: invalid TOML (nested too deeply to read)") from None
 
 
 def load_config(
     path: str | Path | None, overrides: list[str] = (), seed: int | None = None
 ) -> RunConfig:
     """Read a TOML run config (None: all defaults), apply overrides and an optional seed."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} " + (
-                "is a folder; expected a TOML file" if p.is_dir() else "not found"))
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"config file {str(p)!r}: invalid TOML ({err})") from None
+    data: dict[str, Any] = read_toml(Path(path), "config file") if path is not None else {}
     def table(name: str) -> dict[str, Any]:
         if not isinstance(data.setdefault(name, {}), dict):  # `model = 5` in the file
             raise ValueError(f"{name}: expected a table; got {data[name]!r}")

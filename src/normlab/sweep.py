@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import time
-import tomllib
 import traceback
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
@@ -36,7 +35,7 @@ from typing import Any
 
 from normlab import allocator
 from normlab.checks import check_int
-from normlab.config import config_key, load_config
+from normlab.config import config_key, load_config, read_toml
 from normlab.io import check_out_folder, read_json, write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
@@ -134,14 +133,7 @@ def _toml(v: Any) -> str:
 def load_sweep(path: Path, out: Path) -> list[RunSpec]:
     """The runs of a sweep file, every error one line naming the file (its key names, and the
     run configs it makes, are checked now, before any run trains)."""
-    if not Path(path).is_file():
-        raise ValueError(f"sweep file {str(path)!r} not found")
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:  # a ValueError that would name no file
-        raise ValueError(f"sweep file {str(path)!r}: not UTF-8 text, as TOML is ({err})") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"sweep file {str(path)!r}: invalid TOML ({err})") from None
+    data = read_toml(Path(path), "sweep file")
     try:
         return _sweep_specs(data, Path(path), out)
     except ValueError as err:

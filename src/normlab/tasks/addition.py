@@ -386,12 +386,22 @@ def max_lengths(cells: Iterable[Cell]) -> tuple[int, int]:
     return q_max, a_max
 
 
-def _sum_digits(cell: Cell) -> int:
-    """Digits of the largest |sum| a cell has, n (10**d - 1), counted without `str` (which
-    refuses past 4300 digits, so a cell such as [1, 5000] failed naming no field)."""
-    x = cell.n * (10 ** max(cell.digits) - 1)
+def _digits(x: int) -> int:
+    """Decimal digits of an int x >= 1, counted without `str` (which refuses past 4300)."""
     k = max(1, int(x.bit_length() * 0.30102999566398120))  # log10(2): exact or one short
     return k + 1 if x >= 10**k else k
+
+
+def _sum_digits(cell: Cell) -> int:
+    """Digits of the largest |sum| a cell has, n (10**d - 1), without building 10**d where d
+    is large (a cell [1, 10**9] hung validation; `str` refused [1, 5000], naming no field).
+    Where 10**d > n, n 10**d - n has the digits of n 10**d, d + digits(n), but for one fewer
+    where n is a power of ten (999 = 1000 - 1)."""
+    n, d = cell.n, max(cell.digits)
+    k = _digits(n)
+    if d < k:  # 10**d <= n: small enough to compute
+        return _digits(n * (10**d - 1))
+    return d + k - (n == 10 ** (k - 1))
 
 
 def max_seq_len(cells: Iterable[Cell], arch: str) -> int:
@@ -620,9 +630,7 @@ def _cells_from(pairs: Any, where: str) -> list[Cell]:
         cell = Cell.from_pair(pair, f"{where}[{i}]")
         if cell in cells:
             raise ValueError(f"{where}[{i}]: cell {cell} is listed twice")
-        width = max(cell.digits) + len(str(cell.n))  # at most; cheap, as 10**d is not
-        if limit and width > limit:
-            width = _sum_digits(cell)  # exact
+        width = _sum_digits(cell)
         if limit and width > limit:  # sampling failed at a random step, naming no field
             raise ValueError(f"{where}[{i}]: cell {cell} has sums of up to {width} digits; "
                              f"Python writes at most {limit}-digit integers as text")
