@@ -223,3 +223,25 @@ def test_decoding_with_aux_next_equals_aux_fn(arch: str, use_cache: bool) -> Non
 def test_answer_format_follows_the_config(sets: list[str], fmt: str) -> None:
     cfg = load_config(None, ["task.grid='smoke'", *sets])
     assert cfg.task.resolve().answer_format == fmt
+
+
+def test_a_task_too_long_for_memory_is_refused_under_any_positions(monkeypatch) -> None:
+    """Only a position table bounded the sequence: under RoPE (every shipped config) a cell of
+    10**12 operands was accepted and training spent hours writing its first question. By hand,
+    the smoke grid's longest cell is n4d1: a question of 4 signed digits and 3 operators (11
+    tokens), an answer of up to N36 (3), the decoder's row B q E a E 17 tokens; one float32
+    residual stream of 4 rows at d 16 is 4 x 17 x 16 x 4 = 4,352 bytes."""
+    import normlab.config as config
+    from normlab.config import load_config
+
+    sets = ["task.grid='smoke'", "model.d_model=16", "model.n_heads=2",
+            "model.pos_encoding='rope'", "train.batch_size=4"]
+    assert load_config(None, sets).task.resolve().max_seq_len("decoder") == 17
+    monkeypatch.setattr(config, "memory_bytes", lambda: 4352)
+    load_config(None, sets)  # exactly fits
+    monkeypatch.setattr(config, "memory_bytes", lambda: 4351)
+    with pytest.raises(ValueError, match=r"^task: its longest sequence, 17 tokens, makes one "
+                                         r"residual stream of a batch of 4 \(4\.2 KiB\) larger"):
+        load_config(None, sets)
+    monkeypatch.setattr(config, "memory_bytes", lambda: None)  # a system that does not say
+    load_config(None, sets)

@@ -892,9 +892,12 @@ def test_a_checkpoint_of_the_old_decay_groups_is_refused_in_one_line(
 
 
 def test_a_batch_too_large_to_make_names_the_batch_size(tmp_path: Path) -> None:
-    """numpy's "array is too big" named no field; nothing is written before the refusal."""
-    with pytest.raises(ValueError, match=r"^train\.batch_size: a first batch of 2305843009213"
-                                         r"693952 problems could not be made \(.+\); expected"):
+    """numpy's "array is too big" named no field; nothing is written before the refusal.
+    (Sized with the config now: the batch's residual stream alone exceeds memory. A batch that
+    fails to be made is `test_force_keeps_the_old_run_when_a_size_does_not_fit_memory`'s.)"""
+    with pytest.raises(ValueError, match=r"^task: its longest sequence, \d+ tokens, makes one "
+                                         r"residual stream of a batch of 2305843009213693952 .+ "
+                                         r"or a smaller train\.batch_size$"):
         train(cfg("train.batch_size=2305843009213693952"), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
 
