@@ -271,7 +271,15 @@ def test_custom_cells_and_mixed_digits() -> None:
         ({"train": [["2", 1]]}, r"^task\.train\[0\]: n must be an int, got '2'$"),
         ({"train": [[2, True]]}, r"^task\.train\[0\]: d must be an int or a collection"),
         ({"splits": {"x": [[2, [1, 2.5]]]}}, r"^task\.splits\.x\[0\]: d must be an int or"),
-        ({"eval_size": 0}, r"^task\.eval_size: must be >= 1"),
+        ({"eval_size": 0}, r"^task\.eval_size: expected an int >= 1 \(and < 2\*\*63\); got 0$"),
+        ({"eval_size": 10**30}, r"^task\.eval_size: expected an int >= 1 \(and < 2\*\*63\)"),
+        ({"eval_size": True}, r"^task\.eval_size: expected an int >= 1"),
+        # from Python: a TypeError (unhashable list), an AttributeError (.items of a list)
+        ({"grid": ["quick"]}, r"^task\.grid: unknown grid \['quick'\]"),
+        ({"splits": [[3, 1]]}, r"^task\.splits: expected a table of split name -> cells"),
+        # an unlabelled row in eval's output, an empty column in compare
+        ({"splits": {"": [[3, 1]]}}, r"^task\.splits\.'': expected a split name, not a blank"),
+        ({"splits": {" ": [[3, 1]]}}, r"^task\.splits\.' ': expected a split name"),
         ({"train_weights": "zipf"}, r"^task\.train_weights: unknown weighting 'zipf'"),
     ],
 )
@@ -279,6 +287,13 @@ def test_config_errors(kwargs: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern) as e:
         TaskConfig(**kwargs).resolve()
     assert "\n" not in str(e.value)
+
+
+def test_numpy_ints_are_counts_and_seeds_as_elsewhere() -> None:
+    """`np.int64(4)` as eval_size was "must be an int", where every other count takes it."""
+    task = TaskConfig(grid="smoke", eval_size=np.int64(4), eval_seed=np.int64(3)).resolve()
+    assert (task.eval_size, task.eval_seed) == (4, 3)
+    assert type(task.eval_size) is int and type(task.eval_seed) is int
 
 
 def test_from_dict_rejects_unknown_key() -> None:

@@ -551,16 +551,17 @@ class TaskConfig:
 
     def resolve(self) -> ResolvedTask:
         """Fill cells from the grid and validate; errors are one line naming the field."""
-        if self.grid not in _GRID_DATA:
+        if not isinstance(self.grid, str) or self.grid not in _GRID_DATA:  # ['quick']: TypeError
             allowed = ", ".join(sorted(_GRID_DATA))
             raise ValueError(f"task.grid: unknown grid {self.grid!r} (allowed: {allowed})")
         grid_train, grid_splits = grid_preset(self.grid)
-        for name, value in (("eval_size", self.eval_size), ("eval_seed", self.eval_seed)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"task.{name}: must be an int, got {value!r}")
-        if self.eval_size < 1:
-            raise ValueError(f"task.eval_size: must be >= 1, got {self.eval_size}")
-        check_seed(self.eval_seed, "task.eval_seed")  # every seed's range
+        # numpy's ints too, as every other count takes them; below 2**63, as TOML writes them
+        eval_size = check_int(self.eval_size, "task.eval_size", low=1, high=2**63,
+                              what="an int >= 1 (and < 2**63)")
+        eval_seed = check_seed(self.eval_seed, "task.eval_seed")  # every seed's range
+        if not isinstance(self.splits, dict):  # a list of cells: an AttributeError on .items
+            raise ValueError(f"task.splits: expected a table of split name -> cells; got "
+                             f"{self.splits!r}")
         for name in ("pack", "reverse_answer", "complement_answer", "digit_positions"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"task.{name}: must be true or false, got {getattr(self, name)!r}")
@@ -589,6 +590,8 @@ class TaskConfig:
         owner: dict[Cell, str] = {}
         for name, cells in splits.items():
             where = f"task.splits.{name}"
+            if not name.strip():  # an unlabelled row in eval, an empty column in compare
+                raise ValueError(f"task.splits.{name!r}: expected a split name, not a blank one")
             if name == "train":
                 raise ValueError(f"{where}: the split name 'train' is reserved for the train cells")
             if not cells:
@@ -610,8 +613,8 @@ class TaskConfig:
         return ResolvedTask(
             train_cells=train,
             eval_splits={"train": list(train), **splits},
-            eval_size=self.eval_size,
-            eval_seed=self.eval_seed,
+            eval_size=eval_size,
+            eval_seed=eval_seed,
             reverse_answer=self.reverse_answer,
             train_weights=self.train_weights,
             digit_positions=self.digit_positions,
