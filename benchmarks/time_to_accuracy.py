@@ -4,7 +4,8 @@ Reads `metrics.jsonl` of each run folder (records with `step`, `elapsed_s` and, 
 steps, `accuracy.{split}`) and prints, per run, the first evaluation at which
 `accuracy[split] >= threshold`, then the median over runs of each placement (read from the
 run's `config.toml`, `model.norm_placement`). `elapsed_s` is the training loop's wall time: it
-excludes the periodic evaluations but includes checkpoint writes. The resolution is
+excludes the periodic evaluations, and the checkpoint writes in runs trained at the thirty-ninth
+session's code or later (earlier runs include them, each with its two git calls). The resolution is
 `train.eval_every` steps; each run's versions and git commit come from its newest checkpoint
 sidecar. Runs that never reach the threshold are listed and left out of the
 medians (the table says how many reached it).

@@ -1581,3 +1581,25 @@ def test_a_log_line_that_cannot_be_written_names_the_log(tmp_path: Path,
     with pytest.raises(OSError, match=r"^'.*run/metrics\.jsonl' cannot be written: No space "
                                       r"left on device$"):
         train(cfg("train.steps=4", "train.eval_every=2"), tmp_path / "run", progress=False)
+
+
+def test_the_log_reaches_the_disk_before_each_checkpoint(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Log lines were appended without fsync while the checkpoint after them was fsynced: after
+    a power cut the checkpoint could survive its step's lines, which a resume never rewrites."""
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    train(cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=2"),
+          tmp_path / "run", progress=False)
+    names = [Path(p).name for p in synced]
+    first_ckpt = next(i for i, n in enumerate(names) if ".step_" in n)
+    assert "metrics.jsonl" in names[:first_ckpt]
+    assert names.count("metrics.jsonl") == 2  # before each of the two checkpoints

@@ -473,6 +473,11 @@ def _train(cfg: RunConfig, out: Path, lock: _RunLock, *, resume: bool, force: bo
             "stale": stale,
             "early_stopped": early_stopped,  # a resume must not train on past the stop
         }
+        # the log's lines to this step reach the disk before the checkpoint does: after a
+        # power cut a checkpoint could outlive them, and a resume from it never writes them
+        if metrics_path.is_file():
+            with metrics_path.open("rb") as f:
+                os.fsync(f.fileno())
         save_checkpoint(ckpt_dir, step, model, opt, meta)
 
     def record(rec: dict[str, Any]) -> None:
