@@ -291,9 +291,15 @@ def test_config_errors(kwargs: dict, pattern: str) -> None:
 
 def test_numpy_ints_are_counts_and_seeds_as_elsewhere() -> None:
     """`np.int64(4)` as eval_size was "must be an int", where every other count takes it."""
-    task = TaskConfig(grid="smoke", eval_size=np.int64(4), eval_seed=np.int64(3)).resolve()
+    from normlab.config import RunConfig, dump_toml
+
+    cfg = RunConfig()
+    cfg.task = TaskConfig(grid="smoke", eval_size=np.int64(4), eval_seed=np.int64(3))
+    task = cfg.validate()
     assert (task.eval_size, task.eval_seed) == (4, 3)
     assert type(task.eval_size) is int and type(task.eval_seed) is int
+    # written into config.toml as the run's: np.int64 was "not TOML serializable"
+    assert "eval_size = 4\neval_seed = 3\n" in dump_toml(cfg.to_dict())
 
 
 def test_from_dict_rejects_unknown_key() -> None:

@@ -225,23 +225,32 @@ def test_answer_format_follows_the_config(sets: list[str], fmt: str) -> None:
     assert cfg.task.resolve().answer_format == fmt
 
 
-def test_a_task_too_long_for_memory_is_refused_under_any_positions(monkeypatch) -> None:
+def test_a_task_too_long_for_memory_is_refused_under_any_positions(monkeypatch,
+                                                                   tmp_path) -> None:
     """Only a position table bounded the sequence: under RoPE (every shipped config) a cell of
     10**12 operands was accepted and training spent hours writing its first question. By hand,
     the smoke grid's longest cell is n4d1: a question of 4 signed digits and 3 operators (11
     tokens), an answer of up to N36 (3), the decoder's row B q E a E 17 tokens; one float32
-    residual stream of 4 rows at d 16 is 4 x 17 x 16 x 4 = 4,352 bytes."""
-    import normlab.config as config
+    residual stream of 4 rows at d 16 is 4 x 17 x 16 x 4 = 4,352 bytes. Checked by training,
+    not by reading a config: a smaller machine may evaluate a finished run."""
+    import normlab.train as tr
     from normlab.config import load_config
 
-    sets = ["task.grid='smoke'", "model.d_model=16", "model.n_heads=2",
-            "model.pos_encoding='rope'", "train.batch_size=4"]
-    assert load_config(None, sets).task.resolve().max_seq_len("decoder") == 17
-    monkeypatch.setattr(config, "memory_bytes", lambda: 4352)
-    load_config(None, sets)  # exactly fits
-    monkeypatch.setattr(config, "memory_bytes", lambda: 4351)
+    cfg = load_config(None, ["task.grid='smoke'", "model.d_model=16", "model.n_heads=2",
+                             "model.pos_encoding='rope'", "train.batch_size=4"])
+    task = cfg.validate()
+    assert task.max_seq_len("decoder") == 17
+    monkeypatch.setattr(tr, "memory_bytes", lambda: 4352)
+    tr._check_batch_fits(cfg, task)  # exactly fits
+    monkeypatch.setattr(tr, "memory_bytes", lambda: None)  # a system that does not say
+    tr._check_batch_fits(cfg, task)
+    monkeypatch.setattr(tr, "memory_bytes", lambda: 4351)
     with pytest.raises(ValueError, match=r"^task: its longest sequence, 17 tokens, makes one "
                                          r"residual stream of a batch of 4 \(4\.2 KiB\) larger"):
-        load_config(None, sets)
-    monkeypatch.setattr(config, "memory_bytes", lambda: None)  # a system that does not say
-    load_config(None, sets)
+        tr.train(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    huge = load_config(None, ["task.train=[[1000000000000, 1]]", "model.pos_encoding='rope'"])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"^task: its longest sequence, 3,000,000,000,0\d\d "
+                                         r"tokens"):
+        tr._check_batch_fits(huge, huge.validate())

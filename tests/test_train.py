@@ -911,16 +911,24 @@ def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path: Path) -> None:
     warned = [ln for ln in lines if ln.startswith("warning: train.warmup_steps = 10 of "
                                                  "train.steps = 8")]
     assert len(warned) == 1 and "to 0.8 x train.lr at the last step" in warned[0]
-    # 7 of 8: the last step is the first past warm-up, at lr itself, so none decays either
-    lines.clear()
-    train(cfg("train.steps=8", "train.warmup_steps=7", "train.eval_every=8",
-              "train.checkpoint_every=8"), tmp_path / "run2", progress=False, log=lines.append)
-    warned = [ln for ln in lines if ln.startswith("warning: train.warmup_steps = 7 of ")]
-    assert len(warned) == 1 and "to 1 x train.lr at the last step" in warned[0]
-    lines.clear()
-    train(cfg("train.steps=8", "train.warmup_steps=6", "train.eval_every=8",
-              "train.checkpoint_every=8"), tmp_path / "run3", progress=False, log=lines.append)
-    assert not any("warning" in ln for ln in lines)
+    # 7 of 8 (or 1 of 2): the last step is the first past warm-up, at lr itself, so none
+    # decays; said only where the schedule would decay, and not where 6 of 8 leave one step
+    for warmup, steps, schedule, said in ((7, 8, "cosine", True), (1, 2, "linear", True),
+                                          (7, 8, "constant", False), (6, 8, "cosine", False),
+                                          (10, 8, "constant", True)):
+        lines.clear()
+        train(cfg(f"train.steps={steps}", f"train.warmup_steps={warmup}",
+                  f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+                  f"train.schedule='{schedule}'"),
+              tmp_path / f"run-{warmup}-{steps}-{schedule}", progress=False, log=lines.append)
+        warned = [ln for ln in lines if ln.startswith("warning:")]
+        assert len(warned) == int(said), (warmup, steps, schedule, lines)
+        if said and warmup < steps:
+            assert warned[0] == (f"warning: train.warmup_steps = {warmup} of train.steps = "
+                                 f"{steps}: no step decays (train.schedule = '{schedule}'): the "
+                                 "last is the first past warm-up, at train.lr")
+        elif said:  # a constant schedule does not decay anyway: not said
+            assert warned[0].endswith("to 0.8 x train.lr at the last step")
 
 
 def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Path) -> None:
@@ -1065,6 +1073,26 @@ def test_an_os_error_while_writing_names_the_file_not_its_temp_file(
         atomic_write_text(target, "new")
     assert [p.name for p in tmp_path.iterdir()] == ["eval.json"]
     assert target.read_text() == "old"
+    monkeypatch.undo()
+    # the class kept (a caller may catch FileNotFoundError), and a folder that could not be
+    # made named beside the file (as /proc refuses both, whoever runs this)
+    import tempfile
+
+    def no_temp(prefix: str, suffix: str, dir: Path) -> None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory",
+                                str(Path(dir) / f"{prefix}k3y.tmp"))
+
+    def no_folder(self: Path, *args, **kwargs) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_temp)
+    with pytest.raises(FileNotFoundError, match=r"^'.*/eval\.json' cannot be written: No such "
+                                                r"file or directory$"):
+        atomic_write_text(target, "new")
+    monkeypatch.setattr(Path, "mkdir", no_folder)
+    with pytest.raises(PermissionError, match=r"^'.*/sub/eval\.json' cannot be written: "
+                                              r"Permission denied \('.*/sub'\)$"):
+        atomic_write_text(tmp_path / "sub" / "eval.json", "new")
 
 
 def test_result_files_are_written_whole_readable_and_figures_too(tmp_path: Path) -> None:
@@ -1603,3 +1631,48 @@ def test_the_log_reaches_the_disk_before_each_checkpoint(tmp_path: Path,
     first_ckpt = next(i for i, n in enumerate(names) if ".step_" in n)
     assert "metrics.jsonl" in names[:first_ckpt]
     assert names.count("metrics.jsonl") == 2  # before each of the two checkpoints
+
+
+def test_a_new_folder_is_locked_before_anything_is_prepared_in_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new folder was locked only after `prepare_run_dir`: a second start of it ran the
+    preparation (a resume's tidying of temp files) unlocked. It is made and locked first."""
+    import fcntl
+    import os
+
+    held: list[bool] = []
+    real_prepare = tr.prepare_run_dir
+
+    def prepare(out: Path, **kw) -> None:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        real_prepare(out, **kw)
+
+    monkeypatch.setattr(tr, "prepare_run_dir", prepare)
+    train(cfg("train.steps=2", "train.warmup_steps=0"), tmp_path / "a" / "new", progress=False)
+    assert held == [True]
+
+
+def test_without_locks_training_goes_on_and_leaves_temp_files_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the file system has no locks (flock: ENOLCK on some network ones) training runs
+    unguarded, as before; a resume then removes no temp file, which may be a live writer's."""
+    import errno
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=10")
+    run = tmp_path / "run"
+    monkeypatch.setattr(tr.fcntl, "flock", no_locks)
+    train(c, run, progress=False, stop_after=10)
+    tmp = run / "checkpoints" / ".step_0000020.safetensors.w1r1t3r.tmp"
+    tmp.write_bytes(b"\0" * 10)
+    assert train(c, run, progress=False, resume=True)["step"] == 20
+    assert tmp.exists()

@@ -15,15 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normlab.checks import (
-    check_int,
-    check_real,
-    check_seed,
-    check_threads,
-    format_bytes,
-    is_real,
-    memory_bytes,
-)
+from normlab.checks import check_int, check_real, check_seed, check_threads, is_real
 from normlab.model.config import ModelConfig
 from normlab.tasks.addition import VOCAB_SIZE, ResolvedTask, TaskConfig
 
@@ -150,8 +142,8 @@ def typed(cls: type, table: Any, where: str) -> Any:
 
 def _as_float(v: int | float) -> float:
     """A TOML number as a float; an integer past float's range as infinity of its sign, which
-    each field's check then takes (early_stop_accuracy: never stop) or refuses by name, where
-    float() raised an OverflowError naming no field."""
+    each field's check then refuses by name, where float() raised an OverflowError naming no
+    field."""
     try:
         return float(v)
     except OverflowError:
@@ -221,16 +213,6 @@ class RunConfig:
                 f"model.max_len: expected >= {need} for this task's longest "
                 f"sequence; got {self.model.max_len}"
             )
-        # under RoPE or no positions nothing else bounds it: a cell of 10**12 operands was
-        # accepted, then training spent hours writing its first question. One residual stream
-        # of a batch (float32) is the least a training step keeps.
-        stream = self.train.batch_size * need * self.model.d_model * 4
-        if (limit := memory_bytes()) is not None and stream > limit:
-            raise ValueError(
-                f"task: its longest sequence, {need:,} tokens, makes one residual stream of a "
-                f"batch of {self.train.batch_size} ({format_bytes(stream)}) larger than this "
-                f"machine's memory ({format_bytes(limit)}); expected shorter problems (the "
-                "task's cells) or a smaller train.batch_size")
         if self.train.early_stop_split not in task.eval_splits:  # a typo scored -1 at every eval
             raise ValueError(
                 f"train.early_stop_split: expected one of {', '.join(task.eval_splits)}; "

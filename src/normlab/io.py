@@ -49,7 +49,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         if isinstance(err, OSError):  # the OS named the temp file, which the user never chose
-            raise OSError(f"{str(path)!r} cannot be written: {err.strerror or err}") from None
+            # the folder it could not make, where that failed; the same class (a caller may
+            # catch FileNotFoundError), the OS's error kept as the cause
+            at = str(err.filename) if err.filename else ""
+            ours = at == str(path) or Path(at).name.startswith(f".{path.name}.")  # or its temp
+            at = f" ({at!r})" if at and not ours else ""
+            raise type(err)(f"{str(path)!r} cannot be written: {err.strerror or err}{at}"
+                            ) from err
         raise
     _fsync_dir(path.parent)
 

@@ -3,11 +3,11 @@
 Verdict rules (computed, never set by hand; `normlab.stats`):
 - H1 norm spread: h90 of Pre-Norm models (90% of norm-input ratios lie within 1 ± h90, pooled
   over every norm input). `agrees` if the 95% CI over seeds lies in [0.10, 0.40] (a factor 2
-  around the paper's 0.20), `disagrees` if it misses that band, else `inconclusive`.
+  around the paper's 0.20), `disagrees` if it misses that band, else `inconclusive`. h90 is a
+  quantile of thousands of ratios and has no floor.
 - H2 circuit collapse: Pre-Norm collapse rate at sigma = 0.1. Band [0.005, 0.02] (factor 2
   around 1%), same rule. The seeds' variance is floored as H3's is, over each seed's row-draws
   (sparse rows x draws), so seeds that both see no flip do not give an interval of zero width.
-  H1's h90 is a quantile of thousands of ratios and has no floor.
 - H3 in-distribution parity: per-seed difference qkv - pre of train-cell accuracy. `agrees` if
   the CI lies in [-0.02, +0.02], `disagrees` if it misses it. The seeds' variance is floored at
   the differences' mean binomial variance (each accuracy's, Agresti-Coull's p~(1 - p~) / n~
@@ -176,16 +176,20 @@ def held_out(ev: dict[str, Any]) -> float:
     return sum(accs) / len(accs) if accs else math.nan
 
 
-def _binomial_var(split: dict[str, Any]) -> float:
-    """An accuracy's sampling variance over its n questions, Agresti-Coull's p~ (1 - p~) / n~
-    with n~ = n + 4 and p~ = (p n + 2) / n~: p (1 - p) / n is 0 at 0% or 100%, and gave a
-    placement right on every question of both seeds an interval of zero width."""
-    p, n = split["accuracy"], split["count"]
+def _ac_var(p: float, n: int) -> float:
+    """A proportion's sampling variance over n trials, Agresti-Coull's p~ (1 - p~) / n~ with
+    n~ = n + 4 and p~ = (p n + 2) / n~: p (1 - p) / n is 0 at 0% or 100%, and gave a placement
+    right on every question of both seeds an interval of zero width."""
     if not n:
         return 0.0
     n_t = n + 4
     p_t = (p * n + 2) / n_t
     return p_t * (1 - p_t) / n_t
+
+
+def _binomial_var(split: dict[str, Any]) -> float:
+    """An accuracy's sampling variance over its questions (`_ac_var`)."""
+    return _ac_var(split["accuracy"], split["count"])
 
 
 def held_out_var(ev: dict[str, Any]) -> float:
@@ -206,9 +210,8 @@ def _collapse_var(col: dict[str, Any], sigma: float) -> float:
     row-draws (sparse rows x draws; flips cluster by example, so this is a floor): two seeds
     that both saw 0 flips in 48 row-draws gave H2 the interval [0, 0] and "disagrees", where
     0 of 96 allows up to 3.8%."""
-    return _binomial_var({"accuracy": _at_sigma(col, "collapse_rate", sigma),
-                          "count": col["n_sparse_rows"] * _at_sigma(col, "draws_per_sigma",
-                                                                     sigma)})
+    return _ac_var(_at_sigma(col, "collapse_rate", sigma),
+                   col["n_sparse_rows"] * _at_sigma(col, "draws_per_sigma", sigma))
 
 
 def claims_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import time
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,8 @@ from normlab.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from normlab.checks import first_line, is_int, is_real
-from normlab.config import RunConfig, dump_toml, load_config
+from normlab.checks import first_line, format_bytes, is_int, is_real, memory_bytes
+from normlab.config import RunConfig, dump_toml, load_config, read_toml
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import (
     atomic_write_text,
@@ -216,10 +215,10 @@ def _is_run_config(path: Path) -> bool:
     """A config.toml normlab wrote: its three tables, read as a run config. An empty file or
     another tool's would load as all defaults, or not at all."""
     try:
-        if not {"model", "task", "train"} <= tomllib.loads(path.read_text()).keys():
+        if not {"model", "task", "train"} <= read_toml(path, "config file").keys():
             return False
         load_config(path)
-    except (ValueError, RecursionError, UnicodeDecodeError, OSError):
+    except (ValueError, OSError):
         return False
     return True
 
@@ -257,12 +256,6 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
             f"{str(out)!r} holds files but is not a normlab run folder (no run config.toml, "
             "checkpoint or metrics.jsonl); give --out a new or a run folder"
         )
-    if has_content and resume:
-        # a kill while a checkpoint was written left its temp file, a whole checkpoint's size:
-        # one more at each preemption, until --force (the run lock keeps out their writer)
-        for p in ours:
-            if p.parent.name == "checkpoints" and p.name != _target(p.name):
-                p.unlink()
     if has_content and force and not resume:
         if linked := [out / sub for sub in RUN_FILES if sub and (out / sub).is_symlink()]:
             # its files may be another run's, and the new run would write into them
@@ -297,6 +290,35 @@ def _truncate_metrics(path: Path, step: int) -> dict[str, Any] | None:
     return next((rec for rec in keep if rec["step"] == step), None)
 
 
+def _warn_schedule(tc: Any, log: Callable[[str], None]) -> None:
+    """A schedule that never gets where its settings say: legal (a short smoke run of a long
+    recipe), but said once. At warmup_steps = steps - 1 the last step is the first past warm-up,
+    at train.lr, so none decays either."""
+    head = f"warning: train.warmup_steps = {tc.warmup_steps} of train.steps = {tc.steps}: "
+    decays = tc.schedule != "constant"
+    if tc.warmup_steps >= tc.steps and tc.warmup_steps > 1:
+        log(head + f"the learning rate warms up all run, to {lr_at(tc.steps - 1, tc) / tc.lr:.3g}"
+            " x train.lr at the last step" + (", and never decays" if decays else ""))
+    elif decays and tc.steps > 1 and tc.warmup_steps >= tc.steps - 1:
+        log(head + f"no step decays (train.schedule = {tc.schedule!r}): the last is the first "
+            "past warm-up, at train.lr")
+
+
+def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
+    """Under RoPE or no positions nothing bounded the sequence: a cell of 10**12 operands was
+    accepted, then training spent hours writing its first question. One residual stream of a
+    batch (float32) is the least a training step keeps; checked where a run trains, not where
+    a finished run is read (a smaller machine evaluates it)."""
+    need = task.max_seq_len(cfg.model.arch)
+    stream = cfg.train.batch_size * need * cfg.model.d_model * 4
+    if (limit := memory_bytes()) is not None and stream > limit:
+        raise ValueError(
+            f"task: its longest sequence, {need:,} tokens, makes one residual stream of a "
+            f"batch of {cfg.train.batch_size} ({format_bytes(stream)}) larger than this "
+            f"machine's memory ({format_bytes(limit)}); expected shorter problems (the task's "
+            "cells) or a smaller train.batch_size")
+
+
 class _RunLock:
     """An exclusive `flock` on a run folder while this process trains in it: a job started
     twice (requeued while its first start still ran; job scripts pass --resume on every start)
@@ -307,9 +329,11 @@ class _RunLock:
         self.fd: int | None = None
 
     def take(self, out: Path) -> None:
-        """Lock `out` if it exists and is not locked by this object yet; refuse if it is held."""
-        if self.fd is not None or not out.is_dir():
+        """Lock `out`, made if missing (before --force deletes or a resume tidies anything in
+        it); refuse if another process holds it."""
+        if self.fd is not None:
             return
+        check_out_folder(out).mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
@@ -369,12 +393,8 @@ def _train(cfg: RunConfig, out: Path, lock: _RunLock, *, resume: bool, force: bo
     # its first checkpoint fail with "no checkpoint" rather than start again
     resuming = resume and (out / "checkpoints").is_dir() and bool(list_checkpoints(
         out / "checkpoints"))
-    # legal (a short smoke run of a long recipe), but say so; at steps - 1 the last step is the
-    # first past warm-up, at the peak: no step decays either
-    if tc.warmup_steps >= tc.steps - 1:
-        log(f"warning: train.warmup_steps = {tc.warmup_steps} of train.steps = {tc.steps}: the "
-            f"learning rate warms up all run, to {lr_at(tc.steps - 1, tc) / tc.lr:.3g} x "
-            "train.lr at the last step, and never decays")
+    _warn_schedule(tc, log)
+    _check_batch_fits(cfg, task)
     torch.set_num_threads(tc.threads)
     device = pick_device(tc.device)
     torch.manual_seed(tc.seed)
@@ -402,9 +422,16 @@ def _train(cfg: RunConfig, out: Path, lock: _RunLock, *, resume: bool, force: bo
     # the folder is touched (with --force: emptied) only now, after everything that can refuse
     # the config (the device, the optimizer's settings, a batch or the evaluation sets too
     # large for memory): a refusal leaves the old run as it was
-    lock.take(out)  # before --force deletes anything; a new folder, once it is made
-    prepare_run_dir(out, resume=resume, force=force, log=log)
+    config_text = dump_toml(cfg.to_dict())  # a value TOML cannot write: refused by now
     lock.take(out)
+    prepare_run_dir(out, resume=resume, force=force, log=log)
+    if resume and lock.fd is not None:
+        # a kill while a checkpoint was written left its temp file, a whole checkpoint's size:
+        # one more at each preemption, until --force. Only under the lock: else they may be a
+        # live writer's
+        for p in _written_here(out)[0]:
+            if p.parent.name == "checkpoints" and p.name != _target(p.name):
+                p.unlink()
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
     last: dict[str, Any] = {"step": step}
@@ -436,12 +463,12 @@ def _train(cfg: RunConfig, out: Path, lock: _RunLock, *, resume: bool, force: bo
             last["early_stopped"] = True
         log(f"resuming {out} from step {step}")
         if not (out / "config.toml").is_file():  # deleted since: every run folder holds one
-            atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
+            atomic_write_text(out / "config.toml", config_text)
     else:
         if resume:  # killed before its first checkpoint: it starts again, as the same run
             check_saved_config(out, cfg)
             _truncate_metrics(metrics_path, 0)  # the killed attempt's lines are redone
-        atomic_write_text(out / "config.toml", dump_toml(cfg.to_dict()))
+        atomic_write_text(out / "config.toml", config_text)
     # Compiled for the training step only: evaluation runs other shapes in no-grad mode (each
     # would be one more compile), and checkpoints save `model` itself, so their keys and
     # `load_run` do not depend on this setting. Dynamo's caches are reset first: runs trained

@@ -556,9 +556,11 @@ class TaskConfig:
             raise ValueError(f"task.grid: unknown grid {self.grid!r} (allowed: {allowed})")
         grid_train, grid_splits = grid_preset(self.grid)
         # numpy's ints too, as every other count takes them; below 2**63, as TOML writes them
-        eval_size = check_int(self.eval_size, "task.eval_size", low=1, high=2**63,
-                              what="an int >= 1 (and < 2**63)")
-        eval_seed = check_seed(self.eval_seed, "task.eval_seed")  # every seed's range
+        # kept as Python ints, as the train and model configs keep theirs: config.toml is
+        # written from these fields
+        self.eval_size = check_int(self.eval_size, "task.eval_size", low=1, high=2**63,
+                                   what="an int >= 1 (and < 2**63)")
+        self.eval_seed = check_seed(self.eval_seed, "task.eval_seed")  # every seed's range
         if not isinstance(self.splits, dict):  # a list of cells: an AttributeError on .items
             raise ValueError(f"task.splits: expected a table of split name -> cells; got "
                              f"{self.splits!r}")
@@ -613,8 +615,8 @@ class TaskConfig:
         return ResolvedTask(
             train_cells=train,
             eval_splits={"train": list(train), **splits},
-            eval_size=eval_size,
-            eval_seed=eval_seed,
+            eval_size=self.eval_size,
+            eval_seed=self.eval_seed,
             reverse_answer=self.reverse_answer,
             train_weights=self.train_weights,
             digit_positions=self.digit_positions,
