@@ -869,19 +869,32 @@ def test_a_worker_that_dies_fails_its_runs_not_the_sweep(tmp_path: Path, monkeyp
 
     import normlab.sweep as sweep
 
-    def backend(jobs: int, device: str):
-        def submit(spec):
-            fut: cf.Future = cf.Future()
-            fut.set_exception(BrokenProcessPool("a child process terminated abruptly"))
-            return fut
-        return submit, lambda futs: futs
+    class WorkerCrashedError(Exception):  # Ray's, for a task whose worker died: it passed
+        """straight through, a traceback that ended the sweep with runs in flight."""
 
-    monkeypatch.setattr(sweep, "_local_backend", backend)
+    def backend(error: Exception):
+        def make(jobs: int, device: str):
+            def submit(spec):
+                fut: cf.Future = cf.Future()
+                fut.set_exception(error)
+                return fut
+            return submit, lambda futs: futs, lambda futs: None
+        return make
+
     specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
+    monkeypatch.setattr(sweep, "_local_backend",
+                        backend(BrokenProcessPool("a child process terminated abruptly")))
     results = sweep.execute(specs, jobs=1, progress=False)
     assert sorted(r["name"] for r in results) == sorted(s.name for s in specs)
     for r in results:
         assert not r["ok"] and r["error"].startswith("BrokenProcessPool: a worker process died")
+    monkeypatch.setattr(sweep, "_local_backend",
+                        backend(WorkerCrashedError("The worker died unexpectedly\nmore")))
+    results = sweep.execute(specs, jobs=1, progress=False)
+    assert sorted(r["name"] for r in results) == sorted(s.name for s in specs)
+    for r in results:
+        assert not r["ok"] and r["error"] == ("WorkerCrashedError: the run's worker died (The "
+                                              "worker died unexpectedly); rerun to retry")
 
 
 def test_a_report_refuses_runs_of_another_model_or_recipe(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,24 @@ def test_an_evaluation_made_by_hand_with_a_limit_is_made_again(
     assert json.loads((run / "analysis" / "norms.json").read_text())["summary"]
     err = capsys.readouterr().err
     assert "pre-s0: ok (eval, analyze" in err, err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--jobs", str(2**31)], r"^normlab: error: --jobs: expected an int in \[1, 65536\) runs at "
+                             r"once; got 2147483648$"),
+    (["--device", "cuda"], r"^normlab: error: train\.device: 'cuda' requested but no CUDA "
+                           r"device is available$"),
+])
+def test_a_refused_reproduce_writes_no_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                flags: list[str], message: str) -> None:
+    """The manifest was written before the sweep's own checks: a device this machine lacks, or
+    --jobs past what the pool takes (blamed on "a size in the config"), left a folder whose
+    manifest then refused every other profile there."""
+    import torch
+
+    if "cuda" in flags and torch.cuda.is_available():
+        pytest.skip("this machine has the GPU the refusal is about")
+    out = tmp_path / "out"
+    assert main(["reproduce", "--profile", "smoke", "--out", str(out), *flags]) == 2
+    assert re.match(message, capsys.readouterr().err.strip())
+    assert not out.exists()

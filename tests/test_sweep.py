@@ -5,6 +5,10 @@ of --out, and an empty or malformed train_done.json or timings.json found during
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,6 +150,78 @@ def test_a_gpu_this_machine_lacks_is_one_line_before_any_run(
     for s in specs:
         Path(s.out).mkdir()
         (Path(s.out) / "train_done.json").write_text("{}")
-    monkeypatch.setattr(sweep, "_local_backend", lambda jobs, device: (None, None))
+    monkeypatch.setattr(sweep, "_local_backend", lambda jobs, device: (None, None, None))
     with pytest.raises(TypeError):  # past the check, into the stubbed backend
         sweep.execute(specs, device=device, progress=False)
+
+
+# --------------------------------------------------------------------------- stopping a sweep
+
+
+def _long_sweep(tmp_path: Path) -> Path:
+    """Three tiny runs long enough to be stopped in their first (20,000 steps each)."""
+    f = tmp_path / "long.toml"
+    f.write_text('name = "r{seed}"\n[grid]\n"train.seed" = [0, 1, 2]\n[set]\n'
+                 '"task.grid" = "smoke"\n"task.eval_size" = 8\n"model.d_model" = 16\n'
+                 '"model.n_layers" = 1\n"model.d_mlp" = 32\n"train.steps" = 20000\n'
+                 '"train.eval_every" = 10000\n"train.log_every" = 10\n'
+                 '"train.checkpoint_every" = 10000\n[run]\nanalyze = false\n')
+    return f
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """`normlab sweep --jobs 1` of the long sweep, once its first run logs; its worker's pid."""
+    proc = subprocess.Popen([sys.executable, "-m", "normlab.cli", "sweep", "--config",
+                             str(_long_sweep(tmp_path)), "--out", str(tmp_path / "out"),
+                             "--jobs", "1"], stderr=subprocess.PIPE, text=True,
+                            # a background shell's children ignore SIGINT, as Python then does
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    log = tmp_path / "out" / "r0" / "metrics.jsonl"
+    for _ in range(600):
+        if log.is_file() and log.stat().st_size:
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the first run did not start within 60 s")
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    return proc, [int(c) for c in children]
+
+
+def _gone(pid: int, within: float = 30.0) -> bool:
+    for _ in range(int(within * 10)):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(
+            f"/proc/{pid}/stat").exists() else "X"
+        if state == "Z":  # ended, not yet reaped by a parent that is gone
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_sweep_ends_its_runs_and_starts_no_more(tmp_path: Path, sig: int) -> None:
+    """Ctrl-C printed "interrupted", then every queued run was trained to the end before the
+    process exited (26 s for four tiny runs; hours for the paper profile); SIGTERM killed the
+    sweep and left its workers training. Signalled, the sweep ends its workers, starts no
+    queued run and exits 130; a rerun resumes what was stopped."""
+    proc, workers = _start(tmp_path)
+    assert workers  # the pool's worker
+    proc.send_signal(sig)  # the sweep's process alone, as `kill` does
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "normlab: interrupted; finished runs and checkpoints are kept" in err
+    assert all(_gone(w) for w in workers)
+    assert not (tmp_path / "out" / "r1").exists() and not (tmp_path / "out" / "r2").exists()
+
+
+def test_a_killed_sweeps_workers_end_with_it(tmp_path: Path) -> None:
+    """SIGKILL (or the out-of-memory killer) on the sweep left its workers training, and their
+    run locks refused the rerun ("being trained by another process")."""
+    proc, workers = _start(tmp_path)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert workers and all(_gone(w) for w in workers)

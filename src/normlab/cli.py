@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -382,8 +384,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM (a scheduler's stop, `kill`) as Ctrl-C: a sweep then ends its workers and a run
+    # closes its log; by default the process died at once and left a sweep's workers training
+    main_thread = threading.current_thread() is threading.main_thread()  # signals' only home
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         keep_freed_memory()  # this is normlab's own process (normlab.allocator says why)
         return args.fn(args)
@@ -401,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             msg = f"out of memory or range ({msg}); is a size in the config too large?"
         print(f"normlab: error: {msg}", file=sys.stderr)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 import normlab
 from normlab.io import check_out_folder, write_json
 from normlab.report import write_report
-from normlab.sweep import RunSpec, check_jobs, execute, expand
+from normlab.sweep import RunSpec, check_execute, execute, expand
 
 ALL_PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
 
@@ -73,8 +73,8 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str |
               progress: bool = True) -> dict[str, Any]:
     """Train, evaluate and analyse every run of `profile` (skipping finished ones), then report."""
     out = check_out_folder(out)
-    check_jobs(jobs)  # before manifest.json is written
     specs = profile_specs(profile, out)
+    check_execute(specs, jobs=jobs, device=device)  # before manifest.json is written
     manifest = out / "manifest.json"
     if manifest.is_file():  # the run folders are {placement}-s{seed} in every profile
         try:

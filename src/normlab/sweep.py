@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab import allocator
-from normlab.checks import check_int
+from normlab.checks import check_int, first_line
 from normlab.config import config_key, load_config, read_toml
 from normlab.io import check_out_folder, read_json, write_json
 
@@ -287,9 +287,34 @@ def _current_step(spec: RunSpec) -> int:
 
 
 def check_jobs(jobs: object) -> None:
-    """Runs at once: None (one per core its threads leave) or an int >= 1."""
+    """Runs at once: None (one per core its threads leave) or an int in [1, 65536) (2**31
+    failed in the process pool as "a size in the config too large")."""
     if jobs is not None:
-        check_int(jobs, "--jobs", low=1, what="an int >= 1 runs at once")
+        check_int(jobs, "--jobs", low=1, high=2**16, what="an int in [1, 65536) runs at once")
+
+
+def check_execute(specs: list[RunSpec], *, backend: str = "local", jobs: int | None = None,
+                  device: str | None = None, address: str | None = None) -> None:
+    """What `execute` refuses before any run starts, in one line: `reproduce` asks first, so a
+    refusal leaves its --out without a manifest (a device this machine lacks left one, which
+    then refused every other profile there)."""
+    allocator.setting()  # a bad NORMLAB_MALLOC: one line here, not an error from every worker
+    check_jobs(jobs)
+    if backend not in ("local", "ray"):
+        raise ValueError(f"--backend: expected local or ray; got {backend!r}")
+    if backend == "local" and address is not None:
+        raise ValueError("--address: only with --backend ray; the local backend uses no cluster")
+    if backend == "ray" and jobs is not None:
+        raise ValueError("--jobs: only with --backend local; Ray runs as many runs at once as "
+                         "its CPUs fit, each taking its train.threads")
+    if backend == "local":
+        from normlab.train import DONE, pick_device
+
+        # a GPU this machine lacks, for runs still to train: one line now, where every run
+        # failed with it in turn (a finished run's eval and analysis run on the CPU)
+        for name in sorted({device or s.config.get("train", {}).get("device", "auto")
+                            for s in specs if not (Path(s.out) / DONE).is_file()}):
+            pick_device(name)
 
 
 def execute(
@@ -306,46 +331,46 @@ def execute(
 
     `jobs` is the local pool's, `address` Ray's: given to the other backend, it is refused
     rather than dropped unseen."""
-    allocator.setting()  # a bad NORMLAB_MALLOC: one line here, not an error from every worker
-    check_jobs(jobs)
-    if backend not in ("local", "ray"):
-        raise ValueError(f"--backend: expected local or ray; got {backend!r}")
-    if backend == "local" and address is not None:
-        raise ValueError("--address: only with --backend ray; the local backend uses no cluster")
-    if backend == "ray" and jobs is not None:
-        raise ValueError("--jobs: only with --backend local; Ray runs as many runs at once as "
-                         "its CPUs fit, each taking its train.threads")
+    check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
     if backend == "ray":
-        submit, wait = _ray_backend(device, address)
+        submit, wait, stop = _ray_backend(device, address)
     else:
-        from normlab.train import DONE, pick_device
-
-        # a GPU this machine lacks, for runs still to train: one line now, where every run
-        # failed with it in turn (a finished run's eval and analysis run on the CPU)
-        for name in sorted({device or s.config.get("train", {}).get("device", "auto")
-                            for s in specs if not (Path(s.out) / DONE).is_file()}):
-            pick_device(name)
         threads = max(1, min(_threads(s) for s in specs)) if specs else 1
-        submit, wait = _local_backend(jobs or max(1, (os.cpu_count() or 1) // threads), device)
+        want = jobs or max(1, (os.cpu_count() or 1) // threads)
+        submit, wait, stop = _local_backend(max(1, min(want, len(specs))), device)
     pending = {submit(s): s for s in specs}
     results: list[dict[str, Any]] = []
-    with _Watch(specs, progress) as watch:
-        while pending:
-            finished = wait(list(pending))
-            for fut in finished:
-                spec = pending.pop(fut)
-                try:
-                    res = fut.result() if hasattr(fut, "result") else _ray_get(fut)
-                except BrokenProcessPool as err:  # a worker killed (out of memory): every
-                    # run in the pool fails with it, each named in the report, not the study
-                    res = {"ok": False, "name": spec.name, "error": f"BrokenProcessPool: a "
-                           f"worker process died, and the pool with it ({err}); rerun to retry"}
-                results.append(res)
-                watch.finished(spec, res)
-                if on_result:
-                    on_result(res)
-            watch.tick([pending[f] for f in pending])
+    try:
+        with _Watch(specs, progress) as watch:
+            while pending:
+                finished = wait(list(pending))
+                for fut in finished:
+                    spec = pending.pop(fut)
+                    results.append(res := _result(fut, spec))
+                    watch.finished(spec, res)
+                    if on_result:
+                        on_result(res)
+                watch.tick([pending[f] for f in pending])
+    except BaseException:  # Ctrl-C (or SIGTERM, which the command reads as one): the queued
+        # runs were all trained to the end before the process exited
+        stop(list(pending))
+        raise
     return results
+
+
+def _result(fut: Any, spec: RunSpec) -> dict[str, Any]:
+    """A finished run's result; a run whose worker died, named as failed (the other runs go
+    on)."""
+    try:
+        return fut.result() if hasattr(fut, "result") else _ray_get(fut)
+    except BrokenProcessPool as err:  # a worker killed (out of memory): every run in the pool
+        # fails with it, each named in the report, not the study
+        return {"ok": False, "name": spec.name, "error": f"BrokenProcessPool: a worker process "
+                f"died, and the pool with it ({err}); rerun to retry"}
+    except Exception as err:  # Ray's WorkerCrashedError, out of memory: a traceback ended the
+        # sweep, runs in flight abandoned
+        return {"ok": False, "name": spec.name, "error": f"{type(err).__name__}: the run's "
+                f"worker died ({first_line(err)}); rerun to retry"}
 
 
 def _threads(spec: RunSpec) -> int:
@@ -356,7 +381,8 @@ def _local_backend(jobs: int, device: str | None) -> tuple[Callable, Callable]:
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+    pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"),
+                                  initializer=_end_with, initargs=(os.getpid(),))
 
     def submit(spec: RunSpec) -> cf.Future:
         return pool.submit(_safe_run, spec, device)
@@ -367,7 +393,32 @@ def _local_backend(jobs: int, device: str | None) -> tuple[Callable, Callable]:
             pool.shutdown(wait=False)
         return list(done)
 
-    return submit, wait
+    def stop(futs: list[cf.Future]) -> None:
+        """Drop the queued runs and end the running ones (their checkpoints stay): the pool
+        has no call that ends its workers, so they are terminated as processes."""
+        workers = list((getattr(pool, "_processes", None) or {}).values())  # gone at shutdown
+        pool.shutdown(wait=False, cancel_futures=True)
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.join(10)
+
+    return submit, wait, stop
+
+
+def _end_with(parent: int) -> None:
+    """A pool worker ends when the sweep's process does: killed (SIGKILL, out of memory), it
+    left its workers training, and their run locks refused the rerun. Linux only
+    (PR_SET_PDEATHSIG); elsewhere, as before."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the sweep died before the call took hold
+        os._exit(1)
 
 
 def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Callable]:
@@ -393,7 +444,11 @@ def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Cal
         done, _ = ray.wait(refs, num_returns=1, timeout=2.0)
         return done
 
-    return submit, wait
+    def stop(refs: list[Any]) -> None:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+
+    return submit, wait, stop
 
 
 def _ray_get(ref: Any) -> dict[str, Any]:
