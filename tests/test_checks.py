@@ -88,7 +88,7 @@ def test_every_layer_takes_a_numpy_integer_as_an_int() -> None:
         (lambda: check_seed(2**63), f"seed: expected an int in [0, 2**63); got {2**63}"),
         (lambda: load_config(None, [f"train.seed={2**63}"]),
          f"train.seed: expected an int in [0, 2**63); got {2**63}"),
-        (lambda: check_jobs(True), "--jobs: expected an int >= 1 runs at once; got True"),
+        (lambda: check_jobs(True), "--jobs: expected an int in [1, 65536) runs at once; got True"),
         (lambda: KVCache.empty(1, 2.0), "capacity: expected a number of positions >= 0; got 2.0"),
         (lambda: greedy_decode(None, [[1]], max_new=-1, eos=2),  # type: ignore[arg-type]
          "max_new: expected a number of tokens >= 0; got -1"),

@@ -153,3 +153,21 @@ def test_a_refused_reproduce_writes_no_manifest(tmp_path: Path, capsys: pytest.C
     assert main(["reproduce", "--profile", "smoke", "--out", str(out), *flags]) == 2
     assert re.match(message, capsys.readouterr().err.strip())
     assert not out.exists()
+
+
+def test_a_run_made_with_another_config_is_named_in_reproduces_words(
+        smoke: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "the sweep file changed since that run was made: give the sweep another --out",
+    naming a file reproduce has none of."""
+    import shutil
+
+    out = tmp_path / "smoke"
+    shutil.copytree(smoke, out)
+    config = out / "runs" / "pre-s0" / "config.toml"
+    config.write_text(re.sub(r"(?m)^steps = (\d+)$", lambda m: f"steps = {int(m[1]) + 1}",
+                             config.read_text()))
+    assert main(["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert ("the 'smoke' profile's config changed since that run was made (another normlab "
+            "version?): give --out a new folder, or remove that run's folder") in err
+    assert "sweep file" not in err

@@ -225,3 +225,67 @@ def test_a_killed_sweeps_workers_end_with_it(tmp_path: Path) -> None:
     proc.kill()
     proc.wait(timeout=30)
     assert workers and all(_gone(w) for w in workers)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    # the [set] value was dropped without a word
+    ('[grid]\n"train.seed" = [0, 1]\n[set]\n"train.seed" = 7\n',
+     "sweep.set.train.seed: also a grid key; give it in one table"),
+    # "two runs get the same folder name; include every grid key", of the only grid key
+    ('[grid]\n"train.seed" = [0, 0]\n', "sweep.grid.train.seed: value 0 is given twice"),
+    ('[grid]\n"model.norm_placement" = ["pre", "qkv", "pre"]\n',
+     'sweep.grid.model.norm_placement: value "pre" is given twice'),
+    # names that cannot be folders: every run failed as its worker started it
+    ('name = "r\\u0000{seed}"\n[grid]\n"train.seed" = [0]\n',
+     "sweep.name: run name 'r\\x000' cannot name a folder (a NUL, or more than 255 bytes)"),
+    ('name = "{seed:>300}"\n[grid]\n"train.seed" = [0]\n',
+     f"sweep.name: run name {' ' * 299 + '0'!r} cannot name a folder (a NUL, or more than 255 "
+     "bytes)"),
+    ('name = "r"\n[grid]\n"train.seed" = [0, 1]\n',
+     "sweep.name: runs {'train.seed': 0} and {'train.seed': 1} both get the folder name 'r'; "
+     "include every grid key in it"),
+])
+def test_a_grid_that_cannot_make_its_runs_is_named(tmp_path: Path, text: str,
+                                                   message: str) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_sweep(f, tmp_path / "out")
+    assert str(err.value) == f"sweep file {str(f)!r}: {message}"
+
+
+def test_a_grid_past_max_runs_is_refused_before_it_is_expanded(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """A grid of 10**8 runs was expanded in silence (~1 ms and 10 KB a run) until memory ran
+    out. Counted first: 3 x 2 = 6 runs against a bound of 5 here."""
+    monkeypatch.setattr(sweep, "MAX_RUNS", 5)
+    f = tmp_path / "s.toml"
+    f.write_text('[grid]\n"train.seed" = [0, 1, 2]\n"model.d_model" = [16, 32]\n')
+    with pytest.raises(ValueError) as err:
+        load_sweep(f, tmp_path / "out")
+    assert str(err.value) == (f"sweep file {str(f)!r}: sweep.grid: 6 runs (3 x 2); expected at "
+                              "most 5")
+    monkeypatch.setattr(sweep, "MAX_RUNS", 6)
+    assert len(load_sweep(f, tmp_path / "out")) == 6
+
+
+def test_a_second_sweep_of_one_out_is_refused(tmp_path: Path, capsys) -> None:
+    """Two sweeps (or reproduces) of one --out made the same evaluations twice, each reported
+    the other's runs as failed, and the report left was the last one written."""
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "s.toml").write_text('[grid]\n"train.seed" = [0]\n')
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)  # the first sweep's
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for argv in (["sweep", "--config", str(tmp_path / "s.toml")],
+                     ["reproduce", "--profile", "smoke"]):
+            assert cli.main([*argv, "--out", str(out)]) == 2
+            assert capsys.readouterr().err.strip() == (
+                f"normlab: error: --out {str(out)!r} is in use by another normlab sweep or "
+                "reproduce; wait for it to end, or give --out another folder")
+        assert not any(out.iterdir())
+    finally:
+        os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import math
@@ -123,6 +124,44 @@ def check_out_folder(path: Path) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--out {str(path)!r}: {str(parent)!r} is not writable here")
     return path
+
+
+class FolderLock:
+    """An exclusive `flock` on a folder while this process works in it, so a second process
+    is refused in one line (`busy`, with `{out}`): a job started twice (requeued while its first
+    start still ran) trained both, their log lines interleaved; two sweeps on one --out made
+    the same evaluations twice and each reported the other's runs as failed. Where the file
+    system has no locks (some network ones) the work goes on unguarded, as before; the lock
+    goes with the process, killed or not."""
+
+    def __init__(self, busy: str) -> None:
+        self.busy = busy
+        self.fd: int | None = None
+
+    def take(self, out: Path) -> None:
+        """Lock `out`, made if missing (before anything in it is deleted or tidied); refuse if
+        another process holds it."""
+        if self.fd is not None:
+            return
+        check_out_folder(out).mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(self.busy.format(out=repr(str(out)))) from None
+        except OSError:
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:

@@ -10,6 +10,7 @@ Profiles:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -17,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import normlab
-from normlab.io import check_out_folder, write_json
+from normlab.io import FolderLock, check_out_folder, write_json
 from normlab.report import write_report
-from normlab.sweep import RunSpec, check_execute, execute, expand
+from normlab.sweep import SWEEPING, RunSpec, check_execute, execute, expand
 
 ALL_PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
 
@@ -62,10 +63,15 @@ def profile_specs(name: str, out: Path) -> list[RunSpec]:
         raise ValueError(f"--profile: expected one of {', '.join(PROFILES)}; got {name!r}")
     prof = PROFILES[name]
     specs = []
+    # a run made with another config is found in reproduce's words: the sweep's named a sweep
+    # file reproduce has none of
+    remedy = ("reproduce", f"the {name!r} profile's config changed since that run was made "
+              "(another normlab version?): give --out a new folder, or remove that run's folder")
     for p in prof.placements:
         base = config_root() / prof.config_dir / f"{p}.toml"
-        specs += expand(base, {"train.seed": list(prof.seeds)}, prof.overrides, out / "runs",
-                        name=f"{p}-s{{seed}}", analysis=prof.analysis)
+        specs += [dataclasses.replace(s, remedy=remedy) for s in expand(
+            base, {"train.seed": list(prof.seeds)}, prof.overrides, out / "runs",
+            name=f"{p}-s{{seed}}", analysis=prof.analysis)]
     return specs
 
 
@@ -104,7 +110,16 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str |
             check_saved_config(Path(s.out), RunConfig.from_dict(s.config), (
                 "reproduce", f"--out {str(out)!r} holds other runs: give the {profile!r} "
                 "profile a folder of its own"))
-    out.mkdir(parents=True, exist_ok=True)
+    lock = FolderLock(SWEEPING)
+    try:
+        lock.take(out)  # made now, and held while the runs and the report are written
+        return _run_and_report(profile, out, specs, manifest, jobs, device, progress)
+    finally:
+        lock.release()
+
+
+def _run_and_report(profile: str, out: Path, specs: list[RunSpec], manifest: Path,
+                    jobs: int | None, device: str | None, progress: bool) -> dict[str, Any]:
     write_json(manifest, {"profile": profile, "runs": [s.__dict__ for s in specs]})
     results = execute(specs, jobs=jobs, device=device, progress=progress)
     failed = [r for r in results if not r["ok"]]

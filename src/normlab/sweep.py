@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -36,9 +37,14 @@ from typing import Any
 from normlab import allocator
 from normlab.checks import check_int, first_line
 from normlab.config import config_key, load_config, read_toml
-from normlab.io import check_out_folder, read_json, write_json
+from normlab.io import FolderLock, check_out_folder, read_json, write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
+#: the most runs one sweep file may make: each is a folder, a config and a training
+MAX_RUNS = 100_000
+#: what a second sweep or reproduce of one --out is told while the first holds it
+SWEEPING = ("--out {out} is in use by another normlab sweep or reproduce; wait for it to end, "
+            "or give --out another folder")
 SWEEP_REMEDY = ("sweep", "the sweep file changed since that run was made: give the sweep "
                 "another --out, or remove that run's folder")
 
@@ -52,6 +58,8 @@ class RunSpec:
     config: dict[str, Any]
     analyze: bool = True
     analysis: dict[str, Any] = field(default_factory=dict)
+    #: who finds a run folder made with another config, and what to do (reproduce: its own)
+    remedy: tuple[str, str] = SWEEP_REMEDY
 
 
 def expand(
@@ -72,7 +80,19 @@ def expand(
             raise ValueError(f"sweep.grid.{key}: expected a non-empty list of values")
     for key in fixed:
         config_key(key, f"sweep.set.{key}")
+    if both := sorted(set(fixed) & set(grid)):  # the [set] value was dropped unseen
+        raise ValueError(f"sweep.set.{both[0]}: also a grid key; give it in one table")
+    for key, values in grid.items():  # named, where two runs "got the same folder name"
+        texts = [_toml(v) for v in values]
+        if dup := next((t for i, t in enumerate(texts) if t in texts[:i]), None):
+            raise ValueError(f"sweep.grid.{key}: value {dup} is given twice")
+    n_runs = math.prod(len(v) for v in grid.values())
+    if n_runs > MAX_RUNS:  # expanded in silence, ~10 KB and 1 ms a run, until memory ran out
+        sizes = " x ".join(str(len(v)) for v in grid.values())
+        raise ValueError(f"sweep.grid: {n_runs:,} runs ({sizes}); expected at most "
+                         f"{MAX_RUNS:,}")
     specs = []
+    names: dict[str, dict[str, Any]] = {}
     fitted: set[str] = set()  # the model and task configs the analysis was checked against
     keys = list(grid)
     for combo in itertools.product(*(grid[k] for k in keys)):
@@ -90,11 +110,13 @@ def expand(
             except ValueError as err:
                 raise ValueError(f"{err} (run {run_name})") from None
             fitted.add(model_task)
+        if run_name in names:
+            raise ValueError(f"sweep.name: runs {names[run_name]} and {chosen} both get the "
+                             f"folder name {run_name!r}; include every grid key in it")
+        names[run_name] = chosen
         specs.append(
             RunSpec(run_name, str(out / run_name), cfg.to_dict(), analyze, analysis or {})
         )
-    if len({s.name for s in specs}) != len(specs):
-        raise ValueError("sweep.name: two runs get the same folder name; include every grid key")
     return specs
 
 
@@ -111,6 +133,9 @@ def _run_name(template: str, fields: dict[str, Any]) -> str:
     if run_name in ("", ".", "..") or Path(run_name).name != run_name:
         raise ValueError(f"sweep.name: run name {run_name!r} is not a single folder name (no "
                          "path separators, not '.' or '..', not empty)")
+    if "\0" in run_name or len(run_name.encode()) > 255:  # every run failed as it started
+        raise ValueError(f"sweep.name: run name {run_name!r} cannot name a folder (a NUL, or "
+                         "more than 255 bytes)")
     return run_name
 
 
@@ -214,7 +239,7 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
 
         # a run folder of this name, made as another run (the sweep file changed since), is
         # neither resumed nor taken as done: said here in the sweep's words, not train's
-        check_saved_config(out, cfg, SWEEP_REMEDY)
+        check_saved_config(out, cfg, tuple(spec.remedy))
         if not (out / DONE).is_file():
             step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
         # Results count as done only if made from the checkpoint training finished with: a
@@ -508,7 +533,13 @@ def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str |
               jobs: int | None = None, device: str | None = None) -> list[dict[str, Any]]:
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
     specs = load_sweep(config, check_out_folder(out))
-    results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)
+    check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
+    lock = FolderLock(SWEEPING)
+    try:
+        lock.take(Path(out))
+        results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)
+    finally:
+        lock.release()
     failed = [r for r in results if not r["ok"]]
     for r in failed:
         print(f"normlab: run {r['name']} failed: {r['error']}", file=sys.stderr)

@@ -7,7 +7,6 @@ after `normlab eval`, `eval.json`. Nothing already written is overwritten unless
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from normlab.checks import first_line, format_bytes, is_int, is_real, memory_byt
 from normlab.config import RunConfig, dump_toml, load_config, read_toml
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import (
+    FolderLock,
     atomic_write_text,
     check_out_folder,
     provenance,
@@ -319,40 +319,9 @@ def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
             "cells) or a smaller train.batch_size")
 
 
-class _RunLock:
-    """An exclusive `flock` on a run folder while this process trains in it: a job started
-    twice (requeued while its first start still ran; job scripts pass --resume on every start)
-    trained both, their log lines interleaved and TensorBoard files doubled. Where the file
-    system has no locks (some network ones) training goes on unguarded, as before."""
-
-    def __init__(self) -> None:
-        self.fd: int | None = None
-
-    def take(self, out: Path) -> None:
-        """Lock `out`, made if missing (before --force deletes or a resume tidies anything in
-        it); refuse if another process holds it."""
-        if self.fd is not None:
-            return
-        check_out_folder(out).mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ValueError(f"run folder {str(out)!r} is being trained by another process; "
-                             "wait for it to end, or give --out another folder") from None
-        except OSError:
-            os.close(fd)
-            return
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+#: what a second `train` of a run folder is told while the first holds it
+TRAINING = ("run folder {out} is being trained by another process; wait for it to end, or give "
+            "--out another folder")
 
 
 def train(
@@ -370,7 +339,7 @@ def train(
     `stop_after` ends the process-equivalent early (after that many steps), used to test
     that a killed run resumes to the same weights. One process at a time trains in a folder.
     """
-    lock = _RunLock()
+    lock = FolderLock(TRAINING)
     try:
         return _train(cfg, Path(out), lock, resume=resume, force=force, progress=progress,
                       stop_after=stop_after, log=log)
@@ -378,7 +347,7 @@ def train(
         lock.release()
 
 
-def _train(cfg: RunConfig, out: Path, lock: _RunLock, *, resume: bool, force: bool,
+def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: bool,
            progress: bool, stop_after: int | None, log: Callable[[str], None]) -> dict[str, Any]:
     if resume and force:  # --force was ignored, and a changed config's error then suggested it
         raise ValueError("--resume and --force: give one; --resume continues the run, --force "
