@@ -4,11 +4,13 @@ of --out, and an empty or malformed train_done.json or timings.json found during
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -169,23 +171,40 @@ def _long_sweep(tmp_path: Path) -> Path:
     return f
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """`normlab sweep --jobs 1` of the long sweep, once its first run logs; its worker's pid."""
-    proc = subprocess.Popen([sys.executable, "-m", "normlab.cli", "sweep", "--config",
-                             str(_long_sweep(tmp_path)), "--out", str(tmp_path / "out"),
-                             "--jobs", "1"], stderr=subprocess.PIPE, text=True,
-                            # a background shell's children ignore SIGINT, as Python then does
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    log = tmp_path / "out" / "r0" / "metrics.jsonl"
-    for _ in range(600):
-        if log.is_file() and log.stat().st_size:
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("the first run did not start within 60 s")
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    return proc, [int(c) for c in children]
+@pytest.fixture
+def long_sweep(tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen, list[int]]]]:
+    """Starts `normlab sweep --jobs 1` of the long sweep (its own process group) and returns it
+    once its first run logs, with its children's pids; whatever the test's outcome, none of
+    them is left running."""
+    started: list[tuple[subprocess.Popen, list[int]]] = []
+
+    def start() -> tuple[subprocess.Popen, list[int]]:
+        proc = subprocess.Popen([sys.executable, "-m", "normlab.cli", "sweep", "--config",
+                                 str(_long_sweep(tmp_path)), "--out", str(tmp_path / "out"),
+                                 "--jobs", "1"], stderr=subprocess.PIPE, text=True,
+                                start_new_session=True,
+                                # a background shell's children ignore SIGINT, and Python then
+                                # never raises KeyboardInterrupt
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        started.append((proc, []))
+        log = tmp_path / "out" / "r0" / "metrics.jsonl"
+        for _ in range(600):
+            if log.is_file() and log.stat().st_size:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the first run did not start within 60 s")
+        children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+                    .read_text().split()]
+        started[-1] = (proc, children)
+        return proc, children
+
+    yield start
+    for proc, children in started:
+        for pid in [proc.pid, *children]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
 
 
 def _gone(pid: int, within: float = 30.0) -> bool:
@@ -202,15 +221,21 @@ def _gone(pid: int, within: float = 30.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stopped_sweep_ends_its_runs_and_starts_no_more(tmp_path: Path, sig: int) -> None:
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                            (signal.SIGINT, True)])
+def test_a_stopped_sweep_ends_its_runs_and_starts_no_more(tmp_path: Path, long_sweep,
+                                                          sig: int, group: bool) -> None:
     """Ctrl-C printed "interrupted", then every queued run was trained to the end before the
     process exited (26 s for four tiny runs; hours for the paper profile); SIGTERM killed the
-    sweep and left its workers training. Signalled, the sweep ends its workers, starts no
-    queued run and exits 130; a rerun resumes what was stopped."""
-    proc, workers = _start(tmp_path)
+    sweep and left its workers training; at a terminal (the whole group signalled) a worker
+    could take the next run first. Signalled, the sweep ends its workers, starts no queued run
+    and exits 130."""
+    proc, workers = long_sweep()
     assert workers  # the pool's worker
-    proc.send_signal(sig)  # the sweep's process alone, as `kill` does
+    if group:  # Ctrl-C at a terminal
+        os.killpg(proc.pid, sig)
+    else:  # the sweep's process alone, as `kill` does
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "normlab: interrupted; finished runs and checkpoints are kept" in err
@@ -218,10 +243,10 @@ def test_a_stopped_sweep_ends_its_runs_and_starts_no_more(tmp_path: Path, sig: i
     assert not (tmp_path / "out" / "r1").exists() and not (tmp_path / "out" / "r2").exists()
 
 
-def test_a_killed_sweeps_workers_end_with_it(tmp_path: Path) -> None:
+def test_a_killed_sweeps_workers_end_with_it(long_sweep) -> None:
     """SIGKILL (or the out-of-memory killer) on the sweep left its workers training, and their
     run locks refused the rerun ("being trained by another process")."""
-    proc, workers = _start(tmp_path)
+    proc, workers = long_sweep()
     proc.kill()
     proc.wait(timeout=30)
     assert workers and all(_gone(w) for w in workers)
@@ -237,10 +262,12 @@ def test_a_killed_sweeps_workers_end_with_it(tmp_path: Path) -> None:
      'sweep.grid.model.norm_placement: value "pre" is given twice'),
     # names that cannot be folders: every run failed as its worker started it
     ('name = "r\\u0000{seed}"\n[grid]\n"train.seed" = [0]\n',
-     "sweep.name: run name 'r\\x000' cannot name a folder (a NUL, or more than 255 bytes)"),
-    ('name = "{seed:>300}"\n[grid]\n"train.seed" = [0]\n',
-     f"sweep.name: run name {' ' * 299 + '0'!r} cannot name a folder (a NUL, or more than 255 "
+     "sweep.name: run name 'r\\x000' cannot name a folder and its log (a NUL, or more than 251 "
      "bytes)"),
+    # 252 bytes: NAME.log beside the run's folder is 256, one past what Linux names
+    ('name = "{seed:>252}"\n[grid]\n"train.seed" = [0]\n',
+     f"sweep.name: run name {' ' * 251 + '0'!r} cannot name a folder and its log (a NUL, or "
+     "more than 251 bytes)"),
     ('name = "r"\n[grid]\n"train.seed" = [0, 1]\n',
      "sweep.name: runs {'train.seed': 0} and {'train.seed': 1} both get the folder name 'r'; "
      "include every grid key in it"),
@@ -267,6 +294,18 @@ def test_a_grid_past_max_runs_is_refused_before_it_is_expanded(tmp_path: Path,
                               "most 5")
     monkeypatch.setattr(sweep, "MAX_RUNS", 6)
     assert len(load_sweep(f, tmp_path / "out")) == 6
+    # counted before anything else is read of the values: the check for a value given twice
+    # took a minute on a grid of 100,000 seeds before the bound refused it
+    f.write_text('[grid]\n"train.seed" = [0, 0, 0, 0, 0, 0, 0]\n')
+    with pytest.raises(ValueError, match=r"sweep\.grid: 7 runs \(7\); expected at most 6$"):
+        load_sweep(f, tmp_path / "out")
+
+
+def test_a_run_name_of_251_bytes_is_taken() -> None:
+    """The bound is the log's: NAME.log beside the folder must fit Linux's 255 bytes."""
+    assert sweep._run_name("{seed:>251}", {"seed": 0}) == " " * 250 + "0"
+    with pytest.raises(ValueError, match="more than 251 bytes"):
+        sweep._run_name("{seed:>252}", {"seed": 0})
 
 
 def test_a_second_sweep_of_one_out_is_refused(tmp_path: Path, capsys) -> None:
@@ -289,3 +328,29 @@ def test_a_second_sweep_of_one_out_is_refused(tmp_path: Path, capsys) -> None:
         assert not any(out.iterdir())
     finally:
         os.close(fd)
+
+
+def test_rays_start_leaves_the_commands_sigterm_handler(monkeypatch) -> None:
+    """`ray.init` installs its own SIGTERM handler: a Ray sweep sent SIGTERM dumped Ray's crash
+    report and exited -6, its runs not stopped as Ctrl-C stops them. A stand-in for Ray's start
+    takes SIGTERM as the real one does; the command's handler is back after it."""
+    ray = pytest.importorskip("ray")
+
+    def ours(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def rays(signum: int, frame: object) -> None:
+        raise AssertionError("Ray's handler")
+
+    def init(**kwargs: object) -> None:
+        signal.signal(signal.SIGTERM, rays)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {})
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        sweep._ray_backend(None, None)
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -25,7 +25,9 @@ import itertools
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -82,15 +84,17 @@ def expand(
         config_key(key, f"sweep.set.{key}")
     if both := sorted(set(fixed) & set(grid)):  # the [set] value was dropped unseen
         raise ValueError(f"sweep.set.{both[0]}: also a grid key; give it in one table")
-    for key, values in grid.items():  # named, where two runs "got the same folder name"
-        texts = [_toml(v) for v in values]
-        if dup := next((t for i, t in enumerate(texts) if t in texts[:i]), None):
-            raise ValueError(f"sweep.grid.{key}: value {dup} is given twice")
     n_runs = math.prod(len(v) for v in grid.values())
     if n_runs > MAX_RUNS:  # expanded in silence, ~10 KB and 1 ms a run, until memory ran out
         sizes = " x ".join(str(len(v)) for v in grid.values())
         raise ValueError(f"sweep.grid: {n_runs:,} runs ({sizes}); expected at most "
                          f"{MAX_RUNS:,}")
+    for key, values in grid.items():  # named, where two runs "got the same folder name"
+        seen: set[str] = set()
+        for text in map(_toml, values):
+            if text in seen:
+                raise ValueError(f"sweep.grid.{key}: value {text} is given twice")
+            seen.add(text)
     specs = []
     names: dict[str, dict[str, Any]] = {}
     fitted: set[str] = set()  # the model and task configs the analysis was checked against
@@ -133,9 +137,10 @@ def _run_name(template: str, fields: dict[str, Any]) -> str:
     if run_name in ("", ".", "..") or Path(run_name).name != run_name:
         raise ValueError(f"sweep.name: run name {run_name!r} is not a single folder name (no "
                          "path separators, not '.' or '..', not empty)")
-    if "\0" in run_name or len(run_name.encode()) > 255:  # every run failed as it started
-        raise ValueError(f"sweep.name: run name {run_name!r} cannot name a folder (a NUL, or "
-                         "more than 255 bytes)")
+    # every run failed as it started; 251: its log beside it, NAME.log, takes 255
+    if "\0" in run_name or len(run_name.encode()) > 251:
+        raise ValueError(f"sweep.name: run name {run_name!r} cannot name a folder and its log "
+                         "(a NUL, or more than 251 bytes)")
     return run_name
 
 
@@ -436,8 +441,10 @@ def _end_with(parent: int) -> None:
     left its workers training, and their run locks refused the rerun. Linux only
     (PR_SET_PDEATHSIG); elsewhere, as before."""
     import ctypes
-    import signal
 
+    # Ctrl-C reaches the whole process group: an interrupted worker took the next queued run
+    # before the sweep ended it. The sweep alone decides, and ends its workers itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -456,8 +463,13 @@ def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Cal
     except ImportError:
         raise ValueError("--backend ray needs Ray: pip install 'normlab[ray]'") from None
     if not ray.is_initialized():
+        # ray.init takes SIGTERM for its own crash handler: the command's (stop as Ctrl-C
+        # does, ending the runs in flight) is put back
+        term = signal.getsignal(signal.SIGTERM)
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, term)
     remote = ray.remote(_safe_run)
     cuda = ("cuda", "auto") if ray.cluster_resources().get("GPU", 0) > 0 else ("cuda",)
 
