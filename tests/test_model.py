@@ -215,6 +215,9 @@ def test_attention_scale_options() -> None:
     assert isinstance(learned.blocks[0].attn.scale, torch.nn.Parameter)
     # log2(L^2 - L) / d_head with L = 16, d_head = 8
     assert learned_scale_init(learned.cfg) == pytest.approx(math.log2(240) / 8)
+    # and the built model starts there, every head of every block (1 / sqrt(d_head) passed)
+    for block in learned.blocks:
+        torch.testing.assert_close(block.attn.scale.detach(), torch.full((4,), math.log2(240) / 8))
     assert not isinstance(pre.blocks[0].attn.scale, torch.nn.Parameter)  # q, k not normalised
 
 
@@ -556,3 +559,35 @@ def test_kernel_bounds_only_for_causal_cpu_rows() -> None:
     assert not kernel_by_default(q.to("meta"), k.to("meta"), causal=True)
     assert kernel_by_default(q, k[:, :, :64], causal=False)
     assert not kernel_by_default(q.to("meta"), k[:, :, :64].to("meta"), causal=False)
+
+
+def test_inputs_that_were_broadcast_ignored_or_left_to_torch_are_named() -> None:
+    """A source of 2 rows with a target of 1 gave [2, 5, 16] logits, and an empty source
+    cross-attention of exactly 0; meta ids gave NaN logits on a CPU model; numpy ids, and a
+    cache stepped at another batch size, failed inside torch; RoPE turned float positions by
+    fractions; `aux` to a model without digit positions was ignored."""
+    import numpy as np
+
+    ed = build_model(tiny(arch="encoder_decoder", n_encoder_layers=1, n_decoder_layers=1))
+    src, tgt = torch.randint(0, 16, (2, 6)), torch.randint(0, 16, (1, 5))
+    with pytest.raises(ValueError, match=r"^tgt: expected the source's batch of 2 rows; got 1$"):
+        ed(src, tgt)
+    with pytest.raises(ValueError, match=r"^src: expected at least one source position"):
+        ed(src[:, :0], tgt.expand(2, 5))
+    assert ed(src, tgt.expand(2, 5)).shape == (2, 5, 16)
+    dec = build_model(tiny(pos_encoding="rope"))
+    with pytest.raises(ValueError, match=r"^tokens: on meta, the model on cpu; expected them on "
+                                         r"one device$"):
+        dec(torch.zeros(1, 3, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match=r"^tokens: expected a tensor of \[batch, pos\] ids; got "
+                                         r"ndarray$"):
+        dec(np.zeros((1, 3), dtype=np.int64))  # type: ignore[arg-type]
+    cache = dec.new_cache()
+    dec(torch.randint(0, 16, (2, 4)), cache=cache)
+    with pytest.raises(ValueError, match=r"^tokens: expected the cache's batch of 2 rows; got 3$"):
+        dec(torch.randint(0, 16, (3, 1)), cache=cache)
+    with pytest.raises(ValueError, match=r"^positions: expected integer positions; got "
+                                         r"torch\.float32$"):
+        dec(torch.randint(0, 16, (1, 3)), positions=torch.tensor([[0.0, 0.5, 1.0]]))
+    with pytest.raises(ValueError, match=r"^aux: this model takes no aux positions"):
+        dec(torch.randint(0, 16, (1, 3)), aux=torch.zeros(1, 3, dtype=torch.long))

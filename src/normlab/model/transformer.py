@@ -95,10 +95,28 @@ class Stack(nn.Module):
         segments [batch, pos]: packed rows (see `tasks.addition.make_batch(pack=True)`); a
         token attends only within its segment and positions restart at each segment's start.
         """
+        if not isinstance(tokens, torch.Tensor):  # numpy's or a list: torch's TypeError
+            raise ValueError(f"tokens: expected a tensor of [batch, pos] ids; got "
+                             f"{type(tokens).__name__}")
         if tokens.ndim != 2:
             raise ValueError(f"tokens: expected [batch, pos] ids, got shape {tuple(tokens.shape)}")
+        if tokens.device != self.embed.W_E.device:  # meta ids gave NaN logits on a CPU model
+            raise ValueError(f"tokens: on {tokens.device}, the model on "
+                             f"{self.embed.W_E.device}; expected them on one device")
         b, p = tokens.shape
         past = cache.length if cache is not None else 0
+        if past and (kept := cache.layers[0].get("self", {}).get("k")) is not None \
+                and kept.shape[0] != b:  # torch's "expanded size" error
+            raise ValueError(f"tokens: expected the cache's batch of {kept.shape[0]} rows; "
+                             f"got {b}")
+        if memory is not None and memory.shape[0] != b:  # a target of 1 row broadcast unseen
+            raise ValueError(f"tgt: expected the source's batch of {memory.shape[0]} rows; "
+                             f"got {b}")
+        if positions is not None and positions.is_floating_point():  # RoPE turned by 0.5
+            raise ValueError(f"positions: expected integer positions; got {positions.dtype}")
+        if aux is not None and self.W_aux is None:  # ignored without a word
+            raise ValueError("aux: this model takes no aux positions "
+                             "(ModelConfig.n_aux_positions = 0); expected None")
         _check_width(key_mask, (b, past + p), "attention_mask" if self.causal else "src_mask",
                      "the cached positions and these" if past else "the tokens")
         _check_width(aux, (b, p), "aux", "the tokens")
@@ -251,6 +269,9 @@ class EncoderDecoderLM(HookedModule):
         self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
         aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if isinstance(src, torch.Tensor) and src.ndim == 2 and src.shape[1] == 0:
+            # cross-attention over no keys gave exactly 0, and logits that looked normal
+            raise ValueError("src: expected at least one source position; got none")
         if (src_mask is not None and src_mask.numel() and not torch.compiler.is_compiling()
                 and not bool(src_mask.bool().any(-1).all())):  # (a graph break under compile)
             # the decoder's cross-attention would attend to nothing: NaN on one path, 0 on
