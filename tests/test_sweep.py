@@ -37,11 +37,17 @@ NOT_ONE_FOLDER = "is not a single folder name (no path separators, not '.' or '.
                           "attribute 'x'); expected fields named by grid keys, as {seed}"),
 ])
 def test_a_wrong_typed_top_level_key_is_named(tmp_path: Path, top: str, message: str) -> None:
+    f, said = _refusal(tmp_path, top + "\n" + ("" if top.startswith("grid") else GRID))
+    assert said == f"sweep file {str(f)!r}: {message}"
+
+
+def _refusal(tmp_path: Path, content: str | bytes) -> tuple[Path, str]:
+    """A sweep file of `content`, and what reading it is refused with."""
     f = tmp_path / "s.toml"
-    f.write_text(top + "\n" + ("" if top.startswith("grid") else GRID))
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ValueError) as err:
         load_sweep(f, tmp_path / "out")
-    assert str(err.value) == f"sweep file {str(f)!r}: {message}"
+    return f, str(err.value)
 
 
 @pytest.mark.parametrize(("data", "position"), [
@@ -50,12 +56,9 @@ def test_a_wrong_typed_top_level_key_is_named(tmp_path: Path, top: str, message:
 ])
 def test_a_sweep_file_that_is_not_utf8_is_named(tmp_path: Path, data: bytes,
                                                 position: str) -> None:
-    f = tmp_path / "s.toml"
-    f.write_bytes(data)
-    with pytest.raises(ValueError) as err:
-        load_sweep(f, tmp_path / "out")
-    assert str(err.value) == (f"sweep file {str(f)!r}: not UTF-8 text, as TOML is ('utf-8' "
-                              f"codec can't decode {position})")
+    f, said = _refusal(tmp_path, data)
+    assert said == (f"sweep file {str(f)!r}: not UTF-8 text, as TOML is ('utf-8' codec can't "
+                    f"decode {position})")
 
 
 @pytest.mark.parametrize(("name", "run_name"), [
@@ -274,11 +277,8 @@ def test_a_killed_sweeps_workers_end_with_it(long_sweep) -> None:
 ])
 def test_a_grid_that_cannot_make_its_runs_is_named(tmp_path: Path, text: str,
                                                    message: str) -> None:
-    f = tmp_path / "s.toml"
-    f.write_text(text)
-    with pytest.raises(ValueError) as err:
-        load_sweep(f, tmp_path / "out")
-    assert str(err.value) == f"sweep file {str(f)!r}: {message}"
+    f, said = _refusal(tmp_path, text)
+    assert said == f"sweep file {str(f)!r}: {message}"
 
 
 def test_a_grid_past_max_runs_is_refused_before_it_is_expanded(tmp_path: Path,
