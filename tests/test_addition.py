@@ -82,8 +82,12 @@ def test_decode_bad_id() -> None:
 
 
 def test_paper_examples_are_consistent_with_truth() -> None:
+    """The test's own oracle against the paper's examples, and the library's integer writer
+    against the same strings."""
     assert truth("N6774-N71+5814-6016+45+N976") == answer_value("N7836")
     assert truth("86+594-47") == answer_value("633")
+    assert A._fmt_int(truth("N6774-N71+5814-6016+45+N976")) == "N7836"
+    assert A._fmt_int(truth("86+594-47")) == "633"
 
 
 @pytest.mark.parametrize(
