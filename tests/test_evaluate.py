@@ -14,18 +14,22 @@ from normlab.tasks.addition import EOS, VOCAB, Cell
 
 
 class PeekingDecoder(nn.Module):
-    """Predicts every next token by reading it; `miss_first` gets each first answer token wrong."""
+    """Predicts every next token by reading it; `miss_first` gets each first answer token wrong
+    (with `negative_only`, only where it is the sign N: a negative answer's, written msd)."""
 
-    def __init__(self, miss_first: bool = False) -> None:
+    def __init__(self, miss_first: bool = False, negative_only: bool = False) -> None:
         super().__init__()
         self.cfg = ModelConfig(arch="decoder")
-        self.miss_first = miss_first
+        self.miss_first, self.negative_only = miss_first, negative_only
 
     def forward(self, tokens: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
         nxt = tokens.roll(-1, dims=1)
         if self.miss_first:  # the token after the first E (the separator) is the first answer
             sep = (tokens == EOS).int().argmax(1)
             rows = torch.arange(len(tokens))
+            if self.negative_only:
+                rows = rows[nxt[rows, sep] == VOCAB.index("N")]
+                sep = sep[rows]
             nxt[rows, sep] = (nxt[rows, sep] + 1) % len(VOCAB)
         return nn.functional.one_hot(nxt, len(VOCAB)).float()
 
@@ -54,6 +58,40 @@ def test_a_wrong_first_token_shows_at_position_zero_only() -> None:
         len(res["by_position"]) - 1)
     assert res["exact"] == 0.0
     assert res["first_token"] == {"negative": 0.0, "positive": 0.0}
+    # wrong only on the sign: the split by the answer's sign must say which (a swapped split
+    # passed, both halves being 0)
+    res = answer_token_accuracy(PeekingDecoder(miss_first=True, negative_only=True), probs,
+                                answer_format="msd")
+    assert res["first_token"] == {"negative": 0.0, "positive": 1.0}
+    negative = sum(a.startswith("N") for _, a in probs)
+    assert 0 < negative < len(probs) and res["exact"] == 1 - negative / len(probs)
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, True, 1.5])
+def test_a_batch_size_is_a_number_of_questions(batch_size: object) -> None:
+    """-1 gave `predict` no answers and no error; 0 was range()'s error, naming no argument."""
+    from normlab.evaluate import evaluate
+    from normlab.tasks.addition import TaskConfig, eval_sets
+
+    match = r"^batch_size: expected an int >= 1 questions a forward; got "
+    with pytest.raises(ValueError, match=match):
+        predict(PeekingDecoder(), ["1+2"], "decoder", "msd", 3, batch_size)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=match):
+        answer_token_accuracy(PeekingDecoder(), problems(), answer_format="msd",
+                              batch_size=batch_size)  # type: ignore[arg-type]
+    task = TaskConfig(grid="smoke", eval_size=4).resolve()
+    with pytest.raises(ValueError, match=match):
+        evaluate(PeekingDecoder(), task, eval_sets(task),  # type: ignore[arg-type]
+                 batch_size=batch_size)  # type: ignore[arg-type]
+
+
+def test_no_splits_is_an_error() -> None:
+    """`evaluate(model, task, {})` returned {'splits': {}}, an eval.json no reader takes."""
+    from normlab.evaluate import evaluate
+    from normlab.tasks.addition import TaskConfig
+
+    with pytest.raises(ValueError, match=r"^sets: expected at least one split of problems"):
+        evaluate(PeekingDecoder(), TaskConfig(grid="smoke").resolve(), {})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])

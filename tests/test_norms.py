@@ -98,6 +98,18 @@ def test_unknown_hook_is_a_one_line_value_error() -> None:
     assert "\n" not in str(err.value)
 
 
+def test_data_for_the_other_arch_is_a_one_line_value_error() -> None:
+    """Decoder data to an encoder-decoder (or back) was torch's TypeError ("unexpected keyword
+    argument 'src'"), for the norm spread and every analysis that runs `EvalData.forward`."""
+    for arch, other in (("decoder", "encoder_decoder"), ("encoder_decoder", "decoder")):
+        m, d = model("pre", arch), data(other, 2)
+        said = rf"^data: made for arch '{other}'; this model's is '{arch}'$"
+        with pytest.raises(ValueError, match=said):
+            norm_spread(m, d)
+        with pytest.raises(ValueError, match=said):
+            d.forward(m)
+
+
 @pytest.mark.parametrize("n", [10, 11, 19, 20, 100, 1001])
 def test_h90_is_the_smallest_half_width_holding_90_percent(n: int) -> None:
     """h90 holds at least 90% of the ratios and nothing smaller does (it was one order

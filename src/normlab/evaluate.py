@@ -71,6 +71,7 @@ def predict(
 ) -> list[str]:
     """The model's greedy answers, as strings comparable with the true answers."""
     check_answer_format(answer_format)  # not swallowed below as one wrong answer
+    check_batch_size(batch_size)
     out: list[str] = []
     aux_fn = aux_positions if digit_positions else None
     for i in range(0, len(questions), batch_size):
@@ -129,6 +130,7 @@ def answer_token_accuracy(
     check_on_cpu(model)
     if not problems:
         raise ValueError("answer_token_accuracy needs at least one problem")
+    check_batch_size(batch_size)
     was = model.training
     model.eval()
     hits: list[torch.Tensor] = []
@@ -167,6 +169,11 @@ def answer_token_accuracy(
     }
 
 
+def check_batch_size(batch_size: object) -> None:
+    """Questions a forward: an int >= 1 (-1 gave `predict` no answers, and no error)."""
+    check_int(batch_size, "batch_size", low=1, what="an int >= 1 questions a forward")
+
+
 def check_limit(limit: object) -> None:
     """`limit` examples per cell: None (all) or an int >= 1 (a slice's 0 or -1 would
     silently evaluate none, or all but the last)."""
@@ -185,6 +192,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Accuracy per split (with 95% CI) and per cell; `limit` caps examples per cell."""
     check_limit(limit)
+    check_batch_size(batch_size)
+    if not sets:  # {'splits': {}} was returned, no eval.json a reader takes
+        raise ValueError("sets: expected at least one split of problems; got none")
     arch = model.cfg.arch
     max_new = task.max_new()
     predictor = predictor or (

@@ -99,8 +99,15 @@ class EvalData:
 
     def forward(self, model: Model, copies: int = 1) -> torch.Tensor:
         """Run the model teacher-forced, exactly as training does (no extra masks)."""
+        self.check_model(model)
         x = self.repeated(copies) if copies != 1 else self.inputs
         return model(**model_kwargs(self.arch, x))
+
+    def check_model(self, model: Model) -> None:
+        """Data laid out for the model's arch: the other's keywords were torch's TypeError."""
+        if self.arch != model.cfg.arch:
+            raise ValueError(f"data: made for arch {self.arch!r}; this model's is "
+                             f"{model.cfg.arch!r}")
 
     @classmethod
     def from_problems(

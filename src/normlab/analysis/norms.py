@@ -47,6 +47,7 @@ def norm_scales(
     `resid` adds the centred RMS of every `hook_resid_pre` (kind `resid`).
     """
     check_on_cpu(model)
+    data.check_model(model)
     norm_names = _norm_hooks(model)
     if names is not None:
         names = [names] if isinstance(names, str) else list(names)
