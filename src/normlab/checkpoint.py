@@ -81,7 +81,7 @@ def save_checkpoint(
         "sha256": hashlib.sha256(blob).hexdigest(),
         "optimizer": opt_meta,
         **rng_state(next(model.parameters()).device),
-        # the caller's, where it has one: train takes it once (its git calls cost 0.6 s a save)
+        # the caller's, where it has one: train takes it once, not two git calls a save
         "provenance": meta["provenance"] if "provenance" in meta else provenance(),
         **meta,
     }

@@ -40,6 +40,11 @@ def is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def is_seconds(value: object) -> bool:
+    """A duration as result files record it: a finite real number >= 0."""
+    return is_real(value) and 0 <= value < math.inf  # type: ignore[operator]
+
+
 def is_fraction(value: object) -> bool:
     """A real number in [0, 1], as a rate or an accuracy is (NaN is not)."""
     return is_real(value) and 0 <= value <= 1  # type: ignore[operator]

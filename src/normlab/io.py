@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import io
 import json
-import math
 import os
 import platform
 import reprlib
@@ -20,7 +19,7 @@ import torch
 
 import normlab
 from normlab import allocator
-from normlab.checks import is_fraction, is_real
+from normlab.checks import is_fraction, is_seconds
 from normlab.model import native
 
 
@@ -50,15 +49,19 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         if isinstance(err, OSError):  # the OS named the temp file, which the user never chose
-            # the folder it could not make, where that failed; the same class (a caller may
-            # catch FileNotFoundError), the OS's error kept as the cause
-            at = str(err.filename) if err.filename else ""
-            ours = at == str(path) or Path(at).name.startswith(f".{path.name}.")  # or its temp
-            at = f" ({at!r})" if at and not ours else ""
-            raise type(err)(f"{str(path)!r} cannot be written: {err.strerror or err}{at}"
-                            ) from err
+            raise cannot_write(path, err) from err
         raise
     _fsync_dir(path.parent)
+
+
+def cannot_write(path: Path, err: OSError) -> OSError:
+    """The OS's error on writing `path` as one line naming it: its temp file was named, or no
+    file at all (a full disk). The same class (a caller may catch FileNotFoundError), and the
+    folder it could not make, where that failed."""
+    at = str(err.filename) if err.filename else ""
+    ours = at == str(path) or Path(at).name.startswith(f".{Path(path).name}.")  # or its temp
+    at = f" ({at!r})" if at and not ours else ""
+    return type(err)(f"{str(path)!r} cannot be written: {err.strerror or err}{at}")
 
 
 def _umask() -> int:
@@ -163,6 +166,12 @@ class FolderLock:
             os.close(self.fd)
             self.fd = None
 
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:  # released on every way out
+        self.release()
+
 
 def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
     """Results already written stay unless the user asks (`--force`): a one-line error."""
@@ -215,7 +224,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{str(path)!r} line {i}: expected 'accuracy' to map splits to "
                              f"numbers in [0, 1]; got {acc!r}")  # 57.0 was plotted as 5700%
         t = rec.get("elapsed_s")
-        if t is not None and not (is_real(t) and 0 <= t < math.inf):
+        if t is not None and not is_seconds(t):
             raise ValueError(f"{str(path)!r} line {i}: expected 'elapsed_s' to be seconds >= 0; "
                              f"got {t!r}")  # "12" failed as "Unknown format code 'f'"
         records.append(rec)

@@ -110,12 +110,9 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str |
             check_saved_config(Path(s.out), RunConfig.from_dict(s.config), (
                 "reproduce", f"--out {str(out)!r} holds other runs: give the {profile!r} "
                 "profile a folder of its own"))
-    lock = FolderLock(SWEEPING)
-    try:
+    with FolderLock(SWEEPING) as lock:
         lock.take(out)  # made now, and held while the runs and the report are written
         return _run_and_report(profile, out, specs, manifest, jobs, device, progress)
-    finally:
-        lock.release()
 
 
 def _run_and_report(profile: str, out: Path, specs: list[RunSpec], manifest: Path,

@@ -546,12 +546,9 @@ def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str |
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
     specs = load_sweep(config, check_out_folder(out))
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
-    lock = FolderLock(SWEEPING)
-    try:
+    with FolderLock(SWEEPING) as lock:
         lock.take(Path(out))
         results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)
-    finally:
-        lock.release()
     failed = [r for r in results if not r["ok"]]
     for r in failed:
         print(f"normlab: run {r['name']} failed: {r['error']}", file=sys.stderr)

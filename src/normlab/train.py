@@ -30,12 +30,13 @@ from normlab.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from normlab.checks import first_line, format_bytes, is_int, is_real, memory_bytes
+from normlab.checks import first_line, format_bytes, is_int, is_seconds, memory_bytes
 from normlab.config import RunConfig, dump_toml, load_config, read_toml
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import (
     FolderLock,
     atomic_write_text,
+    cannot_write,
     check_out_folder,
     provenance,
     read_json,
@@ -50,8 +51,7 @@ DONE = "train_done.json"  # written once training has finished (all steps or ear
 DONE_RECORD = ('an object with an int "step", where training ended (and its "elapsed_s", '
                'seconds)',
                lambda d: isinstance(d, dict) and is_int(d.get("step"))
-               and (d.get("elapsed_s") is None or (is_real(d["elapsed_s"])
-                                                   and 0 <= d["elapsed_s"] < math.inf)))
+               and (d.get("elapsed_s") is None or is_seconds(d["elapsed_s"])))
 
 
 class TrainingError(RuntimeError):
@@ -339,12 +339,9 @@ def train(
     `stop_after` ends the process-equivalent early (after that many steps), used to test
     that a killed run resumes to the same weights. One process at a time trains in a folder.
     """
-    lock = FolderLock(TRAINING)
-    try:
+    with FolderLock(TRAINING) as lock:
         return _train(cfg, Path(out), lock, resume=resume, force=force, progress=progress,
                       stop_after=stop_after, log=log)
-    finally:
-        lock.release()
 
 
 def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: bool,
@@ -481,8 +478,7 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
             with metrics_path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         except OSError as err:  # a full disk said "[Errno 28] No space left", naming no file
-            raise OSError(f"{str(metrics_path)!r} cannot be written: {err.strerror or err}"
-                          ) from None
+            raise cannot_write(metrics_path, err) from err
         if writer is not None:
             for k, v in rec.items():
                 if isinstance(v, int | float) and k != "step":
