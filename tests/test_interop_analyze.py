@@ -90,7 +90,7 @@ def test_tokens_file(family: str, folders: dict[str, Path], tmp_path: Path,
     # 300 ids in rows of 128: 128 + 128 + 44 real tokens; the 84 pads are never counted
     assert norms["input"] | {"sha256": None} == {
         "kind": "tokens", "file": str(folders["tokens"]), "sha256": None, "tokenizer": None,
-        "n_tokens": 300, "n_tokens_used": 300, "n_rows": 3, "row_length": 128}
+        "whole_file": True, "n_tokens": 300, "n_tokens_used": 300, "n_rows": 3, "row_length": 128}
     assert all(e["classes"]["all"]["n"] == 300 for e in norms["entries"] if e["head"] is None)
     hooks = {e["hook"] for e in norms["entries"]}
     assert ("blocks.1.attn.q_norm.hook_scale" in hooks) == (family == "qwen3")
@@ -114,6 +114,7 @@ def test_text_with_tokenizer(folders: dict[str, Path], tmp_path: Path) -> None:
     collapse = json.loads((out / "collapse.json").read_text())
     assert collapse["input"]["kind"] == "text" and collapse["input"]["tokenizer"]
     assert collapse["input"]["n_tokens"] == 13 and collapse["input"]["row_length"] == 13
+    assert collapse["input"]["whole_file"]
     assert collapse["collapse_rate"] == ([0.0] if collapse["n_sparse_rows"] else [None])
 
 
@@ -274,14 +275,16 @@ def test_a_folder_that_does_not_load_is_one_line(folders: dict[str, Path], tmp_p
     for folder, said in (
             (cut, f"Hugging Face folder {str(cut)!r}: cannot load the model: Error while "
                   "deserializing header"),
-            (_weights_for(g, n_head=0), "cannot load the model: integer division or modulo"),
+            # refused from the config, naming its field, before transformers' ZeroDivisionError
+            (_weights_for(g, n_head=0), "config.json: GPT2LMHeadModel: n_head: expected a positive "
+                                        "integer below 2**63; got 0"),
             (_weights_for(g, n_layer="two"), "cannot read config.json: Validation error for "
                                              "field 'n_layer': TypeError: Field 'n_layer' "
                                              "expected int, got str"),
             # it blamed the token ids ("token id 27 is outside the vocabulary ... ids 0..-6"),
             # after two lines of transformers' warnings on the bos and eos ids
-            (_weights_for(g, vocab_size=-5), "config.json's vocab_size: expected a positive "
-                                             "integer; got -5")):
+            (_weights_for(g, vocab_size=-5), "config.json: GPT2LMHeadModel: vocab_size: "
+                                             "expected a positive integer below 2**63; got -5")):
         msg = _error(["analyze", "--hf", str(folder), "--tokens", toks, "--out",
                       str(tmp_path / "out")], capsys)
         assert said in msg, msg
@@ -326,3 +329,179 @@ def test_buffers_older_checkpoints_saved_still_load(folders: dict[str, Path],
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     a, b = from_hf_pretrained(old), from_hf_pretrained(folders["gpt2"])
     assert torch.equal(a(tokens), b(tokens))
+
+
+def _llama_with_bos(folder: Path) -> Path:
+    """A Llama folder whose tokenizer adds one BOS, as Llama's do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=VOCAB, max_position_embeddings=64,
+                                   initializer_range=0.2, bos_token_id=len(WORDS))
+    torch.manual_seed(2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*WORDS, "<s>"])},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", len(WORDS))])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                         bos_token="<s>").save_pretrained(folder)
+    return folder
+
+
+def test_llama_text_matches_the_hf_model(tmp_path: Path) -> None:
+    """The Llama path end to end: one BOS for the stream (not one a row), and the norm scales
+    and sparse-row count computed from transformers' own model and attentions."""
+    from normlab.interop.analyze import analyze_hf
+
+    folder = _llama_with_bos(tmp_path / "llama")
+    words = ("the cat sat on a mat a dog ran on the mat " * 3).split()  # 36 words
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(words) + "\n")
+    seq, theta = 16, 0.5
+    res = analyze_hf(folder, text=text, out=tmp_path / "out", sigmas=[0.0], n_draws=1,
+                     threshold=theta, seq_len=seq, figures=False)
+    assert res["norms"]["input"]["n_tokens"] == len(words) + 1  # one BOS
+    assert res["norms"]["input"]["n_rows"] == 3  # 37 tokens in rows of 16
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = transformers.AutoTokenizer.from_pretrained(folder)(text.read_text())["input_ids"]
+    assert ids[0] == len(WORDS) and ids.count(len(WORDS)) == 1
+    eps, seen = hf.config.rms_norm_eps, []
+    hook = hf.model.layers[1].input_layernorm.register_forward_hook(
+        lambda mod, args, out: seen.append(args[0][0]))
+    n_sparse = 0
+    with torch.no_grad():
+        for k in range(0, len(ids), seq):  # each row alone: the pad is never attended to
+            out = hf(torch.tensor([ids[k:k + seq]]), output_attentions=True)
+            n_sparse += sum(int((a[0, :, 1:].amax(-1) >= theta).sum()) for a in out.attentions)
+    hook.remove()
+    scale = (torch.cat(seen).pow(2).mean(-1) + eps).sqrt()  # RMSNorm's divisor, real tokens
+    entry = next(e for e in res["norms"]["entries"] if e["hook"] == "blocks.1.ln1.hook_scale")
+    assert entry["classes"]["all"]["n"] == len(ids)
+    assert entry["median_scale"] == pytest.approx(scale.median().item(), rel=1e-5)
+    assert res["collapse"]["n_sparse_rows"] == n_sparse > 0
+
+
+def test_a_model_it_cannot_convert_is_refused_before_its_weights_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """RoPE scaling was refused only once the text was tokenised and every weight loaded and
+    copied to float32 (a Llama 3.1 8B: 48 GB before the one-line refusal)."""
+    from normlab.interop.hf import from_hf, from_hf_pretrained
+
+    folder = _llama_with_bos(tmp_path / "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 32}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    said = "LlamaForCausalLM: rope_scaling type 'llama3' is not supported"
+    with pytest.raises(ValueError, match=f"^from_hf_pretrained: folder .*: config.json: {said}"):
+        from_hf_pretrained(folder)
+    text = tmp_path / "t.txt"
+    text.write_text("the cat\n")
+    msg = _error(["analyze", "--hf", str(folder), "--text", str(text), "--out",
+                  str(tmp_path / "out")], capsys)
+    assert msg == f"normlab: error: --hf folder {str(folder)!r}: config.json: {said}; only " \
+                  "plain RoPE (rope_type 'default') is implemented"
+    monkeypatch.undo()
+    live = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(folder))
+    monkeypatch.setattr(live, "state_dict", never)  # from_hf copied every weight first
+    with pytest.raises(ValueError, match=f"^{said}"):
+        from_hf(live)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"layer_norm_epsilon": -1.0}, "GPT2LMHeadModel: layer_norm_epsilon: expected a positive"),
+    ({"activation_function": "gelu_fast"}, "GPT2LMHeadModel: activation_function: 'gelu_fast' "
+                                           "is not supported"),
+    ({"n_positions": 0}, "GPT2LMHeadModel: n_positions: expected"),
+])
+def test_config_refusals_name_the_folder_and_its_field(
+    change: dict[str, Any], said: str, folders: dict[str, Path], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """They named normlab's field (ModelConfig.norm_eps) and no folder."""
+    bad = _weights_for(folders["gpt2"], **change)
+    msg = _error(["analyze", "--hf", str(bad), "--tokens", str(folders["tokens"]), "--out",
+                  str(tmp_path / "out")], capsys)
+    assert msg.startswith(f"normlab: error: --hf folder {str(bad)!r}: config.json: {said}"), msg
+
+
+def test_inputs_too_short_or_odd_are_named(folders: dict[str, Path], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """One token (or rows of one) ran to exit 0 with h90 = 0, "no spread"; a --tokens file
+    not in UTF-8 was an error naming no file; int() took "1_0" as 10 and "+5" as 5."""
+    g, out = str(folders["gpt2"]), str(tmp_path / "out")
+    base = ["analyze", "--hf", g, "--out", out]
+    one = tmp_path / "one.txt"
+    one.write_text("7\n")
+    assert _error([*base, "--tokens", str(one)], capsys) == (
+        f"normlab: error: --tokens file {str(one)!r} gives 1 token; the analysis needs at least "
+        "2 (a query with a key before it)")
+    msg = _error([*base, "--tokens", str(folders["tokens"]), "--seq-len", "1"], capsys)
+    assert msg == "normlab: error: --seq-len: expected an int >= 2; got 1"
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("1 2 é".encode("latin-1"))
+    msg = _error([*base, "--tokens", str(latin)], capsys)
+    assert msg.startswith(f"normlab: error: --tokens file {str(latin)!r} is not UTF-8 text")
+    for item in ("1_0", "+5", "\u0663"):
+        odd = tmp_path / "odd.txt"
+        odd.write_text(f"1 2 {item} 4\n")
+        assert f"item 2 ({item!r}) is not an integer token id" in _error(
+            [*base, "--tokens", str(odd)], capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_path_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """'' is the current folder as a Path (an unset shell variable): --hf '' was read as no
+    --hf ("--out is for --hf DIR only"), --text '' as "'.' is a folder"."""
+    for argv, flag in ((["analyze", "--hf", "", "--tokens", "t", "--out", "o"], "--hf"),
+                       (["analyze", "--hf", "h", "--text", "", "--out", "o"], "--text"),
+                       (["train", "--config", "c.toml", "--out", ""], "--out"),
+                       (["eval", ""], "RUN_DIR"), (["compare", "a", ""], "RUN_DIR")):
+        assert _error(argv, capsys) == f"normlab: error: {flag}: expected a path; got an " \
+                                       "empty string"
+
+
+def test_a_long_text_is_read_only_as_far_as_its_tokens_are_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole file was tokenised (a 37 MB file took 5.6 GB to use 4,096 tokens). A prefix
+    gives the whole file's first tokens, with a byte-level BPE whose tokens cross spaces and
+    runs of newlines, wherever the prefix is cut."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from normlab.interop import analyze
+
+    lines = ["the cat sat  on the mat\n\n\n", "a dóg ran,   on the mat!!\n", " \t ü ü ü\n",
+             "mat-mat mat123 the\r\n"]
+    rng = np.random.default_rng(0)
+    text = "".join(rng.choice(lines, size=200))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "tok"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    path = tmp_path / "t.txt"
+    path.write_text(text, newline="")
+    whole = transformers.AutoTokenizer.from_pretrained(folder)(
+        path.read_text())["input_ids"]  # universal newlines, as the analysis reads
+    monkeypatch.setattr(analyze, "TEXT_CHUNK", 7)
+    for need in (1, 9, 100, 1000):
+        ids, _, read_all = analyze._tokenize(folder, path, need)
+        assert not read_all and ids == whole[:need]
+    ids, _, read_all = analyze._tokenize(folder, path, len(whole))
+    assert read_all and ids == whole

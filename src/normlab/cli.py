@@ -257,7 +257,7 @@ def _analyze(args: argparse.Namespace) -> int:
         if given or args.seq_len is not None:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
-    _check_flags(args, {"--draws": 1, "--examples": 1, "--seq-len": 1})
+    _check_flags(args, {"--draws": 1, "--examples": 1, "--seq-len": 2})
     check_seed(args.seed, "--seed")
     if args.threads is not None:
         import torch
@@ -384,6 +384,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PATH_ARGS = {"config": "--config", "out": "--out", "run_dir": "RUN_DIR", "run_dirs": "RUN_DIR",
+             "plot": "--plot", "hf": "--hf", "tokens": "--tokens", "text": "--text"}
+"""Every argument that names a file or folder, as the user wrote it."""
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """An empty path (an unset shell variable) is refused by name: as a Path it is '.', the
+    current folder, which was read as the run, config or output folder meant."""
+    for dest, flag in PATH_ARGS.items():
+        value = getattr(args, dest, None)
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError(f"{flag}: expected a path; got an empty string")
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -396,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         keep_freed_memory()  # this is normlab's own process (normlab.allocator says why)
+        _check_paths(args)
         return args.fn(args)
     except KeyboardInterrupt:
         runs = "; finished runs and checkpoints are kept (rerun it to continue)"

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -42,11 +43,9 @@ from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.analysis.report import write_collapse
 from normlab.checks import check_int, check_seed, check_sigmas, first_line
 from normlab.interop.hf import (
-    CONVERTERS,
-    check_hf_folder,
     context_length,
     from_hf_pretrained,
-    held_logs,
+    read_hf_config,
     require_transformers,
 )
 from normlab.io import check_out_folder, provenance, write_json
@@ -56,6 +55,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.txt", "spiece.model")
 """Any of these in the folder means a tokenizer was saved there (transformers 5 otherwise
 returns an empty tokenizer instead of failing)."""
+
+ID = re.compile(r"-?[0-9]+")
+"""A token id in a --tokens file (a negative one is then named as outside the vocabulary)."""
+
+TEXT_CHUNK = 1 << 16
+"""Characters of a --text file tokenised first (doubled until they give enough tokens)."""
+
+CUT_MARGIN = 64
+"""Tokens a prefix of a --text file must give past those used: the cut's own are dropped."""
 
 SCORE_BUDGET = 1 << 27
 """Attention-score floats per layer in one perturbed forward (512 MiB); bounds the chunking."""
@@ -96,7 +104,8 @@ def analyze_hf(
     _check_choice(noise, NOISES, "noise")
     n_draws = check_int(n_draws, "n_draws", low=1)
     n_examples = check_int(n_examples, "n_examples", low=1)
-    seq_len = check_int(seq_len, "seq_len", low=1)
+    seq_len = check_int(seq_len, "seq_len", low=2,
+                        what="an int >= 2 (a query with a key before it)")
     if out is None:
         raise ValueError("analyze --hf: --out OUT (the output folder) is required")
     if (tokens is None) == (text is None):
@@ -106,17 +115,20 @@ def analyze_hf(
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    config, hf_class, held = _hf_config(folder)
+    config, hf_class, _, held = read_hf_config(folder, "--hf folder")
     if not path.is_file():  # /dev/null or a pipe exists, and is not a file to read twice
         what = ("is a folder, not a file" if path.is_dir() else "does not exist"
                 if not path.exists() else "is not a regular file")
         raise ValueError(f"--{kind} file {str(path)!r} {what}")
     vocab = int(config.vocab_size)
     if kind == "tokens":
-        ids, tok_name = _read_token_ids(path), None
+        ids, tok_name, whole = _read_token_ids(path), None, True
     else:
-        ids, tok_name = _tokenize(folder, path)
+        ids, tok_name, whole = _tokenize(folder, path, n_examples * seq_len)
     _check_vocab(ids, vocab, path, folder)
+    if len(ids) < 2:  # norms of one token read as no spread at all; nothing could collapse
+        raise ValueError(f"--{kind} file {str(path)!r} gives 1 token; the analysis needs at "
+                         "least 2 (a query with a key before it)")
     data, n_used = _rows(ids, seq_len, n_examples)
     context = context_length(config)  # before the weights load (transformers prints as it does)
     if data.lengths["tokens"] > context:
@@ -137,7 +149,8 @@ def analyze_hf(
         "hf_dir": str(folder),
         "hf": _hf_meta(folder, config, hf_class),
         "input": {"kind": kind, "file": str(path), "sha256": _sha256(path),
-                  "tokenizer": tok_name, "n_tokens": len(ids), "n_tokens_used": n_used,
+                  "tokenizer": tok_name, "whole_file": whole, "n_tokens": len(ids),
+                  "n_tokens_used": n_used,
                   "n_rows": data.n_examples, "row_length": data.lengths["tokens"]},
         "seed": seed,
         "params": params,
@@ -175,36 +188,6 @@ def analyze_hf(
 # --------------------------------------------------------------------------- model
 
 
-def _hf_config(folder: Path) -> tuple[Any, str, list[str]]:
-    """The folder's config, the causal-LM class it loads as (unsupported ones refused) and
-    the warnings transformers logged reading it, held for the caller to show."""
-    check_hf_folder(folder, "--hf folder")
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
-
-    try:
-        # its warnings on a bad config (bos_token_id outside the vocabulary): shown only once
-        # the analysis is about to run, else an error is the one line
-        with held_logs() as report:
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    # transformers 5 checks a field's type with huggingface_hub's validation error, an
-    # Exception (n_layer "two"), beside its own OSError, ValueError and KeyError
-    except Exception as err:
-        raise ValueError(f"--hf folder {str(folder)!r}: cannot read config.json: "
-                         f"{first_line(err)}") from err
-    try:
-        name = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
-    except KeyError:
-        name = (config.architectures or [type(config).__name__])[0]
-    if name not in CONVERTERS:
-        raise ValueError(f"architecture {name!r} is not supported; expected one of "
-                         f"{', '.join(CONVERTERS)}")
-    # else a vocabulary of -5 was reported as every token id being outside it
-    check_int(getattr(config, "vocab_size", None),
-              f"--hf folder {str(folder)!r}: config.json's vocab_size", low=1,
-              what="a positive integer")
-    return config, name, report.messages
-
-
 def _hf_meta(folder: Path, config: Any, hf_class: str) -> dict[str, Any]:
     import transformers
 
@@ -231,20 +214,31 @@ def _skip_unembed(model: DecoderLM) -> Iterator[None]:
 
 
 def _read_token_ids(path: Path) -> list[int]:
+    try:
+        items = path.read_text(encoding="utf-8").split()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--tokens file {str(path)!r} is not UTF-8 text of token ids: "
+                         f"{err}") from None
     ids = []
-    for k, item in enumerate(path.read_text().split()):
-        try:
-            ids.append(int(item))
-        except ValueError:
+    for k, item in enumerate(items):
+        # ASCII digits only: int() also took "1_0" as 10, "+5" and other scripts' digits
+        if not ID.fullmatch(item):
             raise ValueError(f"--tokens file {str(path)!r}: item {k} ({item[:20]!r}) is not an "
-                             "integer token id") from None
+                             "integer token id")
+        ids.append(int(item))
     if not ids:
         raise ValueError(f"--tokens file {str(path)!r} holds no token ids")
     return ids
 
 
-def _tokenize(folder: Path, path: Path) -> tuple[list[int], str]:
-    """Token ids of the whole text with the folder's tokenizer (its default special tokens)."""
+def _tokenize(folder: Path, path: Path, need: int) -> tuple[list[int], str, bool]:
+    """Token ids of the text with the folder's tokenizer (its default special tokens), at least
+    the first `need` of the whole file's, and whether the whole file was read.
+
+    A long file is read only as far as needed: its first TEXT_CHUNK characters, doubled until
+    they give `need + CUT_MARGIN` tokens. Only the tokens next to the cut can differ from the
+    whole file's (a word or a run of spaces cut in two), so the first `need` are the file's own
+    (tested against whole-file tokenisation). Tokenising a 37 MB file whole took 5.6 GB."""
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"--text: folder {str(folder)!r} has no tokenizer (none of "
                          f"{', '.join(TOKENIZER_FILES)}); save one there with "
@@ -256,15 +250,24 @@ def _tokenize(folder: Path, path: Path) -> tuple[list[int], str]:
     except Exception as err:  # transformers raises many kinds; report one line
         raise ValueError(f"--text: cannot load the tokenizer in {str(folder)!r}: "
                          f"{first_line(err)}") from err
+    text, size, whole = "", TEXT_CHUNK, False
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            while True:
+                more = f.read(size - len(text))  # returns less only at the file's end
+                text += more
+                whole = len(text) < size
+                ids = list(tok(text, verbose=False)["input_ids"]) if text.strip() else []
+                if whole or len(ids) >= need + CUT_MARGIN:
+                    whole = whole or not f.read(1)  # a file of exactly `size` characters
+                    break
+                size *= 2
     except UnicodeDecodeError as err:
         raise ValueError(f"--text file {str(path)!r} is not UTF-8 text: {err}") from None
-    ids = list(tok(text, verbose=False)["input_ids"]) if text.strip() else []
     if not ids:
         raise ValueError(f"--text file {str(path)!r} gives no tokens with "
                          f"{type(tok).__name__} from {str(folder)!r}")
-    return ids, type(tok).__name__
+    return (ids if whole else ids[:need]), type(tok).__name__, whole
 
 
 def _check_vocab(ids: list[int], vocab: int, path: Path, folder: Path) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging as std_logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,30 +34,21 @@ def context_length(c: Any) -> int:
     return int(c.n_positions if hasattr(c, "n_positions") else c.max_position_embeddings)
 
 
-def _act(name: str) -> str:
+def _act(name: str, field: str) -> str:
     if name not in HF_ACT:
-        raise ValueError(f"activation {name!r} is not supported; expected one of {sorted(HF_ACT)}")
+        raise ValueError(f"{field}: {name!r} is not supported; expected one of {sorted(HF_ACT)}")
     return HF_ACT[name]
 
 
-def _load(cfg: ModelConfig, new: StateDict) -> DecoderLM:
-    model = build_model(cfg)
-    assert isinstance(model, DecoderLM)
-    model.load_state_dict(new, strict=True)
-    return model
-
-
-def _tied(c: Any, sd: StateDict, embed: str, default: bool) -> bool:
-    """Whether the model unembeds with its embedding (`tie_word_embeddings`, `default` where the
-    config does not say). A tied config whose lm_head is not the embedding is refused: a file
-    holding its own lm_head is loaded untied by transformers with only a logged warning, and
-    converted as tied it would unembed with the wrong matrix."""
-    tied = bool(getattr(c, "tie_word_embeddings", default))
-    if tied and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd[embed]):
-        raise ValueError(f"config.json ties the embeddings (tie_word_embeddings), but the "
+def _check_tied(cfg: ModelConfig, sd: StateDict, embed: str) -> None:
+    """A tied config whose lm_head is not the embedding is refused: a file holding its own
+    lm_head is loaded untied by transformers with only a logged warning, and converted as tied
+    it would unembed with the wrong matrix."""
+    if (cfg.tie_embeddings and "lm_head.weight" in sd
+            and not torch.equal(sd["lm_head.weight"], sd[embed])):
+        raise ValueError(f"the config ties the embeddings (tie_word_embeddings), but the "
                          f"model's lm_head.weight is not its {embed}; expected a tied lm_head "
                          "or tie_word_embeddings = false")
-    return tied
 
 
 def _heads_in(W: torch.Tensor, n: int, e: int) -> torch.Tensor:
@@ -66,33 +59,36 @@ def _heads_in(W: torch.Tensor, n: int, e: int) -> torch.Tensor:
 # ---- GPT-2 ------------------------------------------------------------------------------------
 
 
-def _gpt2(c: Any, sd: StateDict) -> DecoderLM:
+def _gpt2_config(c: Any) -> ModelConfig:
     if getattr(c, "scale_attn_by_inverse_layer_idx", False) or not getattr(
         c, "scale_attn_weights", True
     ):
         raise ValueError(
-            "GPT2LMHeadModel: scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False "
-            "is not supported; normlab scales attention by 1/sqrt(d_head)"
+            "scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False is not supported; "
+            "normlab scales attention by 1/sqrt(d_head)"
         )
-    d, h = c.n_embd, c.n_head
-    e = d // h
-    # GPT-2 ties by default; an untied one has its own lm_head (reading wte was a wrong model)
-    tied = _tied(c, sd, "transformer.wte.weight", default=True)
-    cfg = ModelConfig(
-        arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_layers=c.n_layer,
-        d_mlp=c.n_inner or 4 * d, max_len=context_length(c), pos_encoding="learned",
-        norm_placement="pre", norm_type="layer", norm_eps=c.layer_norm_epsilon,
-        attn_bias=True, mlp_bias=True, act=_act(c.activation_function), tie_embeddings=tied,
+    return ModelConfig(
+        arch="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_heads=c.n_head,
+        n_layers=c.n_layer, d_mlp=c.n_inner or 4 * c.n_embd, max_len=context_length(c),
+        pos_encoding="learned", norm_placement="pre", norm_type="layer",
+        norm_eps=c.layer_norm_epsilon, attn_bias=True, mlp_bias=True,
+        act=_act(c.activation_function, "activation_function"),
+        # GPT-2 ties by default; an untied one has its own lm_head (reading wte was a wrong model)
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
     )
+
+
+def _gpt2_weights(cfg: ModelConfig, sd: StateDict) -> StateDict:
+    d, h, e = cfg.d_model, cfg.n_heads, cfg.d_head
     new: StateDict = {
         "embed.W_E": sd["transformer.wte.weight"],
         "pos_embed.W_pos": sd["transformer.wpe.weight"],
         "ln_final.w": sd["transformer.ln_f.weight"],
         "ln_final.b": sd["transformer.ln_f.bias"],
     }
-    if not tied:
+    if not cfg.tie_embeddings:
         new["W_U"] = sd["lm_head.weight"].T
-    for i in range(c.n_layer):
+    for i in range(cfg.n_layers):
         src, dst = f"transformer.h.{i}.", f"blocks.{i}."
         W = sd[src + "attn.c_attn.weight"]  # Conv1D: [d, 3d]
         bias = sd[src + "attn.c_attn.bias"]
@@ -108,13 +104,13 @@ def _gpt2(c: Any, sd: StateDict) -> DecoderLM:
         new[dst + "mlp.b_in"] = sd[src + "mlp.c_fc.bias"]
         new[dst + "mlp.W_out"] = sd[src + "mlp.c_proj.weight"]
         new[dst + "mlp.b_out"] = sd[src + "mlp.c_proj.bias"]
-    return _load(cfg, new)
+    return new
 
 
 # ---- Llama / Qwen3 ----------------------------------------------------------------------------
 
 
-def _rope_theta(c: Any, family: str) -> float:
+def _rope_theta(c: Any) -> float:
     """Base of plain RoPE; any scaled variant is refused because normlab implements none.
 
     transformers 5 keeps everything in `rope_parameters`; 4.x used `rope_theta` plus an
@@ -123,46 +119,48 @@ def _rope_theta(c: Any, family: str) -> float:
     params = dict(getattr(c, "rope_scaling", None) or {})
     params.update(getattr(c, "rope_parameters", None) or {})
     if any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{family}: per-layer-type rope_parameters are not supported")
+        raise ValueError("per-layer-type rope_parameters are not supported")
     kind = params.get("rope_type", params.get("type")) or "default"
     if kind != "default":
         raise ValueError(
-            f"{family}: rope_scaling type {kind!r} is not supported; only plain RoPE "
+            f"rope_scaling type {kind!r} is not supported; only plain RoPE "
             "(rope_type 'default') is implemented"
         )
     partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise ValueError(
-            f"{family}: partial_rotary_factor={partial} is not supported; expected 1.0"
-        )
+        raise ValueError(f"partial_rotary_factor={partial} is not supported; expected 1.0")
     return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
 
 
-def _llama_like(c: Any, sd: StateDict, family: str, *, qk_norm: bool) -> DecoderLM:
+def _llama_like_config(c: Any, *, qk_norm: bool) -> ModelConfig:
     """Pre-RMSNorm, RoPE, SwiGLU, GQA; Qwen3 adds per-head RMS QK-Norm before RoPE."""
     if getattr(c, "mlp_bias", False):
-        raise ValueError(f"{family}: mlp_bias=True is not supported (normlab has no gate bias)")
+        raise ValueError("mlp_bias=True is not supported (normlab has no gate bias)")
     windows = [t for t in (getattr(c, "layer_types", None) or []) if t != "full_attention"]
     if getattr(c, "use_sliding_window", False) or windows:
-        raise ValueError(f"{family}: sliding-window attention is not supported")
+        raise ValueError("sliding-window attention is not supported")
     d, h = c.hidden_size, c.num_attention_heads
-    kvh = getattr(c, "num_key_value_heads", None) or h
-    e = getattr(c, "head_dim", None) or d // h
-    tied = _tied(c, sd, "model.embed_tokens.weight", default=False)
-    cfg = ModelConfig(
-        arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h, n_kv_heads=kvh, d_head=e,
+    return ModelConfig(
+        arch="decoder", vocab_size=c.vocab_size, d_model=d, n_heads=h,
+        n_kv_heads=getattr(c, "num_key_value_heads", None) or h,
+        d_head=getattr(c, "head_dim", None) or (d // h if h else None),
         n_layers=c.num_hidden_layers, d_mlp=c.intermediate_size,
         max_len=context_length(c), pos_encoding="rope",
-        rope_theta=_rope_theta(c, family), norm_placement="pre_qk" if qk_norm else "pre",
+        rope_theta=_rope_theta(c), norm_placement="pre_qk" if qk_norm else "pre",
         norm_type="rms", norm_eps=c.rms_norm_eps, qkv_norm_scope="head", attn_scale="fixed",
         attn_bias=bool(getattr(c, "attention_bias", False)), mlp_bias=False,
-        act=_act(c.hidden_act), mlp_type="gated", tie_embeddings=tied,
+        act=_act(c.hidden_act, "hidden_act"), mlp_type="gated",
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
     )
+
+
+def _llama_like_weights(cfg: ModelConfig, sd: StateDict) -> StateDict:
+    d, h, kvh, e = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
     new: StateDict = {"embed.W_E": sd["model.embed_tokens.weight"],
                       "ln_final.w": sd["model.norm.weight"]}
-    if not tied:
+    if not cfg.tie_embeddings:
         new["W_U"] = sd["lm_head.weight"].T
-    for i in range(c.num_hidden_layers):
+    for i in range(cfg.n_layers):
         src, dst = f"model.layers.{i}.", f"blocks.{i}."
         a = src + "self_attn."
         for name, n in (("q", h), ("k", kvh), ("v", kvh)):
@@ -172,7 +170,7 @@ def _llama_like(c: Any, sd: StateDict, family: str, *, qk_norm: bool) -> Decoder
         new[dst + "attn.W_O"] = sd[a + "o_proj.weight"].T.reshape(h, e, d)
         if cfg.attn_bias:
             new[dst + "attn.b_O"] = sd[a + "o_proj.bias"]
-        if qk_norm:
+        if cfg.norm_placement == "pre_qk":
             new[dst + "attn.q_norm.w"] = sd[a + "q_norm.weight"]
             new[dst + "attn.k_norm.w"] = sd[a + "k_norm.weight"]
         new[dst + "ln1.w"] = sd[src + "input_layernorm.weight"]
@@ -180,22 +178,64 @@ def _llama_like(c: Any, sd: StateDict, family: str, *, qk_norm: bool) -> Decoder
         new[dst + "mlp.W_gate"] = sd[src + "mlp.gate_proj.weight"].T
         new[dst + "mlp.W_in"] = sd[src + "mlp.up_proj.weight"].T
         new[dst + "mlp.W_out"] = sd[src + "mlp.down_proj.weight"].T
-    return _load(cfg, new)
+    return new
 
 
-def _llama(c: Any, sd: StateDict) -> DecoderLM:
-    return _llama_like(c, sd, "LlamaForCausalLM", qk_norm=False)
+# ---- the families -----------------------------------------------------------------------------
+
+_LLAMA_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
+                 "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+                 "d_head": "head_dim", "n_layers": "num_hidden_layers",
+                 "d_mlp": "intermediate_size", "max_len": "max_position_embeddings",
+                 "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}
 
 
-def _qwen3(c: Any, sd: StateDict) -> DecoderLM:
-    return _llama_like(c, sd, "Qwen3ForCausalLM", qk_norm=True)
+@dataclass(frozen=True)
+class Converter:
+    """One family: its config translation (which makes every refusal, so a folder is refused
+    before its weights are read), its weight mapping into the TransformerLens layout, the name
+    of its embedding (for the tie check), and its config's name for each ModelConfig field."""
+
+    config: Callable[[Any], ModelConfig]
+    weights: Callable[[ModelConfig, StateDict], StateDict]
+    embed: str
+    fields: dict[str, str]
 
 
-CONVERTERS: dict[str, Callable[[Any, StateDict], DecoderLM]] = {
-    "GPT2LMHeadModel": _gpt2,
-    "LlamaForCausalLM": _llama,
-    "Qwen3ForCausalLM": _qwen3,
+CONVERTERS: dict[str, Converter] = {
+    "GPT2LMHeadModel": Converter(
+        _gpt2_config, _gpt2_weights, "transformer.wte.weight",
+        {"vocab_size": "vocab_size", "d_model": "n_embd", "n_heads": "n_head",
+         "n_layers": "n_layer", "d_mlp": "n_inner", "max_len": "n_positions",
+         "norm_eps": "layer_norm_epsilon"}),
+    "LlamaForCausalLM": Converter(partial(_llama_like_config, qk_norm=False),
+                                  _llama_like_weights, "model.embed_tokens.weight", _LLAMA_FIELDS),
+    "Qwen3ForCausalLM": Converter(partial(_llama_like_config, qk_norm=True),
+                                  _llama_like_weights, "model.embed_tokens.weight", _LLAMA_FIELDS),
 }
+
+
+def _check_supported(name: str) -> Converter:
+    if name not in CONVERTERS:
+        raise ValueError(
+            f"architecture {name!r} is not supported; expected one of {', '.join(CONVERTERS)}"
+        )
+    return CONVERTERS[name]
+
+
+def hf_model_config(c: Any, name: str) -> ModelConfig:
+    """The normlab config of a Hugging Face config `c` of causal-LM class `name`.
+
+    Every refusal is made here, from the config alone, so that an unsupported model is refused
+    before its weights are loaded; errors name the class and the Hugging Face field."""
+    conv = _check_supported(name)
+    try:
+        return conv.config(c)
+    except (ValueError, TypeError, AttributeError) as err:
+        message = first_line(err)
+        for ours, theirs in conv.fields.items():
+            message = message.replace(f"ModelConfig.{ours}:", f"{theirs}:")
+        raise ValueError(f"{name}: {message}") from None
 
 
 def from_hf(hf_model: Any) -> DecoderLM:
@@ -205,13 +245,14 @@ def from_hf(hf_model: Any) -> DecoderLM:
     is left untouched (dtype, device, mode).
     """
     name = type(hf_model).__name__
-    if name not in CONVERTERS:
-        raise ValueError(
-            f"architecture {name!r} is not supported; expected one of {', '.join(CONVERTERS)}"
-        )
+    cfg = hf_model_config(hf_model.config, name)  # refused before any weight is copied
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in hf_model.state_dict().items()}
+    conv = CONVERTERS[name]
+    _check_tied(cfg, sd, conv.embed)
+    model = build_model(cfg)
+    assert isinstance(model, DecoderLM)
     with torch.no_grad():
-        model = CONVERTERS[name](hf_model.config, sd)
+        model.load_state_dict(conv.weights(cfg, sd), strict=True)
     return model.eval()
 
 
@@ -278,16 +319,48 @@ def held_logs() -> Iterator[_Kept]:
             logging.enable_progress_bar()
 
 
+def read_hf_config(folder: Path, name: str) -> tuple[Any, str, ModelConfig, list[str]]:
+    """A `save_pretrained` folder's config: as transformers reads it, the causal-LM class it
+    loads as, and normlab's config of it, with every refusal made before a weight is read (a
+    Llama 3.1 folder's RoPE scaling was refused only after 16 GB of weights had loaded); also
+    the warnings transformers logged reading it, held for the caller to show. `name` (the
+    option or function given `folder`) leads every error."""
+    check_hf_folder(folder, name)
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    where = f"{name} {str(folder)!r}"
+    try:
+        # its warnings on a bad config (bos_token_id outside the vocabulary): shown only once
+        # the analysis is about to run, else an error is the one line
+        with held_logs() as report:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    # transformers 5 checks a field's type with huggingface_hub's validation error, an
+    # Exception (n_layer "two"), beside its own OSError, ValueError and KeyError
+    except Exception as err:
+        raise ValueError(f"{where}: cannot read config.json: {first_line(err)}") from err
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
+    except KeyError:  # a config with no causal LM (CLIP's): its own name
+        cls = (config.architectures or [type(config).__name__])[0]
+    try:
+        cfg = hf_model_config(config, cls)
+    except ValueError as err:
+        raise ValueError(f"{where}: config.json: {err}") from None
+    return config, cls, cfg, report.messages
+
+
 def from_hf_pretrained(path: str | Path) -> DecoderLM:
     """Load a local `save_pretrained` folder (no hub access) and convert it with `from_hf`.
 
-    Every weight of the model must come from the folder: transformers fills a tensor the file
-    lacks (a config of more layers than the file holds, a missing lm_head) with fresh random
-    values and only logs a report, and ignores tensors the model does not take. Either is
-    refused here, naming the first such tensor, as is a file that does not load at all."""
+    Its config is read and translated first: a model normlab cannot convert is refused before
+    its weights load. Every weight of the model must come from the folder: transformers fills
+    a tensor the file lacks (a config of more layers than the file holds, a missing lm_head)
+    with fresh random values and only logs a report, and ignores tensors the model does not
+    take. Either is refused here, naming the first such tensor, as is a file that does not load
+    at all."""
     require_transformers("from_hf_pretrained")
     folder = Path(path)
-    check_hf_folder(folder, "from_hf_pretrained: folder")
+    read_hf_config(folder, "from_hf_pretrained: folder")
     from transformers import AutoModelForCausalLM
 
     where = f"Hugging Face folder {str(folder)!r}"
@@ -297,9 +370,8 @@ def from_hf_pretrained(path: str | Path) -> DecoderLM:
             hf, info = AutoModelForCausalLM.from_pretrained(
                 folder, local_files_only=True, output_loading_info=True,
                 ignore_mismatched_sizes=True)
-        # transformers' errors: a damaged safetensors header, a pickle it will not load, a
-        # config value its model cannot be built with (n_head 0: ZeroDivisionError), weights it
-        # cannot convert ("look at the above report": its first flagged row is named)
+        # transformers' errors: a damaged safetensors header, a pickle it will not load, weights
+        # it cannot convert ("look at the above report": its first flagged row is named)
         except Exception as err:
             raise ValueError(f"{where}: cannot load the model: {first_line(err)}"
                              + report.flagged()) from err
@@ -314,4 +386,7 @@ def from_hf_pretrained(path: str | Path) -> DecoderLM:
         if keys:
             raise ValueError(f"{where}: {problem}: {sorted(keys)[0]} ({len(keys)} in all); "
                              "expected the weights its config.json was saved with")
-    return from_hf(hf)
+    try:
+        return from_hf(hf)
+    except ValueError as err:  # the tie check, the one the weights make
+        raise ValueError(f"{where}: {err}") from None
