@@ -27,6 +27,13 @@ DAMAGE = [
     ("stream", lambda m: m.update(stream={})),  # resume: KeyError 'cells'
     ("elapsed_s", lambda m: m.update(elapsed_s="x")),
     ("best", lambda m: m.update(best=None)),
+    # values of the right type: NaN went on into metrics.jsonl and train_done.json (whose
+    # reader then refused the run); a best of 5.0 stopped a resumed run at its first evaluation
+    ("elapsed_s", lambda m: m.update(elapsed_s=float("nan"))),
+    ("elapsed_s", lambda m: m.update(elapsed_s=-1e9)),
+    ("best", lambda m: m.update(best=5.0)),
+    ("best", lambda m: m.update(best=float("inf"))),
+    ("best", lambda m: m.update(best=-0.5)),
     ("step", lambda m: m.update(step="abc")),
     ("torch_rng", lambda m: m.update(torch_rng="abc")),  # "Incorrect padding", naming nothing
     ("step", lambda m: m.update(step=1)),  # in step_0000020.json: resumed "from step 1"

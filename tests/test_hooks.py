@@ -789,3 +789,50 @@ def test_tokens_that_are_not_integer_ids_are_named(dtype: torch.dtype) -> None:
                                          rf"got {dtype}"):
         model(torch.ones(2, 3, dtype=dtype))
     model(torch.ones(2, 3, dtype=torch.int32))  # int32 ids are ids
+
+
+def test_greedy_decode_names_its_own_arguments() -> None:
+    """An encoder-decoder with max_new = 0 ran its encoder and failed on a long source with
+    "position 8 is beyond ModelConfig.max_len", naming no prompt (a decoder returned [[]]);
+    aux mistakes were worded for the forward's `aux` (which greedy_decode does not take), and
+    a shape at batch 1 read "(1 or 1, 2)"."""
+    encdec = build_model(cfg(arch="encoder_decoder", max_len=8, pos_encoding="learned",
+                             vocab_size=16))
+    assert greedy_decode(encdec, [[3] * 9, [4]], max_new=0, eos=-1) == [[], []]
+    digits = build_model(cfg(vocab_size=16, n_aux_positions=4))
+    with pytest.raises(ValueError, match=r"^aux_fn: this model has ModelConfig.n_aux_positions "
+                                         r"> 0; expected an aux_fn\(ids, part\)"):
+        greedy_decode(digits, [[3, 4]], max_new=1, eos=-1)
+    with pytest.raises(ValueError, match=r"^aux_fn: this model takes no aux positions"):
+        greedy_decode(build_model(cfg(vocab_size=16)), [[3, 4]], max_new=1, eos=-1,
+                      aux_fn=lambda ids, part: [0] * len(ids))
+    with pytest.raises(ValueError, match=r"^aux_fn\(row 0, 'sequence'\): expected 2 positions, "
+                                         r"one a token; got 1$"):
+        greedy_decode(digits, [[3, 4]], max_new=1, eos=-1, aux_fn=lambda ids, part: [0])
+    with pytest.raises(ValueError, match=r"^aux: expected shape \(1, 2\), one per position"):
+        digits(torch.tensor([[3, 4]]), aux=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_malformed_hook_arguments_are_named() -> None:
+    """One (name, fn) pair not in a list, or a dict, was "too many values to unpack"; a fn that
+    is none failed inside the forward; names_filter=123 was "'int' object is not iterable"."""
+    model = build_model(cfg())
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 4))
+    name, fn = "blocks.0.hook_resid_pre", (lambda x, hook: x)
+    cases = [((name, fn), r"^fwd_hooks\[0\]: expected a \(name or filter, fn\) pair \(one pair: "
+                          r"put it in a list\); got 'blocks.0.hook_resid_pre'$"),
+             ({name: fn}, r"^fwd_hooks: expected a list of \(name, fn\) pairs; got \{"),
+             ([(name, None)], r"^fwd_hooks\[0\]: expected a \(name or filter, fn\) pair; got "),
+             ([(name, fn, 1)], r"^fwd_hooks\[0\]: expected"), (5, r"^fwd_hooks: expected")]
+    for hooks, said in cases:
+        with pytest.raises(ValueError, match=said):
+            model.run_with_hooks(tokens, fwd_hooks=hooks)
+    assert not any(hp.fns for hp in model.hook_points().values())
+    for bad in (123, {name: 1}, [name, 5]):
+        with pytest.raises(ValueError, match=r"^names_filter: expected a hook name, a list of "
+                                             r"names or a function of a name; got "):
+            model.run_with_cache(tokens, names_filter=bad)
+    _, cache = model.run_with_cache(tokens, names_filter=(n for n in [name]))
+    assert list(cache) == [name]
+    _, cache = model.run_with_cache(tokens, names_filter=(name,))
+    assert list(cache) == [name]

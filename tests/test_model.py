@@ -591,3 +591,34 @@ def test_inputs_that_were_broadcast_ignored_or_left_to_torch_are_named() -> None
         dec(torch.randint(0, 16, (1, 3)), positions=torch.tensor([[0.0, 0.5, 1.0]]))
     with pytest.raises(ValueError, match=r"^aux: this model takes no aux positions"):
         dec(torch.randint(0, 16, (1, 3)), aux=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_a_cached_step_must_read_what_its_cache_was_filled_from() -> None:
+    """A step without the prefill's attention_mask attended to the cached padding (a padded
+    row's logits 0.16 off), and an encoder-decoder step given another source read the first
+    source's cached cross keys and values; each without a word."""
+    dec = build_model(tiny(n_layers=2))
+    tokens = torch.randint(1, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, :2] = False  # row 1 left-padded
+    cache = dec.new_cache()
+    dec(tokens, attention_mask=mask, cache=cache)
+    step = torch.tensor([[3], [4]])
+    with pytest.raises(ValueError, match=r"^attention_mask: the cache was filled under one; "
+                                         r"expected one over the cached positions"):
+        dec(step, cache=cache)
+    grown = torch.cat([mask, torch.ones(2, 1, dtype=torch.bool)], 1)
+    got = dec(step, attention_mask=grown, cache=cache)[:, -1]
+    want = dec(torch.cat([tokens, step], 1), attention_mask=grown)[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    ed = build_model(tiny(arch="encoder_decoder", n_encoder_layers=1, n_decoder_layers=1))
+    src = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(1))
+    memory = ed.encode(src)
+    cache = ed.new_cache()
+    ed.decode(torch.tensor([[1], [1]]), memory, cache=cache)
+    ed.decode(step, ed.encode(src), cache=cache)  # the same source, encoded again: taken
+    other = ed.encode(torch.randint(0, 16, (2, 3), generator=torch.Generator().manual_seed(2)))
+    with pytest.raises(ValueError, match=r"^memory: expected the source the cache was filled "
+                                         r"with"):
+        ed.decode(step, other, cache=cache)

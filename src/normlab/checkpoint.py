@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from normlab.checks import is_int, is_real
+from normlab.checks import is_fraction, is_int, is_real, is_seconds
 from normlab.config import RunConfig
 from normlab.io import atomic_write_bytes, provenance, write_json
 
@@ -158,9 +158,14 @@ def check_sidecar(meta: dict[str, Any], side: Path, tensors: dict[str, torch.Ten
             RunConfig.from_dict(meta["config"])  # which validates it
         except ValueError as err:
             raise CheckpointError(f"checkpoint sidecar {str(side)!r}: config: {err}") from None
-    for key in ("elapsed_s", "best"):
-        if key in meta:
-            expect(key, meta[key], is_real(meta[key]), "a number")
+    # their values too: a NaN elapsed_s was written on into the run's own files (which then
+    # refused to resume), a best of 5.0 stopped a resumed run early at its first evaluation
+    if "elapsed_s" in meta:
+        expect("elapsed_s", meta["elapsed_s"], is_seconds(meta["elapsed_s"]),
+               "seconds (a finite number >= 0)")
+    if "best" in meta:
+        expect("best", meta["best"], meta["best"] == -1 or is_fraction(meta["best"]),
+               "an accuracy in [0, 1], or -1 (none yet)")
     if "stale" in meta:
         expect("stale", meta["stale"], is_int(meta["stale"]) and meta["stale"] >= 0,
                "a whole number >= 0")

@@ -61,6 +61,18 @@ def _pad(seqs: list[list[int]], pad: int, left: bool, name: str = "prompts",
     return rows, at >= width - n_real if left else at < n_real
 
 
+def _aux_rows(aux_fn: AuxFn, rows: list[list[int]], part: str) -> list[list[int]]:
+    """`aux_fn`'s positions for each row, one a token (a short row was padded unseen, then
+    refused by the forward as a bad `aux` shape)."""
+    out = [aux_fn(r, part) for r in rows]
+    for i, (r, a) in enumerate(zip(rows, out, strict=True)):
+        if not isinstance(a, Sized) or len(a) != len(r):
+            got = f"{len(a)}" if isinstance(a, Sized) else type(a).__name__
+            raise ValueError(f"aux_fn(row {i}, {part!r}): expected {len(r)} positions, one a "
+                             f"token; got {got}")
+    return out
+
+
 def _next_aux(
     aux_fn: AuxFn, aux_next: AuxNext | None, rows: list[list[int]], part: str,
     prev: torch.Tensor, nxt: torch.Tensor, n_places: int,
@@ -128,7 +140,17 @@ def greedy_decode(
             raise ValueError(f"prompts[{i}]: expected a list of token ids; got {prompt!r}")
         if not len(prompt):  # its row would be read from the padding alone (or attend to nothing)
             raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
-    if max_new and cfg.position_table:
+    # named as greedy_decode takes them: the forward's own errors spoke of its `aux` argument
+    if aux_fn is None and cfg.n_aux_positions:
+        raise ValueError("aux_fn: this model has ModelConfig.n_aux_positions > 0; expected an "
+                         "aux_fn(ids, part) giving a row's positions (see "
+                         "normlab.tasks.addition.aux_positions)")
+    if aux_fn is not None and not cfg.n_aux_positions:
+        raise ValueError("aux_fn: this model takes no aux positions (ModelConfig."
+                         "n_aux_positions = 0); expected None")
+    if not max_new:  # nothing to generate: an encoder-decoder ran its encoder on the prompts
+        return [[] for _ in prompts]
+    if cfg.position_table:
         _check_room(prompts, max_new, cfg.max_len, isinstance(model, EncoderDecoderLM))
     with evaluating(model):  # every module's mode as it was afterwards, also after an error
         out = _decode(model, prompts, max_new, eos, pad, bos, use_cache, aux_fn, aux_next)
@@ -174,7 +196,7 @@ def _decode(
         src, src_mask = (t.to(device) for t in _pad(prompts, pad, False, "prompts", vocab))
         src_aux = None
         if aux_fn is not None:
-            src_aux = _pad([aux_fn(p, "question") for p in prompts], 0, False,
+            src_aux = _pad(_aux_rows(aux_fn, prompts, "question"), 0, False,
                            "aux_fn's positions")[0].to(device)
         memory = model.encode(src, src_mask, src_aux)
         # the reserve holds what is fed, never the last generated token: bos + max_new - 1
@@ -183,7 +205,7 @@ def _decode(
         tgt_rows = [[bos] for _ in range(b)]
         aux = None
         if aux_fn is not None:
-            aux = torch.tensor([aux_fn(r, "answer") for r in tgt_rows], device=device)
+            aux = torch.tensor(_aux_rows(aux_fn, tgt_rows, "answer"), device=device)
         for _ in range(max_new):
             cached = use_cache and out.shape[1] > 0
             step_in = seq[:, -1:] if cached else seq
@@ -206,7 +228,7 @@ def _decode(
         cache = model.new_cache(seq.shape[1] + min(max_new - 1, RESERVE_NEW)) if use_cache else None
         aux = None
         if aux_fn is not None:
-            aux = _pad([aux_fn(p, "sequence") for p in prompts], 0, True,
+            aux = _pad(_aux_rows(aux_fn, prompts, "sequence"), 0, True,
                        "aux_fn's positions")[0].to(device)
         step_in, step_aux = seq, aux
         for _ in range(max_new):

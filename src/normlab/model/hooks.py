@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,8 +77,34 @@ def _matcher(names_filter: NameFilter) -> Callable[[str], bool]:
         return lambda name: name == names_filter
     if callable(names_filter):
         return names_filter
-    wanted = set(names_filter)
+    names = (list(names_filter) if isinstance(names_filter, Iterable)
+             and not isinstance(names_filter, Mapping) else [None])
+    if not all(isinstance(n, str) for n in names):  # 123 was "'int' object is not iterable"
+        raise ValueError(f"names_filter: expected a hook name, a list of names or a function "
+                         f"of a name; got {_shown(names_filter)}")
+    wanted = set(names)
     return lambda name: name in wanted
+
+
+def _hook_pairs(fwd_hooks: object) -> list[tuple[str | Callable[[str], bool], HookFn]]:
+    """`fwd_hooks` as a list of (name or filter, fn) pairs: one pair not in a list, or a dict,
+    was "too many values to unpack", and a fn that is none failed inside the forward."""
+    if isinstance(fwd_hooks, str | Mapping) or not isinstance(fwd_hooks, Iterable):
+        raise ValueError(f"fwd_hooks: expected a list of (name, fn) pairs; got "
+                         f"{_shown(fwd_hooks)}")
+    pairs = list(fwd_hooks)
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2
+                and (isinstance(pair[0], str) or callable(pair[0])) and callable(pair[1])):
+            one = " (one pair: put it in a list)" if isinstance(pair, str) else ""
+            raise ValueError(f"fwd_hooks[{i}]: expected a (name or filter, fn) pair{one}; got "
+                             f"{_shown(pair)}")
+    return [(name, fn) for name, fn in pairs]
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class HookedModule(nn.Module):
@@ -147,9 +173,10 @@ class HookedModule(nn.Module):
         self, fwd_hooks: Sequence[tuple[str | Callable[[str], bool], HookFn]] = ()
     ) -> Iterator[HookedModule]:
         """Attach `(name_or_filter, fn)` pairs for the duration of the block."""
+        pairs = _hook_pairs(fwd_hooks)
         attached: list[tuple[HookPoint, HookFn]] = []
         try:
-            for name, fn in fwd_hooks:
+            for name, fn in pairs:
                 for hp in self._resolve(name):
                     hp.fns.append(fn)
                     attached.append((hp, fn))

@@ -34,6 +34,10 @@ class KVCache:
 
     layers: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
     length: int = 0
+    masked: bool = False
+    """Filled under a key mask: a step without one would attend to the cached padding."""
+    memory: torch.Tensor | None = None
+    """The source whose cross-attention keys and values the cache keeps (encoder-decoder)."""
 
     @classmethod
     def empty(cls, n_layers: int, capacity: int = 0) -> KVCache:
@@ -112,6 +116,8 @@ class Stack(nn.Module):
         if memory is not None and memory.shape[0] != b:  # a target of 1 row broadcast unseen
             raise ValueError(f"tgt: expected the source's batch of {memory.shape[0]} rows; "
                              f"got {b}")
+        if past:
+            _check_cache(cache, key_mask, memory, "attention_mask" if self.causal else "src_mask")
         if positions is not None and positions.is_floating_point():  # RoPE turned by 0.5
             raise ValueError(f"positions: expected integer positions; got {positions.dtype}")
         if aux is not None and self.W_aux is None:  # ignored without a word
@@ -168,6 +174,8 @@ class Stack(nn.Module):
             )
         if cache is not None:
             cache.length = past + p
+            cache.masked |= key_mask is not None
+            cache.memory = memory
         return self.ln_final(x) if self.ln_final is not None else x
 
     def _self_mask(
@@ -188,6 +196,22 @@ class Stack(nn.Module):
         return allowed
 
 
+def _check_cache(cache: KVCache, key_mask: torch.Tensor | None, memory: torch.Tensor | None,
+                 mask_name: str) -> None:
+    """A step must read what its cache was filled from: without the mask the prefill had, it
+    attended to the cached padding; with another source, it read the first one's cross keys
+    and values (each silently, a padded row's logits 0.16 off)."""
+    if cache.masked and key_mask is None:
+        raise ValueError(f"{mask_name}: the cache was filled under one; expected one over the "
+                         "cached positions and these at every step")
+    kept = cache.memory
+    if kept is not None and memory is not kept and not (
+            memory is not None and memory.shape == kept.shape and torch.equal(memory, kept)):
+        raise ValueError("memory: expected the source the cache was filled with (it keeps "
+                         "that source's cross-attention keys and values); start a new cache "
+                         "(model.new_cache()) for another source")
+
+
 def _check_width(t: torch.Tensor | None, shape: tuple[int, ...], name: str, of: str) -> None:
     """A per-token input must be [batch, pos] with every position: width 1 would broadcast
     unseen. One row for the whole batch is fine (Hugging Face's `position_ids` convention)."""
@@ -195,7 +219,8 @@ def _check_width(t: torch.Tensor | None, shape: tuple[int, ...], name: str, of: 
         return
     b, n = shape
     if t.ndim != 2 or t.shape[1] != n or t.shape[0] not in (1, b):
-        raise ValueError(f"{name}: expected shape ({b} or 1, {n}), one per position of {of}; "
+        rows = "1" if b == 1 else f"{b} or 1"
+        raise ValueError(f"{name}: expected shape ({rows}, {n}), one per position of {of}; "
                          f"got {tuple(t.shape)}")
 
 
