@@ -17,6 +17,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -378,6 +379,11 @@ def test_the_whole_compiler_command_keys_the_build(monkeypatch: pytest.MonkeyPat
     plain, more = native._library(cc, flags, src), native._library([*cc, "-O0"], flags, src)
     assert plain is not None and more is not None and plain != more
     assert native._library(cc, flags, src) == plain  # the same command, the same file
+    # another source is another file: an upgrade loading an old build would call C functions
+    # of other signatures (memory corruption, not an error); so is another CPU
+    assert native._library(cc, flags, src + b"\n") != plain
+    monkeypatch.setattr(native, "_cpu_id", lambda: "another cpu")
+    assert native._library(cc, flags, src) != plain
 
 
 def test_a_thread_asking_during_the_build_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -423,12 +429,99 @@ def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -
 
 
 @pytest.mark.parametrize("kernel", native.KERNELS)
-@pytest.mark.parametrize(("value", "on"), [("0", False), ("false", False), ("1", True),
-                                           ("", True)])
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("false", False), ("Off", False),
+                                           ("1", True), ("", True), ("on", True)])
 def test_env_switch(monkeypatch: pytest.MonkeyPatch, kernel: str, value: str, on: bool) -> None:
     monkeypatch.setenv(f"NORMLAB_NATIVE_{kernel.upper()}", value)
-    assert native._enabled_by_env(kernel) is on
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native._enabled_by_env(kernel) is on
     assert all(native._enabled_by_env(k) for k in native.KERNELS if k != kernel)  # others: on
+
+
+def test_an_env_switch_of_neither_kind_is_warned_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NORMLAB_NATIVE_NORM=disable left the kernel on, unsaid."""
+    monkeypatch.setenv("NORMLAB_NATIVE_NORM", "disable")
+    with pytest.warns(RuntimeWarning, match=r"NORMLAB_NATIVE_NORM='disable' is neither on .* "
+                                            r"the norm kernel stays on"):
+        assert native._enabled_by_env("norm")
+
+
+def _fresh_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+
+
+def test_a_build_that_cannot_start_falls_back_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """No home folder (a container's bare uid, no NORMLAB_CACHE): Path.home()'s RuntimeError
+    escaped from the first forward, and every later call fell back unsaid; a "compiler" that
+    wrote nothing left empty libraries in the cache, each process building them again."""
+    monkeypatch.delenv("NORMLAB_CACHE", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(native.Path, "home", staticmethod(no_home))
+    _fresh_build(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=r"could not compile native.c .* into a cache \(no "
+                                            r"home folder\)"):
+        assert not native.norm_applies(torch.randn(4096, 16), torch.ones(16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.load() is None
+    monkeypatch.undo()
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "true")  # exits 0, writes nothing
+    _fresh_build(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="could not compile"):
+        assert native.load() is None
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_an_interrupted_build_leaves_nothing_and_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """Ctrl-C during the first build (about 3 s, at a notebook's first forward) left a temp
+    file in the cache and the kernels off for the session, with describe() saying they could
+    not be built."""
+    import subprocess
+
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    _fresh_build(monkeypatch)
+    real_run = subprocess.run
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if "-shared" in args[0]:
+            raise KeyboardInterrupt
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        native.load()
+    assert list((tmp_path / "kernels").iterdir()) == []
+    monkeypatch.setattr(native.subprocess, "run", real_run)
+    assert native.load() is not None and native.describe().startswith("on: ")
+
+
+def test_a_cached_build_is_readable_by_the_caches_other_users(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """mkstemp made every build 0600 (0711 once linked): another user of a shared cache could
+    not read it, and its own build then failed to take the name, raising from a forward."""
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    _fresh_build(monkeypatch)
+    assert native.load() is not None
+    (built,) = (tmp_path / "kernels").iterdir()
+    assert built.stat().st_mode & 0o777 == 0o755 & ~native._umask()
+    assert native._umask() == os.umask(native._umask())  # read as the process has it
+    # another user's build holds the name, and renaming over it is refused: that build is used
+    monkeypatch.setattr(native.os, "replace", lambda *a: (_ for _ in ()).throw(
+        PermissionError(1, "Operation not permitted")))
+    again = native._compile(native.compiler(), native.built_with or (), native.SOURCE.read_bytes(),
+                            rebuild=True)
+    assert again == built and list((tmp_path / "kernels").iterdir()) == [built]
 
 
 @pytest.mark.parametrize("off", native.KERNELS)

@@ -126,11 +126,19 @@ GELU_MIN_ELEMENTS = 16384
 KERNELS = ("norm", "rope", "attn", "attention", "gelu")
 
 
+OFF, ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
+
+
 def _enabled_by_env(kernel: str) -> bool:
-    """`NORMLAB_NATIVE_NORM` / `_ROPE` / `_ATTN` / `_ATTENTION` / `_GELU`: 0, false or no
-    switch that kernel off."""
-    value = os.environ.get(f"NORMLAB_NATIVE_{kernel.upper()}", "1")
-    return value.strip().lower() not in ("0", "false", "no")
+    """`NORMLAB_NATIVE_NORM` / `_ROPE` / `_ATTN` / `_ATTENTION` / `_GELU`: 0, false, no or off
+    switch that kernel off; a value of neither kind is warned of (`disable` left it on unsaid)."""
+    name = f"NORMLAB_NATIVE_{kernel.upper()}"
+    value = os.environ.get(name, "1").strip().lower()
+    if value not in OFF + ON:
+        warnings.warn(f"normlab: {name}={os.environ[name]!r} is neither on (1, true, yes, on) nor "
+                      f"off (0, false, no, off); the {kernel} kernel stays on", RuntimeWarning,
+                      stacklevel=2)
+    return value not in OFF
 
 
 _enabled = {k: _enabled_by_env(k) for k in KERNELS}
@@ -182,8 +190,20 @@ def _cpu_id() -> str:
 
 
 def _cache_dir() -> Path:
+    """`$NORMLAB_CACHE/kernels`, else `~/.cache/normlab/kernels` (RuntimeError: no home)."""
     root = os.environ.get("NORMLAB_CACHE") or Path.home() / ".cache" / "normlab"
     return Path(root) / "kernels"
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (Linux), else the usual 022."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def compiler() -> list[str]:
@@ -209,28 +229,38 @@ def _library(cc: list[str], flags: tuple[str, ...], src: bytes) -> Path | None:
 def _compile(cc: list[str], flags: tuple[str, ...], src: bytes, rebuild: bool = False
              ) -> Path | None:
     """Build (or find) the shared library for these flags; None if the compiler refuses."""
-    out = _library(cc, flags, src)
-    if out is None:
-        return None
-    if out.exists() and not rebuild:
-        return out
-    # compile to a private name, then rename: another process never loads a half-written file
+    # no home folder (a container's bare uid), an unwritable or shared cache: no kernel, as
+    # without a compiler (each escaped from the first forward, then left the kernels off unsaid)
     try:
+        out = _library(cc, flags, src)
+        if out is None:
+            return None
+        if out.exists() and not rebuild:
+            return out
+        # compile to a private name, then rename: another process never loads a half-written
+        # file
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    except OSError:  # an unwritable cache: no kernel, as without a compiler
+    except (OSError, RuntimeError):
         return None
     os.close(fd)
     cmd = [*cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp]
-    try:
-        ok = subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    if ok:
-        os.replace(tmp, out)
+    try:  # removed unless renamed, also on Ctrl-C during the build
+        try:
+            ok = subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if not ok or os.path.getsize(tmp) == 0:  # a "compiler" that wrote nothing (CC=true)
+            return None
+        # readable by the cache's other users, as a linker's own output is (mkstemp's is 0600)
+        os.chmod(tmp, 0o755 & ~_umask())
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another user's build holds the name (a sticky shared folder)
+            return out if out.exists() else None
         return out
-    Path(tmp).unlink(missing_ok=True)
-    return None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def load() -> ctypes.CDLL | None:
@@ -244,8 +274,12 @@ def load() -> ctypes.CDLL | None:
         if not _tried:
             try:
                 _load()
-            finally:
-                _tried = True
+            except Exception as err:  # anything the build's own checks missed: said, once
+                warnings.warn(f"normlab: the CPU kernels could not be loaded ({err}); norms, "
+                              "RoPE, attention and GELU use torch's ops", RuntimeWarning,
+                              stacklevel=2)
+            # not after Ctrl-C during the build: the next call builds again
+            _tried = True
         return _lib
 
 
@@ -300,8 +334,12 @@ def _load() -> ctypes.CDLL | None:
         lib.nl_fuse_max_row.restype = ctypes.c_int
         _lib, built_with = lib, flags
         return _lib
+    try:
+        where = str(_cache_dir())
+    except RuntimeError:  # Path.home(): a uid with no home folder
+        where = "a cache (no home folder)"
     warnings.warn(
-        f"normlab: could not compile {SOURCE.name} with {' '.join(cc)!r} into {_cache_dir()}; "
+        f"normlab: could not compile {SOURCE.name} with {' '.join(cc)!r} into {where}; "
         "norms, RoPE, attention and GELU use torch's ops (set CC to a C compiler and "
         "NORMLAB_CACHE to a writable folder for the faster CPU path, or NORMLAB_NATIVE_NORM=0, "
         "NORMLAB_NATIVE_ROPE=0, NORMLAB_NATIVE_ATTN=0, NORMLAB_NATIVE_ATTENTION=0 and "
