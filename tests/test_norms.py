@@ -119,3 +119,27 @@ def test_h90_is_the_smallest_half_width_holding_90_percent(n: int) -> None:
     dev = np.random.default_rng(n).permutation(np.arange(1, n + 1)) / 1024  # exact in binary
     h = spread_stats(1 + dev)["h90"]
     assert np.mean(dev <= h) >= 0.9 > np.mean(dev < h)
+
+
+def test_h90_var_matches_a_cluster_bootstrap_over_examples() -> None:
+    """The floor of H1's interval: Woodruff's variance of h90, robust to examples whose tokens
+    move together, against a brute-force bootstrap that resamples whole examples (a second
+    route to the same quantity), on ratios where each example shares a random offset."""
+    from normlab.analysis.norms import h90_var
+
+    rng = np.random.default_rng(0)
+    n_ex, per = 260, 16
+    example = np.repeat(np.arange(n_ex), per)
+    ratio = 1 + rng.normal(0, 0.15, n_ex)[example] + rng.normal(0, 0.1, n_ex * per)
+    boot = []
+    for _ in range(400):
+        pick = rng.integers(0, n_ex, n_ex)
+        dev = np.abs(ratio.reshape(n_ex, per)[pick].ravel() - 1)
+        boot.append(np.quantile(dev, 0.9, method="inverted_cdf"))
+    var = h90_var(ratio, example)
+    assert var is not None and 0.7 < np.sqrt(var) / np.std(boot) < 1.4
+    # independent tokens: the same count of ratios from clusters is far less certain
+    flat = h90_var(ratio, np.arange(n_ex * per))
+    assert flat is not None and flat < var / 2
+    assert h90_var(ratio[:per], example[:per]) is None  # one example: no variance
+    assert h90_var(np.zeros(0), np.zeros(0, dtype=int)) is None

@@ -165,7 +165,8 @@ def test_cli_zero_draws_or_examples_or_limit_is_refused(tmp_path: Path, capsys) 
                         (["eval", str(tmp_path), "--limit", "0"], "--limit")):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
-        expected = "an int in [0, 2**63)" if field == "--seed" else "an int >= 1"
+        expected = {"--seed": "an int in [0, 2**63)", "--seq-len": "an int >= 2"}.get(
+            field, "an int >= 1")
         assert err == f"normlab: error: {field}: expected {expected}; got {argv[-1]}"
 
 
@@ -818,6 +819,8 @@ def test_settings_are_compared_across_every_run_not_only_the_first(tmp_path: Pat
          '"accuracy": [-0.1]}', "normlab collapse results"),
         ("analysis/norms.json", '{"summary": {"all": {"h90": -0.5}}}', "normlab norm spread"),
         ("analysis/norms.json", '{"summary": {"all": {"h90": NaN}}}', "normlab norm spread"),
+        ("analysis/norms.json", '{"summary": {"all": {"h90": 0.5, "h90_var": -1}}}',
+         "normlab norm spread"),
         ("eval.json", json.dumps({"splits": {"train": {"accuracy": 1.2, "count": 8,
                                                        "ci95": [0, 1]}},
                                   "config": {"model": {"norm_placement": "pre"},
@@ -954,3 +957,19 @@ def test_a_train_done_record_whose_seconds_are_not_a_number_is_named(tmp_path: P
     with pytest.raises(ValueError, match=r"pre-s1/train_done\.json': expected an object with an "
                                          r"int \"step\".*\"elapsed_s\", seconds\)"):
         write_report(tmp_path / "report", dirs, "quick")
+
+
+def test_h1_seeds_of_equal_h90_keep_its_sampling_error() -> None:
+    """Two seeds at h90 0.39 and 0.39 read [0.39, 0.39] and "agrees", though one seed's h90
+    varies by about 0.03 over its questions: floored at the seeds' recorded h90_var (two
+    seeds, t(1) = 12.706, by hand); norms.json files without one keep the old interval."""
+    runs = {"pre": {s: _run("pre", s, 1.0, 0.5, 0.39, 0.01) for s in (0, 1)}}
+    assert {r["id"]: r for r in claims_table(runs)}["H1"]["ci95"] == [0.39, 0.39]
+    for r, var in zip(runs["pre"].values(), (0.03**2, 0.01**2), strict=True):
+        r["norms"]["summary"]["all"]["h90_var"] = var
+    h1 = {r["id"]: r for r in claims_table(runs)}["H1"]
+    half = 12.706 * math.sqrt((0.03**2 + 0.01**2) / 2) / math.sqrt(2)
+    assert h1["ci95"] == pytest.approx([0.39 - half, 0.39 + half])
+    assert h1["verdict"] == "inconclusive"
+    del runs["pre"][1]["norms"]["summary"]["all"]["h90_var"]  # one seed without: no floor
+    assert {r["id"]: r for r in claims_table(runs)}["H1"]["ci95"] == [0.39, 0.39]

@@ -96,18 +96,43 @@ def spread_stats(ratio: np.ndarray) -> dict[str, Any]:
     }
 
 
+def h90_var(ratio: np.ndarray, example: np.ndarray) -> float | None:
+    """The sampling variance of `ratio`'s h90 over the examples it comes from (`example`: one
+    id per ratio); None under two examples.
+
+    A question's tokens move together, so thousands of ratios from a few hundred questions
+    still leave h90 uncertain (a cluster bootstrap gave one quick run's h90 an sd of 0.03, 4%):
+    Woodruff's interval for a quantile, the fraction within h90 with a variance robust to
+    clusters (a ratio estimator's, over examples), carried through the empirical quantile
+    function; the medians are taken as known, so this is a floor (H1's, in the report)."""
+    dev = np.abs(np.asarray(ratio, dtype=np.float64) - 1.0)
+    ids, inv = np.unique(example, return_inverse=True)
+    if dev.size == 0 or len(ids) < 2:
+        return None
+    h = np.quantile(dev, 0.9, method="inverted_cdf")
+    n_e, a_e = np.bincount(inv), np.bincount(inv, weights=dev <= h)
+    frac = a_e.sum() / n_e.sum()
+    var = len(ids) / (len(ids) - 1) * np.sum((a_e - frac * n_e) ** 2) / n_e.sum() ** 2
+    z = 1.959963984540054
+    lo, hi = (np.quantile(dev, min(max(0.9 + sign * z * np.sqrt(var), 0.0), 1.0),
+                          method="inverted_cdf") for sign in (-1, 1))
+    return float(((hi - lo) / (2 * z)) ** 2)
+
+
 def norm_ratios(
     model: Model, data: EvalData, names: Sequence[str] | None = None, *, resid: bool = True
 ) -> list[dict[str, Any]]:
     """Ratios scale / median per hook (and head), over real tokens only.
 
     Each item: `hook`, `head` (None for a whole-vector norm), `kind`, `stream`, `median_scale`,
-    `ratio` (float64 numpy, one per real token) and `cls` (class index per ratio).
+    `ratio` (float64 numpy, one per real token), `cls` (class index per ratio) and `example`
+    (the example each ratio comes from).
     """
     items = []
     for name, info in norm_scales(model, data, names, resid=resid).items():
         stream = info["stream"]
         valid, classes = data.valid[stream], data.classes[stream]
+        example = valid.nonzero()[:, 0].numpy()  # boolean indexing's row-major order
         scale = info["scale"]
         per_head = scale.dim() == 3
         heads = range(scale.shape[-1]) if per_head else [None]
@@ -116,7 +141,7 @@ def norm_ratios(
             med = float(np.median(s)) if s.size else float("nan")
             items.append({"hook": name, "head": h, "kind": info["kind"], "stream": stream,
                           "median_scale": med, "ratio": s / med,
-                          "cls": classes[valid].numpy()})
+                          "cls": classes[valid].numpy(), "example": example})
     return items
 
 
@@ -128,7 +153,7 @@ def norm_spread(
     `summary` pools the ratios of every `kind: "norm"` entry (each already relative to its own
     median), so its `h90` is the model-wide figure to compare with the paper's ±20%.
     """
-    entries, pooled = [], {"all": []}
+    entries, pooled, examples = [], {"all": []}, []
     for item in norm_ratios(model, data, names, resid=resid):
         by_class = {"all": spread_stats(item["ratio"])}
         for ci, cname in enumerate(data.class_names):
@@ -139,10 +164,13 @@ def norm_spread(
                     pooled.setdefault(cname, []).append(sel)
         if item["kind"] == "norm":
             pooled["all"].append(item["ratio"])
+            examples.append(item["example"])
         entries.append({k: item[k] for k in ("hook", "head", "kind", "stream", "median_scale")}
                        | {"classes": by_class})
     summary = {c: spread_stats(np.concatenate(v)) if v else spread_stats(np.zeros(0))
                for c, v in pooled.items()}
+    summary["all"]["h90_var"] = (h90_var(np.concatenate(pooled["all"]), np.concatenate(examples))
+                                 if examples else None)
     return {
         "classes": list(data.class_names),
         "percentiles": list(PERCENTILES),
@@ -151,7 +179,8 @@ def norm_spread(
         "summary": summary,
         "note": "ratio = hook_scale / median of that hook (and head) over real tokens of the "
                 "teacher-forced eval batch; h90: the smallest h with at least 90% of ratios "
-                "in [1-h, 1+h] (numpy quantile of |ratio - 1|, method inverted_cdf). "
+                "in [1-h, 1+h] (numpy quantile of |ratio - 1|, method inverted_cdf); "
+                "summary.all.h90_var: its variance over examples (Woodruff, clusters). "
                 "kind 'resid' = centred RMS of hook_resid_pre (reference, not a norm input).",
     }
 
