@@ -973,3 +973,63 @@ def test_h1_seeds_of_equal_h90_keep_its_sampling_error() -> None:
     assert h1["verdict"] == "inconclusive"
     del runs["pre"][1]["norms"]["summary"]["all"]["h90_var"]  # one seed without: no floor
     assert {r["id"]: r for r in claims_table(runs)}["H1"]["ci95"] == [0.39, 0.39]
+
+
+def test_the_report_states_the_analysis_settings_behind_its_numbers(tmp_path: Path) -> None:
+    """H2's rate was set beside the paper's 1% with no threshold, draws or questions anywhere
+    in report.md or summary.json (smoke measures at θ = 0.5, quick at 0.9); the norm-spread
+    figure's y label ran past the figure's top."""
+    import matplotlib.pyplot as plt
+
+    from normlab.report import write_report
+
+    dirs = _quick_copy(tmp_path)
+    labels = []
+    real_save = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
+        done = real_save(fig, *args, **kwargs)  # drawn at the saved dpi
+        for ax in fig.axes:  # each y label drawn inside the figure, top to bottom
+            box = ax.yaxis.label.get_window_extent()
+            labels.append((ax.get_ylabel(), box.y0 >= 0 and box.y1 <= fig.bbox.height))
+        return done
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(plt.Figure, "savefig", keep):
+        summary = write_report(tmp_path / "report", dirs, "quick")
+    params = json.loads((QUICK / "pre-s0/analysis/collapse.json").read_text())["params"]
+    assert summary["analysis"]["threshold"] == params["threshold"] == 0.9
+    assert summary["analysis"]["n_draws"] == params["n_draws"]
+    md = (tmp_path / "report/report.md").read_text()
+    line = next(ln for ln in md.splitlines() if ln.startswith("Analysis settings of every run"))
+    assert "threshold 0.9" in line and f"n_draws {params['n_draws']}" in line
+    assert json.loads((tmp_path / "report/summary.json").read_text())["analysis"] == \
+        summary["analysis"]
+    assert any(label.startswith("h90") for label, _ in labels)
+    assert all(inside for _, inside in labels), labels
+
+
+def test_analyze_help_states_the_librarys_defaults(capsys) -> None:
+    """`analyze --help` hid the defaults of --sigmas, --draws and --examples (argparse's are
+    None, so the library's own apply): now said, and checked against the library here; a bad
+    --targets is named by its flag."""
+    import inspect
+
+    from normlab import cli
+    from normlab.analysis.report import analyze_run
+    from normlab.interop.analyze import analyze_hf
+
+    with pytest.raises(SystemExit):
+        cli.main(["analyze", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    run, hf = inspect.signature(analyze_run).parameters, inspect.signature(analyze_hf).parameters
+    sigmas = ",".join(f"{s:g}" for s in run["sigmas"].default)
+    assert f"(default {sigmas})" in text and hf["sigmas"].default == run["sigmas"].default
+    assert f"(default {run['n_draws'].default})" in text
+    assert run["n_draws"].default == hf["n_draws"].default
+    assert (f"(default {run['n_examples'].default}; with --hf, {hf['n_examples'].default} rows)"
+            in text)
+    assert cli.main(["analyze", "some-run", "--targets", "q,x"]) == 2
+    assert capsys.readouterr().err.strip() == ("normlab: error: --targets: unknown target 'x'; "
+                                               "expected a subset of q, k, v")

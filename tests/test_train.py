@@ -406,7 +406,11 @@ def test_cli_bad_input(tmp_path: Path, capsys) -> None:
     assert code == 2 and "already exists" in err
     assert (Path(out) / "keep.txt").read_text() == "results"
     code, err = _cli(capsys, "eval", str(tmp_path / "nothing"))
-    assert code == 2 and "not a normlab run folder" in err
+    assert code == 2 and err == f"normlab: error: run folder {str(tmp_path / 'nothing')!r} does " \
+                                "not exist"  # it said "not a normlab run folder (no checkpoints/)"
+    code, err = _cli(capsys, "train", "--config", str(good), "--out", out, "--set",
+                     "model.d_modle=32")
+    assert code == 2 and "model.d_modle: unknown key (did you mean 'd_model'?); expected" in err
     code, err = _cli(capsys, "train", "--config", str(good), "--out", out, "--set", "oops")
     assert code == 2 and "KEY=VALUE" in err
 
@@ -1678,3 +1682,87 @@ def test_without_locks_training_goes_on_and_leaves_temp_files_alone(
     tmp.write_bytes(b"\0" * 10)
     assert train(c, run, progress=False, resume=True)["step"] == 20
     assert tmp.exists()
+
+
+def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys) -> None:
+    """A run evaluated at step 5, then resumed to the end: compare showed step 5's accuracy as
+    the run's, unmarked, and `eval` refused to redo it without saying why."""
+    run = tmp_path / "run"
+    config = tmp_path / "c.toml"
+    train(cfg("train.steps=10", "train.checkpoint_every=5", "train.eval_every=5"), run,
+          progress=False, stop_after=5)  # as a kill after step 5's checkpoint leaves it
+    config.write_text((run / "config.toml").read_text())
+    capsys.readouterr()
+    assert main(["eval", str(run), "--limit", "2"]) == 0
+    assert "checkpoint step 5 (before training finished (no train_done.json))" in \
+        capsys.readouterr().out
+    assert main(["compare", "--markdown", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert "| run | pre | 0 | 5 * |" in out.replace(f"| {run.name} ", "| run ")
+    assert out.startswith("exact match % [95% CI]; step *: not the finished run's checkpoint")
+    assert err.strip() == (
+        f"normlab: {str(run / 'eval.json')!r}: made from step 5, before training finished (no "
+        "train_done.json); on at most 2 questions a cell (--limit); `normlab eval "
+        f"{run} --force` evaluates the newest checkpoint on every question")
+    assert main(["train", "--config", str(config), "--out", str(run), "--resume",
+                 "--quiet"]) == 0
+    assert (f"normlab: {str(run / 'eval.json')!r} is from step 5, training now ended at step 10;"
+            f" rerun `normlab eval {run} --force`") in capsys.readouterr().err
+    code, err = _cli(capsys, "eval", str(run))
+    assert code == 2 and err == (
+        f"normlab: error: {str(run / 'eval.json')!r} already exists, made from step 5, but "
+        "training finished at step 10; pass --force to overwrite it")
+    assert main(["eval", str(run), "--force"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "checkpoint step 10"
+    assert main(["compare", "--markdown", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert "| 10 |" in out and "*" not in out and err == ""
+
+
+def test_figures_and_messages_a_first_user_met(tmp_path: Path, capsys) -> None:
+    """The heatmap's colour bar ran 0-1 under cells in percent, unlabelled, and its title gave
+    no step; a run's checkpoints/ folder was "not a normlab run folder (no checkpoints/)"; a
+    misspelt split before a run's first evaluation gave an empty curve table, exit 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from normlab.evaluate import heatmap
+
+    run = tmp_path / "run"
+    train(cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5"), run,
+          progress=False)
+    capsys.readouterr()
+    code, err = _cli(capsys, "eval", str(run / "checkpoints"))
+    assert code == 2 and err == (f"normlab: error: {str(run / 'checkpoints')!r} is a run's "
+                                 f"checkpoints/ folder; expected the run folder {str(run)!r}")
+    assert main(["eval", str(run)]) == 0
+    result = json.loads((run / "eval.json").read_text())
+    seen: dict[str, object] = {}
+    real_save = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
+        image = fig.axes[0].images[0]
+        seen.update(clim=image.get_clim(), label=fig.axes[1].get_ylabel(),
+                    title=fig.axes[0].get_title())
+        return real_save(fig, *args, **kwargs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(plt.Figure, "savefig", keep):
+        heatmap(result, [], tmp_path / "h.png", title="t")
+    assert seen["clim"] == (0, 100) and seen["label"] == "exact match (%)"
+    # the title eval writes names the step and the questions a cell
+    n = result["cells"][0]["count"]
+    with unittest.mock.patch.object(plt.Figure, "savefig", keep):
+        main(["eval", str(run), "--force"])
+    assert seen["title"] == f"pre seed 0, step 5: exact match %, {n} a cell (red: train cells)"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.toml").write_text((run / "config.toml").read_text())
+    (fresh / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    code, err = _cli(capsys, "compare", "--curve", "trian", str(fresh))
+    assert code == 2 and err.startswith(f"normlab: error: {str(fresh)!r}: no split 'trian' in "
+                                        "the run's task (config.toml's splits: ")
+    assert main(["compare", "--curve", "train", "--markdown", str(fresh)]) == 0

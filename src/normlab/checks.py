@@ -11,10 +11,11 @@ to the one line such an error quotes.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from torch import nn
@@ -106,6 +107,12 @@ def check_seed(value: object, name: str = "seed") -> int:
     if seed >= 2**63:
         raise ValueError(f"{name}: expected an int in [0, 2**63); got {value!r}")
     return seed
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices` to a misspelt `word`, else ""."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def first_line(err: BaseException) -> str:

@@ -31,6 +31,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"normlab: --resume: {args.out!r} does not exist; starting a new run there",
               file=sys.stderr)
     last = train(cfg, Path(args.out), resume=args.resume, force=args.force, progress=not args.quiet)
+    if args.resume:  # results made before this resume now describe an earlier checkpoint
+        out = Path(args.out)
+        for cmd, path, keys in (
+                ("eval", out / "eval.json", ("checkpoint", "step")),
+                ("analyze", out / "analysis" / "interference.json", ("checkpoint_step",))):
+            made = _recorded(path, keys)
+            if made is not None and made != last.get("step"):
+                print(f"normlab: {str(path)!r} is from step {made}, training now ended at step "
+                      f"{last.get('step')}; rerun `normlab {cmd} {out} --force`", file=sys.stderr)
     print(json.dumps(last))
     return 0
 
@@ -45,6 +54,12 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     from normlab.train import load_run
 
     check_limit(limit)
+    old = Path(run_dir) / "eval.json"
+    if old.is_file() and not force:  # say what the old one is, where it is not the run's own
+        made = _recorded(old, ("checkpoint", "step"))
+        why = stale(Path(run_dir), made, None) if made is not None else None
+        if why:
+            raise ValueError(f"{str(old)!r} already exists, {why}; pass --force to overwrite it")
     refuse_overwrite(Path(run_dir), "eval.json", force)
     cfg, model, meta = load_run(run_dir)
     torch.set_num_threads(cfg.train.threads)
@@ -79,10 +94,47 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
         result,
         task.train_cells,
         Path(run_dir) / "heatmap.png",
-        title=f"{cfg.model.norm_placement} seed {cfg.train.seed}: exact match %",
+        title=f"{cfg.model.norm_placement} seed {cfg.train.seed}, step {meta['step']}: exact "
+              f"match %{_per_cell(result)} (red: train cells)",
     )
     write_json(Path(run_dir) / "eval.json", result)
     return result
+
+
+def _per_cell(result: dict[str, Any]) -> str:
+    """", N a cell" where every cell has N questions (the heatmap's title), else ""."""
+    counts = {c.get("count") for c in result["cells"]}
+    return f", {counts.pop()} a cell" if len(counts) == 1 and None not in counts else ""
+
+
+def stale(run_dir: Path, step: int, limit: int | None) -> str | None:
+    """Why an evaluation of `run_dir` made from checkpoint `step` (on `limit` questions a cell)
+    is not the finished run's, or None: a run evaluated, then resumed, kept the earlier
+    checkpoint's accuracy in `compare`, unmarked."""
+    from normlab.io import read_json
+    from normlab.train import DONE, DONE_RECORD
+
+    done = Path(run_dir) / DONE
+    why = []
+    if not done.is_file():
+        why.append(f"made from step {step}, before training finished (no {DONE})")
+    elif (final := read_json(done, *DONE_RECORD)["step"]) != step:
+        why.append(f"made from step {step}, but training finished at step {final}")
+    if limit is not None:
+        why.append(f"on at most {limit} questions a cell (--limit)")
+    return "; ".join(why) or None
+
+
+def _recorded(path: Path, keys: tuple[str, ...]) -> int | None:
+    """The checkpoint step a result file records under `keys`; None if it cannot be read (the
+    command that reads it refuses it by name)."""
+    try:
+        step = json.loads(path.read_text())
+        for key in keys:
+            step = step[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _check_flags(args: argparse.Namespace, flags: dict[str, int]) -> None:
@@ -98,6 +150,10 @@ def _check_flags(args: argparse.Namespace, flags: dict[str, int]) -> None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     _check_flags(args, {"--limit": 1})
     result = eval_run(Path(args.run_dir), limit=args.limit, force=args.force)
+    step = result["checkpoint"]["step"]
+    why = stale(Path(args.run_dir), step, None)
+    print(f"checkpoint step {step}" + (f" ({why.removeprefix(f'made from step {step}, ')})"
+                                        if why else ""))
     for split, r in result["splits"].items():
         lo, hi = r["ci95"]
         print(
@@ -147,9 +203,14 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
         results.append((Path(d), r))
     _check_same_cells(results)
     splits = list(dict.fromkeys(s for _, r in results for s in r["splits"]))
-    header = ["run", "placement", "seed", *splits]
+    header = ["run", "placement", "seed", "step", *splits]
     rows = []
-    for (_, r), label in zip(results, run_labels([d for d, _ in results]), strict=True):
+    for (d, r), label in zip(results, run_labels([d for d, _ in results]), strict=True):
+        step = _recorded(d / "eval.json", ("checkpoint", "step"))  # None: not recorded
+        why = None if step is None else stale(d, step, r.get("limit"))
+        if why:  # marked in the table and said once, with the remedy
+            print(f"normlab: {str(d / 'eval.json')!r}: {why}; `normlab eval {d} --force` "
+                  "evaluates the newest checkpoint on every question", file=sys.stderr)
         cells = []
         for s in splits:
             v = r["splits"].get(s)
@@ -160,7 +221,8 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
                 f"{100 * v['ci95'][1]:.1f}]"
             )
         rows.append([label, r["config"]["model"]["norm_placement"],
-                     str(r["config"]["train"]["seed"]), *cells])
+                     str(r["config"]["train"]["seed"]),
+                     "-" if step is None else f"{step}{' *' if why else ''}", *cells])
     return header, rows
 
 
@@ -196,7 +258,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             raise ValueError("--plot: needs --curve SPLIT (it plots learning curves)")
         header, rows = compare_rows([Path(d) for d in args.run_dirs])
         title = "exact match % [95% CI]"
+        if any(r[3].endswith("*") for r in rows):
+            title += "; step *: not the finished run's checkpoint, or a --limit evaluation"
     if args.markdown or not sys.stdout.isatty():
+        print(f"{title}\n")  # the units, also where the table is pasted
         print(markdown_table(header, rows))
     else:
         from rich.console import Console
@@ -213,7 +278,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 #: `analyze`'s flags by the library parameter they set, whose checks name the parameter
 ANALYZE_FLAGS = {"sigmas": "--sigmas", "threshold": "--threshold", "n_draws": "--draws",
-                 "n_examples": "--examples"}
+                 "n_examples": "--examples", "targets": "--targets"}
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
@@ -323,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the training step (sets train.compile; a one-off "
                         "compile of tens of seconds on CPU)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    t.add_argument("--force", action="store_true", help="delete an existing run folder first")
+    t.add_argument("--force", action="store_true",
+                   help="start over: delete the files normlab wrote in --out (others are kept)")
     t.add_argument("--quiet", action="store_true", help="no progress output")
     t.set_defaults(fn=_cmd_train)
 
@@ -344,9 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("analyze", help="norm spread, sparse heads, circuit collapse, interference")
     a.add_argument("run_dir", nargs="?")
-    a.add_argument("--sigmas", help="comma-separated noise levels, e.g. 0,0.05,0.1")
-    a.add_argument("--draws", type=int, help="noise draws per sigma")
-    a.add_argument("--examples", type=int, help="evaluation sequences to analyse")
+    # the library's defaults, said here (tested to match): argparse's are None, so that
+    # analyze_run and analyze_hf keep their own
+    a.add_argument("--sigmas", help="comma-separated noise levels (default "
+                   "0,0.01,0.02,0.05,0.1,0.15,0.2,0.3)")
+    a.add_argument("--draws", type=int, help="noise draws per sigma (default 32)")
+    a.add_argument("--examples", type=int,
+                   help="evaluation sequences to analyse (default 256; with --hf, 32 rows)")
     a.add_argument("--threshold", type=float, default=0.9, help="sparse-row threshold theta")
     a.add_argument("--mode", choices=["token", "vector"], default="token")
     a.add_argument("--noise", choices=["normal", "uniform"], default="normal")

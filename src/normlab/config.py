@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normlab.checks import check_int, check_real, check_seed, check_threads, is_real
+from normlab.checks import (
+    check_int,
+    check_real,
+    check_seed,
+    check_threads,
+    did_you_mean,
+    is_real,
+)
 from normlab.model.config import ModelConfig
 from normlab.tasks.addition import VOCAB_SIZE, ResolvedTask, TaskConfig
 
@@ -130,7 +137,8 @@ def typed(cls: type, table: Any, where: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key, value in table.items():
         if key not in hints:
-            raise ValueError(f"{where}.{key}: unknown key; expected one of {', '.join(names)}")
+            raise ValueError(f"{where}.{key}: unknown key{did_you_mean(key, names)}; expected "
+                             f"one of {', '.join(names)}")
         if not _type_ok(value, hints[key]):
             want = getattr(hints[key], "__name__", str(hints[key]))
             raise ValueError(
@@ -173,7 +181,9 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         for key in data:
             if key not in ("model", "task", "train"):
-                raise ValueError(f"config.{key}: unknown table; expected model, task or train")
+                raise ValueError(f"config.{key}: unknown table"
+                                 f"{did_you_mean(key, ('model', 'task', 'train'))}; expected "
+                                 "model, task or train")
         model = typed(ModelConfig, data.get("model", {}), "model")
         task = typed(TaskConfig, data.get("task", {}), "task")
         train = typed(TrainConfig, data.get("train", {}), "train")

@@ -31,9 +31,23 @@ def learning_curve(run_dir: Path, split: str = "train") -> Curve:
         logged = ", ".join(sorted({s for r in records for s in r["accuracy"]}))
         raise ValueError(f"{str(run_dir)!r}: no split {split!r} in metrics.jsonl "
                          f"(logged: {logged})")
+    if not records:  # before its first evaluation: a misspelt split gave an empty table
+        names = _split_names(Path(run_dir))
+        if names is not None and split not in names:
+            raise ValueError(f"{str(run_dir)!r}: no split {split!r} in the run's task "
+                             f"(config.toml's splits: {', '.join(names)})")
     rows = [r for r in records if split in r["accuracy"]]
     return Curve(Path(run_dir).name, [r["step"] for r in rows],
                  [r.get("elapsed_s") for r in rows], [float(r["accuracy"][split]) for r in rows])
+
+
+def _split_names(run_dir: Path) -> list[str] | None:
+    """The splits a run evaluates, from its config.toml; None where it has none to read."""
+    from normlab.config import load_config
+
+    if not (run_dir / "config.toml").is_file():
+        return None
+    return list(load_config(run_dir / "config.toml").task.resolve().eval_splits)
 
 
 def run_labels(run_dirs: Sequence[Path | str]) -> list[str]:

@@ -246,9 +246,9 @@ def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: 
     ds = sorted({c["d"] for c in cells})
     grid = torch.full((len(ns), len(ds)), float("nan"))
     for c in cells:
-        grid[ns.index(c["n"]), ds.index(c["d"])] = c["accuracy"]
+        grid[ns.index(c["n"]), ds.index(c["d"])] = 100 * c["accuracy"]  # %, as the cells read
     fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(ds), 1.0 + 0.6 * len(ns)))
-    im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="viridis", origin="lower")
+    im = ax.imshow(grid.numpy(), vmin=0, vmax=100, cmap="viridis", origin="lower")
     train = {(c.n, c.d) for c in train_cells}
     for i, n in enumerate(ns):
         for j, d in enumerate(ds):
@@ -257,10 +257,10 @@ def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: 
                 ax.text(
                     j,
                     i,
-                    f"{100 * v:.0f}",
+                    f"{v:.0f}",
                     ha="center",
                     va="center",
-                    color="black" if v > 0.5 else "white",
+                    color="black" if v > 50 else "white",
                     fontsize=8,
                 )
             if (n, d) in train:
@@ -270,6 +270,6 @@ def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: 
     ax.set_xlabel("digits per integer (d)")
     ax.set_ylabel("integers per sum (n)")
     ax.set_title(title or "exact match % (red: train cells)", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.colorbar(im, ax=ax, fraction=0.046).set_label("exact match (%)", fontsize=8)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)

@@ -368,12 +368,22 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
             ax.bar(i, m, yerr=[[m - min(h)], [max(h) - m]], capsize=4)
     ax.axhline(0.2, color="k", ls="--", lw=1, label="paper: ±20%")
     ax.set_xticks(range(len(runs)), list(runs))
-    ax.set_ylabel("h90 of norm-input ratios (bar: seeds' range)")
+    ax.set_ylabel("h90 of norm-input ratios")  # the whisker in the title: the label was cut
+    ax.set_title("bar: mean over seeds; whisker: their range", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     out["norms"] = folder / "norm_spread.png"
     save_figure(fig, out["norms"], dpi=100)
     return out
+
+
+def _setting(value: Any) -> str:
+    """A setting as the report prints it: lists joined, None as "all"."""
+    if value is None:
+        return "all"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_setting(v) for v in value) + "]"
+    return str(value)
 
 
 def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "",
@@ -399,8 +409,17 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
                 "wall_s": r["timings"], "checkpoint": r["eval"]["checkpoint"],
                 "provenance": r["eval"].get("provenance"), "config": r["eval"]["config"],
             })
-    summary = {"profile": profile, "claims": claims, "splits": split_table(runs),
-               "runs": run_info, "failed": failed, "provenance": provenance(), "rules": __doc__}
+    # the analysis settings every pooled run shares (checked by `collect`): H2's rate means
+    # little without its threshold, draws and questions (smoke's θ = 0.5, quick's 0.9)
+    analysis: dict[str, Any] = {}
+    for by in runs.values():
+        for r in by.values():
+            for key, value in _settings(r).items():
+                if key.startswith("analysis "):
+                    analysis.setdefault(key.removeprefix("analysis "), value)
+    summary = {"profile": profile, "claims": claims, "analysis": analysis,
+               "splits": split_table(runs), "runs": run_info, "failed": failed,
+               "provenance": provenance(), "rules": __doc__}
     write_json(out / "summary.json", summary)
 
     prov = summary["provenance"]
@@ -418,6 +437,9 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
             f"{_fmt(c['ci95'][1], c['unit'])}]")
         md.append(f"| **{c['id']}** {c['claim']} ({c['unit']}) | {c['paper']} | {ours} | "
                   f"{c['n_seeds']} | **{c['verdict']}** |")
+    if analysis:
+        shown = ", ".join(f"{k} {_setting(v)}" for k, v in analysis.items())
+        md += ["", f"Analysis settings of every run (H1, H2 and the figures): {shown}."]
     md += ["", "Verdict rules (computed by `normlab.report`, not set by hand):", "",
            *verdict_rules(), "",
            "## Exact-match accuracy per split (%, mean [95% CI over seeds])", ""]

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab import allocator
-from normlab.checks import check_int, first_line
+from normlab.checks import check_int, did_you_mean, first_line
 from normlab.config import config_key, load_config, read_toml
 from normlab.io import FolderLock, check_out_folder, read_json, write_json
 
@@ -173,7 +173,8 @@ def load_sweep(path: Path, out: Path) -> list[RunSpec]:
 def _sweep_specs(data: dict[str, Any], path: Path, out: Path) -> list[RunSpec]:
     for key in data:
         if key not in SWEEP_KEYS:
-            raise ValueError(f"sweep.{key}: unknown key; expected one of {', '.join(SWEEP_KEYS)}")
+            raise ValueError(f"sweep.{key}: unknown key{did_you_mean(key, SWEEP_KEYS)}; "
+                             f"expected one of {', '.join(SWEEP_KEYS)}")
     base = _sweep_value(data, "base", str, None, "a string, the run config's path")
     if base is not None:
         base = path.parent / base

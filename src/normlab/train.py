@@ -667,6 +667,11 @@ def _kept(ckpt_dir: Path) -> str:
 def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict[str, Any]]:
     """The config and newest good model of a run folder (weights only, never unpickled)."""
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ValueError(f"run folder {str(run_dir)!r} does not exist")
+    if run_dir.name == "checkpoints" and (run_dir.parent / "config.toml").is_file():
+        raise ValueError(f"{str(run_dir)!r} is a run's checkpoints/ folder; expected the run "
+                         f"folder {str(run_dir.parent)!r}")
     if not (run_dir / "checkpoints").is_dir():
         raise ValueError(f"{str(run_dir)!r} is not a normlab run folder (no checkpoints/)")
     tensors, meta = latest_checkpoint(

@@ -109,7 +109,7 @@ def check_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
     items = list(targets.replace(",", "")) if isinstance(targets, str) else list(targets)
     for t in items:
         if t not in TARGETS:
-            raise ValueError(f"unknown target {t!r}; expected a subset of q, k, v")
+            raise ValueError(f"targets: unknown target {t!r}; expected a subset of q, k, v")
     if not items:
         raise ValueError("targets: expected at least one of q, k, v")
     return tuple(t for t in TARGETS if t in items)

@@ -7,7 +7,7 @@ import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from normlab.checks import check_int, check_real, is_int
+from normlab.checks import check_int, check_real, did_you_mean, is_int
 
 ARCHS = ("decoder", "encoder_decoder")
 PLACEMENTS = ("none", "post", "pre", "qk", "qkv", "pre_qk")
@@ -155,7 +155,8 @@ class ModelConfig:
         for key in data:
             if key not in known:
                 allowed = ", ".join(sorted(known))
-                raise ValueError(f"ModelConfig: unknown field {key!r}; expected one of {allowed}")
+                raise ValueError(f"ModelConfig: unknown field {key!r}"
+                                 f"{did_you_mean(key, known)}; expected one of {allowed}")
         return cls(**data)
 
 
