@@ -984,7 +984,7 @@ def test_the_report_states_the_analysis_settings_behind_its_numbers(tmp_path: Pa
     from normlab.report import write_report
 
     dirs = _quick_copy(tmp_path)
-    labels = []
+    labels, bands = [], []
     real_save = plt.Figure.savefig
 
     def keep(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -992,6 +992,7 @@ def test_the_report_states_the_analysis_settings_behind_its_numbers(tmp_path: Pa
         for ax in fig.axes:  # each y label drawn inside the figure, top to bottom
             box = ax.yaxis.label.get_window_extent()
             labels.append((ax.get_ylabel(), box.y0 >= 0 and box.y1 <= fig.bbox.height))
+            bands.append(len(ax.collections))
         return done
 
     import unittest.mock
@@ -1008,6 +1009,9 @@ def test_the_report_states_the_analysis_settings_behind_its_numbers(tmp_path: Pa
         summary["analysis"]
     assert any(label.startswith("h90") for label, _ in labels)
     assert all(inside for _, inside in labels), labels
+    # the collapse figure: θ on its axis, and the seeds' range as a band per placement
+    at = [label for label, _ in labels].index("collapse rate of sparse rows (max weight ≥ 0.9)")
+    assert bands[at] == bands[at + 1] == 2
 
 
 def test_analyze_help_states_the_librarys_defaults(capsys) -> None:

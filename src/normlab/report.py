@@ -311,16 +311,26 @@ def _sigma_grid(cols: list[dict[str, Any]]) -> list[float]:
     return grid
 
 
+def _seed_values(cols: list[dict[str, Any]], key: str, sigma: float) -> list[float]:
+    return [v for c in cols if c.get(key) for v in [_at_sigma(c, key, sigma)] if v is not None]
+
+
 def _seed_mean(cols: list[dict[str, Any]], key: str, sigmas: list[float]) -> list[float]:
     """Mean over seeds at each of `sigmas`, matched by value (a seed analysed over other
     sigmas, or in another order, is read at the same sigma, or left out where it has none);
     None entries (no sparse rows) are skipped, all-None is NaN."""
     out = []
     for sigma in sigmas:
-        vals = [v for c in cols if c.get(key) for v in [_at_sigma(c, key, sigma)]
-                if v is not None]
+        vals = _seed_values(cols, key, sigma)
         out.append(sum(vals) / len(vals) if vals else math.nan)
     return out
+
+
+def _seed_range(cols: list[dict[str, Any]], key: str, sigmas: list[float]
+                ) -> tuple[list[float], list[float]]:
+    """Lowest and highest seed at each of `sigmas` (NaN where none), the figure's band."""
+    vals = [_seed_values(cols, key, sigma) for sigma in sigmas]
+    return ([min(v) if v else math.nan for v in vals], [max(v) if v else math.nan for v in vals])
 
 
 def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[str, Path]:
@@ -336,6 +346,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     out: dict[str, Path] = {}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
     splits: set[str] = set()  # the splits the perturbed accuracy was measured on
+    thetas: set[float] = set()  # the sparse-row threshold (one, as `collect` checks)
     for p, by in runs.items():
         cols = [r["collapse"] for r in by.values() if r["collapse"]]
         if not cols:
@@ -345,11 +356,18 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
                    for s in (recorded_splits(c.get("params", {}).get("splits")) or ["all splits"])}
         mean, pred, acc = (_seed_mean(cols, k, sig) for k in ("collapse_rate",
                                                                "predicted_rate", "accuracy"))
-        line = ax1.plot(sig, mean, "o-", label=f"{p} measured")[0]
+        # the seeds' mean, and their range as a band: a mean alone gave no sense of spread
+        line = ax1.plot(sig, mean, "o-", label=f"{p} measured ({len(cols)} seeds; band: range)")[0]
+        ax1.fill_between(sig, *_seed_range(cols, "collapse_rate", sig), color=line.get_color(),
+                         alpha=0.2, lw=0)
         ax1.plot(sig, pred, "--", color=line.get_color(), label=f"{p} predicted")
         ax2.plot(sig, acc, "o-", color=line.get_color(), label=p)
+        ax2.fill_between(sig, *_seed_range(cols, "accuracy", sig), color=line.get_color(),
+                         alpha=0.2, lw=0)
+        thetas |= {c["threshold"] for c in cols if "threshold" in c}
     ax1.set_xlabel("σ (relative norm noise)")
-    ax1.set_ylabel("collapse rate of sparse rows")
+    theta = f" (max weight ≥ {thetas.pop():g})" if len(thetas) == 1 else ""
+    ax1.set_ylabel(f"collapse rate of sparse rows{theta}", fontsize=8)
     ax1.legend(fontsize=7)
     ax2.set_xlabel("σ")
     ax2.set_ylabel(f"exact-match accuracy ({' + '.join(sorted(splits)) or 'all splits'})")
