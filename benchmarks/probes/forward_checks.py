@@ -1,8 +1,9 @@
-"""What the input checks the thirty-ninth session added to `Stack.run` cost a forward: the same
-expressions (a tensor's type and device, the cache's and the source's batch, positions' dtype,
-`aux` unasked) timed alone, beside one cached decoding step of the quick grid's model (d 64, 4
-layers, RoPE) at 256 prompts, the call they sit on most often. The checks read attributes only:
-no tensor is made or read back.
+"""What the input checks the thirty-ninth and fortieth sessions added to `Stack.run` cost a
+forward: the same expressions (a tensor's type and device, the cache's and the source's batch,
+positions' dtype, `aux` unasked; since the fortieth, a step's mask and source against its
+cache's, `transformer._check_cache`, and the cache's record of them) timed alone, beside one
+cached decoding step of the quick grid's model (d 64, 4 layers, RoPE) at 256 prompts, the call
+they sit on most often. The checks read attributes only: no tensor is made or read back.
 
 Usage: `.venv/bin/python benchmarks/probes/forward_checks.py` (one torch thread).
 """
@@ -16,6 +17,7 @@ import timeit
 import torch
 
 from normlab import ModelConfig, build_model
+from normlab.model.transformer import _check_cache
 
 
 def main() -> None:
@@ -28,7 +30,7 @@ def main() -> None:
     with torch.no_grad():
         model(torch.randint(0, 16, (b, 20)), cache=cache)
     step = torch.randint(0, 16, (b, 1))
-    positions = aux = memory = None
+    positions = aux = memory = key_mask = None
 
     def checks() -> None:  # as Stack.run writes them
         if not isinstance(step, torch.Tensor) or step.ndim != 2:
@@ -43,6 +45,10 @@ def main() -> None:
             raise AssertionError
         if aux is not None and stack.W_aux is None:
             raise AssertionError
+        if past:
+            _check_cache(cache, key_mask, memory, "attention_mask")
+        cache.masked |= key_mask is not None  # the record a step leaves
+        cache.memory = memory
 
     def steps() -> float:
         """Microseconds a cached step, over 40 steps after a fresh 20-token prefill."""
