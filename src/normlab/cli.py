@@ -36,7 +36,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         for cmd, path, keys in (
                 ("eval", out / "eval.json", ("checkpoint", "step")),
                 ("analyze", out / "analysis" / "interference.json", ("checkpoint_step",))):
-            made = _recorded(path, keys)
+            made = _recorded_step(path, *keys)
             if made is not None and made != last.get("step"):
                 print(f"normlab: {str(path)!r} is from step {made}, training now ended at step "
                       f"{last.get('step')}; rerun `normlab {cmd} {out} --force`", file=sys.stderr)
@@ -56,7 +56,7 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     check_limit(limit)
     old = Path(run_dir) / "eval.json"
     if old.is_file() and not force:  # say what the old one is, where it is not the run's own
-        made = _recorded(old, ("checkpoint", "step"))
+        made = _recorded_step(old, "checkpoint", "step")
         why = stale(Path(run_dir), made, None) if made is not None else None
         if why:
             raise ValueError(f"{str(old)!r} already exists, {why}; pass --force to overwrite it")
@@ -125,15 +125,12 @@ def stale(run_dir: Path, step: int, limit: int | None) -> str | None:
     return "; ".join(why) or None
 
 
-def _recorded(path: Path, keys: tuple[str, ...]) -> int | None:
+def _recorded_step(path: Path, *keys: str) -> int | None:
     """The checkpoint step a result file records under `keys`; None if it cannot be read (the
     command that reads it refuses it by name)."""
-    try:
-        step = json.loads(path.read_text())
-        for key in keys:
-            step = step[key]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    from normlab.io import recorded
+
+    step = recorded(path, *keys)
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
@@ -206,7 +203,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     header = ["run", "placement", "seed", "step", *splits]
     rows = []
     for (d, r), label in zip(results, run_labels([d for d, _ in results]), strict=True):
-        step = _recorded(d / "eval.json", ("checkpoint", "step"))  # None: not recorded
+        step = _recorded_step(d / "eval.json", "checkpoint", "step")  # None: not recorded
         why = None if step is None else stale(d, step, r.get("limit"))
         if why:  # marked in the table and said once, with the remedy
             print(f"normlab: {str(d / 'eval.json')!r}: {why}; `normlab eval {d} --force` "

@@ -180,6 +180,18 @@ def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
         raise ValueError(f"{str(found[0])!r} already exists; pass --force to overwrite it")
 
 
+def recorded(path: Path, *keys: str) -> Any:
+    """What a result file records under `keys` (None: no file, one that does not parse, or
+    no such key): the checkpoint step it was made from, or its settings."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        for key in keys:
+            doc = doc[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return doc
+
+
 def read_json(path: Path, what: str = "JSON",
               valid: Callable[[Any], bool] = lambda doc: True) -> Any:
     """A JSON file's contents, or one line naming the file and `what` it should hold: an empty

@@ -39,7 +39,7 @@ from typing import Any
 from normlab import allocator
 from normlab.checks import check_int, did_you_mean, first_line
 from normlab.config import config_key, load_config, read_toml
-from normlab.io import FolderLock, check_out_folder, read_json, write_json
+from normlab.io import FolderLock, check_out_folder, read_json, recorded, write_json
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
 #: the most runs one sweep file may make: each is a folder, a config and a training
@@ -265,7 +265,7 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
         if spec.analyze:
             from normlab.analysis.report import analyze_run, check_same_analysis
 
-            done_at = _recorded(out / "analysis" / "interference.json", "checkpoint_step")
+            done_at = recorded(out / "analysis" / "interference.json", "checkpoint_step")
             if done_at != final or any(read_result(out, f"analysis/{f}") is None  # or damaged
                                        for f in ("norms.json", "collapse.json")):
                 step("analyze", lambda: analyze_run(out, **spec.analysis))
@@ -276,22 +276,10 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
     return {"name": spec.name, "did": done, "seconds": time.time() - t0}
 
 
-def _recorded(path: Path, *keys: str) -> Any:
-    """What a result file records under `keys` (None: no file, one that does not parse, or
-    no such key): the checkpoint step it was made from, or its settings."""
-    try:
-        doc = json.loads(path.read_text())
-        for key in keys:
-            doc = doc[key]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return doc
-
-
 def _check_made_from(path: Path, keys: tuple[str, ...], final: int) -> None:
     """A result just made is from the final checkpoint, or the run fails: the newest checkpoint
     that verifies is an earlier one when the final one is damaged."""
-    made = _recorded(path, *keys)
+    made = recorded(path, *keys)
     if made != final:
         raise ValueError(f"{str(path)!r}: made from checkpoint step {made}, but training "
                          f"finished at step {final}, whose checkpoint does not verify")
