@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 from normlab import ModelConfig, build_model
 from normlab.checkpoint import list_checkpoints
 from normlab.config import load_config
+from normlab.model.config import POS_ENCODINGS
 from normlab.model.transformer import _segment_positions
 from normlab.tasks.addition import (
     IGNORE_INDEX,
@@ -29,6 +31,9 @@ from normlab.tasks.addition import (
     sample_problem,
 )
 from normlab.train import loss_on, train
+
+if TYPE_CHECKING:
+    from conftest import SdpaPast
 
 PROBLEMS = [("1+2", "3"), ("N45-67", "N112"), ("7", "7"), ("12+N3-N88", "97"), ("N5", "N5")]
 
@@ -68,8 +73,14 @@ def test_packed_batch_holds_the_same_tokens_and_targets(digit_positions: bool) -
 
 
 @pytest.mark.parametrize("placement", ["pre", "qkv"])
-@pytest.mark.parametrize("pos", ["rope", "learned"])
-def test_packed_logits_equal_each_problem_alone(placement: str, pos: str) -> None:
+@pytest.mark.parametrize("pos", POS_ENCODINGS)
+@pytest.mark.parametrize("path", ["default", "sdpa"])
+def test_packed_logits_equal_each_problem_alone(placement: str, pos: str, path: str,
+                                                sdpa_past: SdpaPast) -> None:
+    """On CPU's own paths (the explicit one, normlab's kernel) and on SDPA's, which takes the
+    block-diagonal mask on a GPU and on long CPU rows; under every positions option."""
+    if path == "sdpa":
+        sdpa_past(0)
     torch.manual_seed(0)
     model = build_model(ModelConfig(d_model=32, n_heads=2, n_layers=2, d_mlp=64, max_len=48,
                                     norm_placement=placement, pos_encoding=pos,
@@ -77,6 +88,15 @@ def test_packed_logits_equal_each_problem_alone(placement: str, pos: str) -> Non
     packed = make_batch(PROBLEMS, "decoder", "lsd", True, pack=True)
     with torch.no_grad():
         logits = model(packed["tokens"], aux=packed["aux"], segments=packed["segments"])
+        # no query attends across a problem's boundary (nor to the row's padding)
+        _, cache = model.run_with_cache(packed["tokens"], aux=packed["aux"],
+                                        segments=packed["segments"], names_filter=lambda n:
+                                        n.endswith("hook_pattern"))
+        seg = packed["segments"]
+        other = (seg[:, :, None] != seg[:, None, :]) & (seg[:, :, None] != 0)
+        for pattern in cache.values():
+            assert pattern.shape[1:2] == (2,) and not pattern.masked_fill(
+                ~other[:, None], 0).any()
         checked = 0
         for r in range(packed["tokens"].shape[0]):
             seg = packed["segments"][r]
@@ -129,6 +149,15 @@ def test_bad_pack_config_is_one_line() -> None:
         load_config(None, ["task.pack=true", "model.arch='encoder_decoder'"])
     with pytest.raises(ValueError, match="pack needs arch 'decoder'"):
         make_batch(PROBLEMS, "encoder_decoder", pack=True)
+    # the stream took both (it failed at its first batch, and packed for "no"); a bare
+    # question was "too many values to unpack"
+    with pytest.raises(ValueError, match=r"^pack needs arch 'decoder'; got 'encoder_decoder'"):
+        TrainStream([Cell(1, 1)], 0, 4, "encoder_decoder", pack=True)
+    with pytest.raises(ValueError, match=r"^pack: expected true or false; got 'no'"):
+        TrainStream([Cell(1, 1)], 0, 4, "decoder", pack="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^problems\[0\]: expected a \(question, answer\) "
+                                         r"pair; got '1\+2'"):
+        make_batch(["1+2"], "decoder")  # type: ignore[list-item]
     model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32))
     tokens = torch.ones(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match=r"segments: expected shape \(2, 5\)"):

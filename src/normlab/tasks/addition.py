@@ -405,7 +405,10 @@ def _sum_digits(cell: Cell) -> int:
 
 
 def max_seq_len(cells: Iterable[Cell], arch: str) -> int:
-    """Longest token sequence a model of ``arch`` sees for these cells, to size positions."""
+    """Positions a model of ``arch`` needs for these cells: the longest question beside the
+    longest answer, of any cells. No training row is that long (a row holds one cell's
+    question and answer), but greedy evaluation feeds it: every prompt may generate up to the
+    task's longest answer (`ResolvedTask.max_new`)."""
     _check_arch(arch)
     q, a = max_lengths(cells)
     if arch == "decoder":
@@ -740,6 +743,16 @@ def _check_digit_positions(answer_format: str, digit_positions: bool) -> None:
                          "(lsd or lsd_complement), not msd")
 
 
+def _check_pack(pack: object, arch: str) -> bool:
+    """`pack` as a bool, only for a decoder (`TrainStream` took an encoder-decoder's and
+    failed at its first batch, and "no" as true)."""
+    if not isinstance(pack, bool):
+        raise ValueError(f"pack: expected true or false; got {pack!r}")
+    if pack and arch != "decoder":
+        raise ValueError(f"pack needs arch 'decoder'; got {arch!r}")
+    return pack
+
+
 def make_batch(
     problems: Sequence[tuple[str, str]],
     arch: str,
@@ -762,8 +775,11 @@ def make_batch(
     _check_digit_positions(answer_format, digit_positions)
     if not problems:
         raise ValueError("make_batch needs at least one problem")
-    if pack and arch != "decoder":
-        raise ValueError("make_batch: pack needs arch 'decoder'")
+    _check_pack(pack, arch)
+    for i, pair in enumerate(problems):  # a bare string was "too many values to unpack"
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise ValueError(f"problems[{i}]: expected a (question, answer) pair; got "
+                             f"{pair!r:.60}")
     qs = [encode(q) for q, _ in problems]
     ans = [encode(format_answer(a, answer_format)) for _, a in problems]
     if arch == "decoder":
@@ -885,7 +901,7 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         self.answer_format = check_answer_format(answer_format)
         self.weights = weights
         self.digit_positions = digit_positions
-        self.pack = pack
+        self.pack = _check_pack(pack, arch)
         self._rng = np.random.Generator(np.random.PCG64(check_seed(seed)))
 
     def problems(self, count: int) -> list[tuple[str, str]]:
