@@ -799,6 +799,9 @@ def test_greedy_decode_names_its_own_arguments() -> None:
     encdec = build_model(cfg(arch="encoder_decoder", max_len=8, pos_encoding="learned",
                              vocab_size=16))
     assert greedy_decode(encdec, [[3] * 9, [4]], max_new=0, eos=-1) == [[], []]
+    for bad in ([[99, 3]], [[1.5, 2]], [[-3]]):  # ids still checked with nothing to generate
+        with pytest.raises(ValueError, match=r"^prompts\[0\]: expected integer ids in \[0, 16\)"):
+            greedy_decode(encdec, bad, max_new=0, eos=-1)
     digits = build_model(cfg(vocab_size=16, n_aux_positions=4))
     with pytest.raises(ValueError, match=r"^aux_fn: this model has ModelConfig.n_aux_positions "
                                          r"> 0; expected an aux_fn\(ids, part\)"):
@@ -834,5 +837,7 @@ def test_malformed_hook_arguments_are_named() -> None:
             model.run_with_cache(tokens, names_filter=bad)
     _, cache = model.run_with_cache(tokens, names_filter=(n for n in [name]))
     assert list(cache) == [name]
+    with pytest.raises(ValueError, match=r"^unknown hook 'blocks.0.hook_resid_per'"):
+        model.run_with_cache(tokens, names_filter=(n for n in ["blocks.0.hook_resid_per"]))
     _, cache = model.run_with_cache(tokens, names_filter=(name,))
     assert list(cache) == [name]

@@ -426,6 +426,8 @@ def test_a_model_it_cannot_convert_is_refused_before_its_weights_load(
     ({"activation_function": "gelu_fast"}, "GPT2LMHeadModel: activation_function: 'gelu_fast' "
                                            "is not supported"),
     ({"n_positions": 0}, "GPT2LMHeadModel: n_positions: expected"),
+    # the fields named in the text too (it said "n_heads=5")
+    ({"n_head": 5}, "GPT2LMHeadModel: n_embd: expected a multiple of n_head=5"),
 ])
 def test_config_refusals_name_the_folder_and_its_field(
     change: dict[str, Any], said: str, folders: dict[str, Path], tmp_path: Path,

@@ -189,7 +189,10 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
     # [run.analysis] is checked when the sweep is read, not after every run's training;
     # every error names the sweep file
     at = "^" + re.escape(f"sweep file {str(f)!r}: ")
-    for run, match in (('analysis = {n_draw = 8}', r"sweep\.run\.analysis\.n_draw: unknown key"),
+    for run, match in (('analysis = {n_draw = 8}', r"sweep\.run\.analysis\.n_draw: unknown key "
+                                                  r"\(did you mean 'n_draws'\?\)"),
+                       ('analyse = true', r"sweep\.run\.analyse: unknown key \(did you mean "
+                                          r"'analyze'\?\)"),
                        ('analysis = {sigmas = [-0.1]}', r"sweep\.run\.analysis: sigmas\[0\]: "),
                        ('analysis = {alpha = 0}', r"sweep\.run\.analysis: alpha: "),
                        ('analysis = {alpha = inf}', r"sweep\.run\.analysis: alpha: "),

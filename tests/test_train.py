@@ -1717,6 +1717,13 @@ def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys
     assert main(["compare", "--markdown", str(run)]) == 0
     out, err = capsys.readouterr()
     assert "| 10 |" in out and "*" not in out and err == ""
+    # a damaged train_done.json is said, not raised (eval failed after writing eval.json)
+    (run / "train_done.json").write_text('{"x": 1}')
+    assert main(["eval", str(run), "--force"]) == 0
+    assert "checkpoint step 10 (but train_done.json records no step to compare it with)" in \
+        capsys.readouterr().out
+    assert main(["compare", "--markdown", str(run)]) == 0
+    assert "| 10 * |" in capsys.readouterr().out
 
 
 def test_figures_and_messages_a_first_user_met(tmp_path: Path, capsys) -> None:

@@ -111,6 +111,8 @@ def check_seed(value: object, name: str = "seed") -> int:
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """" (did you mean 'x'?)" for the closest of `choices` to a misspelt `word`, else ""."""
+    if not isinstance(word, str):  # a key from Python (from_dict), not from TOML
+        return ""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

@@ -59,7 +59,8 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
         made = _recorded_step(old, "checkpoint", "step")
         why = stale(Path(run_dir), made, None) if made is not None else None
         if why:
-            raise ValueError(f"{str(old)!r} already exists, {why}; pass --force to overwrite it")
+            raise ValueError(f"{str(old)!r} already exists, made from step {made}, {why}; pass "
+                             "--force to overwrite it")
     refuse_overwrite(Path(run_dir), "eval.json", force)
     cfg, model, meta = load_run(run_dir)
     torch.set_num_threads(cfg.train.threads)
@@ -109,17 +110,20 @@ def _per_cell(result: dict[str, Any]) -> str:
 
 def stale(run_dir: Path, step: int, limit: int | None) -> str | None:
     """Why an evaluation of `run_dir` made from checkpoint `step` (on `limit` questions a cell)
-    is not the finished run's, or None: a run evaluated, then resumed, kept the earlier
-    checkpoint's accuracy in `compare`, unmarked."""
-    from normlab.io import read_json
-    from normlab.train import DONE, DONE_RECORD
+    is not the finished run's, to follow "made from step N, ", or None: a run evaluated, then
+    resumed, kept the earlier checkpoint's accuracy in `compare`, unmarked."""
+    from normlab.io import recorded
+    from normlab.train import DONE
 
     done = Path(run_dir) / DONE
+    final = recorded(done, "step")  # a damaged record is said, not raised after eval wrote
     why = []
     if not done.is_file():
-        why.append(f"made from step {step}, before training finished (no {DONE})")
-    elif (final := read_json(done, *DONE_RECORD)["step"]) != step:
-        why.append(f"made from step {step}, but training finished at step {final}")
+        why.append(f"before training finished (no {DONE})")
+    elif not isinstance(final, int) or isinstance(final, bool):
+        why.append(f"but {DONE} records no step to compare it with")
+    elif final != step:
+        why.append(f"but training finished at step {final}")
     if limit is not None:
         why.append(f"on at most {limit} questions a cell (--limit)")
     return "; ".join(why) or None
@@ -149,8 +153,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     result = eval_run(Path(args.run_dir), limit=args.limit, force=args.force)
     step = result["checkpoint"]["step"]
     why = stale(Path(args.run_dir), step, None)
-    print(f"checkpoint step {step}" + (f" ({why.removeprefix(f'made from step {step}, ')})"
-                                        if why else ""))
+    print(f"checkpoint step {step}" + (f" ({why})" if why else ""))
     for split, r in result["splits"].items():
         lo, hi = r["ci95"]
         print(
@@ -206,8 +209,9 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
         step = _recorded_step(d / "eval.json", "checkpoint", "step")  # None: not recorded
         why = None if step is None else stale(d, step, r.get("limit"))
         if why:  # marked in the table and said once, with the remedy
-            print(f"normlab: {str(d / 'eval.json')!r}: {why}; `normlab eval {d} --force` "
-                  "evaluates the newest checkpoint on every question", file=sys.stderr)
+            print(f"normlab: {str(d / 'eval.json')!r}: made from step {step}, {why}; `normlab "
+                  f"eval {d} --force` evaluates the newest checkpoint on every question",
+                  file=sys.stderr)
         cells = []
         for s in splits:
             v = r["splits"].get(s)

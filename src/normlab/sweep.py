@@ -181,7 +181,9 @@ def _sweep_specs(data: dict[str, Any], path: Path, out: Path) -> list[RunSpec]:
     run = _sweep_value(data, "run", dict, {}, "a table")
     for key in run:
         if key not in ("analyze", "analysis"):
-            raise ValueError(f"sweep.run.{key}: unknown key; expected analyze or analysis")
+            raise ValueError(f"sweep.run.{key}: unknown key"
+                             f"{did_you_mean(key, ('analyze', 'analysis'))}; expected analyze or "
+                             "analysis")
     analyze, analysis = run.get("analyze", True), run.get("analysis", {})
     if not isinstance(analyze, bool):
         raise ValueError(f"sweep.run.analyze: expected true or false; got {analyze!r}")

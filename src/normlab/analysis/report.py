@@ -52,7 +52,7 @@ from normlab.analysis.interference import (
     synthetic_interference,
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
-from normlab.checks import check_int, check_seed, check_sigmas, is_int
+from normlab.checks import check_int, check_seed, check_sigmas, did_you_mean, is_int
 from normlab.io import atomic_write_bytes, provenance, write_json
 
 if TYPE_CHECKING:
@@ -137,8 +137,8 @@ def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
     keys must be its keyword arguments, and the values pass the checks it makes first."""
     for key in args:
         if key not in ANALYSIS_DEFAULTS:
-            raise ValueError(f"{where}.{key}: unknown key; expected one of "
-                             f"{', '.join(ANALYSIS_DEFAULTS)}")
+            raise ValueError(f"{where}.{key}: unknown key{did_you_mean(key, ANALYSIS_DEFAULTS)}"
+                             f"; expected one of {', '.join(ANALYSIS_DEFAULTS)}")
     a = ANALYSIS_DEFAULTS | args
     if not isinstance(a["figures"], bool):
         raise ValueError(f"{where}.figures: expected true or false; got {a['figures']!r}")

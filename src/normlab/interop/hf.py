@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging as std_logging
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -233,8 +234,9 @@ def hf_model_config(c: Any, name: str) -> ModelConfig:
         return conv.config(c)
     except (ValueError, TypeError, AttributeError) as err:
         message = first_line(err)
-        for ours, theirs in conv.fields.items():
+        for ours, theirs in conv.fields.items():  # the field, and fields named in the text
             message = message.replace(f"ModelConfig.{ours}:", f"{theirs}:")
+            message = re.sub(rf"\b{ours}=", f"{theirs}=", message)
         raise ValueError(f"{name}: {message}") from None
 
 

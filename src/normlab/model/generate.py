@@ -149,6 +149,7 @@ def greedy_decode(
         raise ValueError("aux_fn: this model takes no aux positions (ModelConfig."
                          "n_aux_positions = 0); expected None")
     if not max_new:  # nothing to generate: an encoder-decoder ran its encoder on the prompts
+        _pad(prompts, pad, True, "prompts", vocab)  # the ids still checked
         return [[] for _ in prompts]
     if cfg.position_table:
         _check_room(prompts, max_new, cfg.max_len, isinstance(model, EncoderDecoderLM))

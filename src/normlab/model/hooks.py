@@ -204,6 +204,8 @@ class HookedModule(nn.Module):
         self, *args: Any, names_filter: NameFilter = None, detach: bool = True, **kwargs: Any
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         """Forward and return `(output, cache)` with every (filtered) hooked tensor."""
+        if isinstance(names_filter, Iterator):  # read once: a typo in a generator went unsaid
+            names_filter = list(names_filter)
         match = _matcher(names_filter)
         points = self.hook_points()
         if isinstance(names_filter, str):

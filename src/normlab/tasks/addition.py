@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from normlab.checks import check_int, check_seed
+from normlab.checks import check_int, check_seed, did_you_mean
 
 __all__ = [
     "ANSWER_FORMATS",
@@ -549,7 +549,8 @@ class TaskConfig:
         allowed = [f.name for f in fields(cls)]
         for key in table:
             if key not in allowed:
-                raise ValueError(f"task: unknown key {key!r} (allowed: {', '.join(allowed)})")
+                raise ValueError(f"task: unknown key {key!r}{did_you_mean(key, allowed)} "
+                                 f"(allowed: {', '.join(allowed)})")
         return cls(**dict(table))
 
     def resolve(self) -> ResolvedTask:
