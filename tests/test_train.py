@@ -1773,3 +1773,113 @@ def test_figures_and_messages_a_first_user_met(tmp_path: Path, capsys) -> None:
     assert code == 2 and err.startswith(f"normlab: error: {str(fresh)!r}: no split 'trian' in "
                                         "the run's task (config.toml's splits: ")
     assert main(["compare", "--curve", "train", "--markdown", str(fresh)]) == 0
+
+
+def test_a_log_step_counts_the_wait_for_queued_steps(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the log step's read-backs (the losses, the token count) wait for every step
+    still queued; the clock was read before them, so that wait was never counted (elapsed_s
+    short, tokens_per_s high). Simulated here: a token count whose read-back takes 0.3 s."""
+    import time
+
+    import normlab.train as tr
+
+    class Queued:
+        """A count on the device: reading it back waits for the queue."""
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __radd__(self, other: int) -> Queued:  # the first step's: 0 + count
+            return Queued(other + self.n)
+
+        def __add__(self, other: Queued) -> Queued:
+            return Queued(self.n + other.n)
+
+        def __int__(self) -> int:
+            time.sleep(0.3)
+            return self.n
+
+    real = tr.loss_on
+
+    def queued(*args, **kwargs):  # type: ignore[no-untyped-def]
+        loss, n = real(*args, **kwargs)
+        return loss, Queued(int(n))
+
+    monkeypatch.setattr(tr, "loss_on", queued)
+    train(cfg("train.steps=4", "train.log_every=2", "train.eval_every=100",
+              "train.checkpoint_every=100"), tmp_path / "run", progress=False)
+    logs = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [2, 4]
+    assert logs[0]["elapsed_s"] >= 0.3 and logs[1]["elapsed_s"] >= 0.6
+
+
+def test_training_steps_equal_a_hand_written_adamw_loop(tmp_path: Path) -> None:
+    """Four steps of `train` against the same steps written out: the cross-entropy over the
+    answer tokens, the gradient clipped to norm 1, AdamW by its formulas (weight decay on
+    the `W_*` matrices only), at a warm-up then linear lr by hand. Dropping the line that sets
+    each step's lr (every step at the peak) passed every test before this one."""
+    import math
+
+    import torch.nn.functional as F
+
+    from normlab.tasks.addition import IGNORE_INDEX, TrainStream
+    from normlab.train import load_run
+
+    c = cfg("train.steps=4", "train.warmup_steps=2", "train.schedule='linear'",
+            "train.min_lr_ratio=0.1", "train.checkpoint_every=4", "train.eval_every=4")
+    t = c.train
+    train(c, tmp_path / "run", progress=False)
+    _, trained, _ = load_run(tmp_path / "run")
+
+    torch.manual_seed(t.seed)  # as train builds its model
+    model = build_model(c.model)
+    task = c.task.resolve()
+    stream = TrainStream(task.train_cells, seed=t.seed, batch_size=t.batch_size,
+                         arch=c.model.arch, answer_format=task.answer_format,
+                         weights=task.train_weights, digit_positions=task.digit_positions)
+    params = dict(model.named_parameters())
+    m = {n: torch.zeros_like(p) for n, p in params.items()}
+    v = {n: torch.zeros_like(p) for n, p in params.items()}
+    for s in range(t.steps):
+        if s < t.warmup_steps:
+            lr = t.lr * (s + 1) / t.warmup_steps
+        else:
+            f = (s - t.warmup_steps) / (t.steps - t.warmup_steps)
+            lr = t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * (1 - f))
+        b = next(stream)
+        logits = model(b["tokens"], aux=b.get("aux"))
+        loss = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten(),
+                               ignore_index=IGNORE_INDEX)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params.values()))
+        clip = min(1.0, t.grad_clip / (norm + 1e-6))
+        with torch.no_grad():
+            for n, p in params.items():
+                g = p.grad * clip
+                if n.rsplit(".", 1)[-1].startswith("W_"):
+                    p.mul_(1 - lr * t.weight_decay)
+                m[n].mul_(t.beta1).add_((1 - t.beta1) * g)
+                v[n].mul_(t.beta2).add_((1 - t.beta2) * g * g)
+                m_hat, v_hat = m[n] / (1 - t.beta1 ** (s + 1)), v[n] / (1 - t.beta2 ** (s + 1))
+                p.sub_(lr * m_hat / (v_hat.sqrt() + 1e-8))
+    got = dict(trained.named_parameters())
+    for n, p in params.items():
+        torch.testing.assert_close(got[n], p, atol=2e-6, rtol=1e-4, msg=n)
+
+
+def test_a_stop_condition_first_met_at_the_last_step_is_no_early_stop(tmp_path: Path,
+                                                                       capsys) -> None:
+    """It printed "early stop at step 4" and recorded early_stopped, for a run that trained
+    every step of its budget."""
+    last = train(cfg("train.steps=4", "train.eval_every=4", "train.early_stop_accuracy=0"),
+                 tmp_path / "run", progress=False)
+    assert last["step"] == 4 and "early_stopped" not in last
+    assert "early stop" not in capsys.readouterr().err
+    done = json.loads((tmp_path / "run" / "train_done.json").read_text())
+    assert done["step"] == 4 and "early_stopped" not in done
+    # one step earlier it is one: stopped at step 2 of 4
+    last = train(cfg("train.steps=4", "train.eval_every=2", "train.early_stop_accuracy=0"),
+                 tmp_path / "run2", progress=False)
+    assert last["step"] == 2 and last["early_stopped"]

@@ -523,8 +523,6 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
             opt.step()
             step += 1
             tok_count += n_tok
-            now = time.perf_counter()
-            elapsed_now = elapsed + (now - t0)
             # an evaluation step is logged too: nested in the log steps, evaluations at steps
             # that were not log steps were skipped
             evaluate_now = step % tc.eval_every == 0 or step == tc.steps
@@ -535,10 +533,16 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
             if log_now or checkpoint_now or len(pending) >= CHECK_LOSSES_EVERY:
                 check_losses()
             if log_now:
-                tps = int(tok_count) / max(now - t0, 1e-9)
+                # the clock read after the read-backs, which wait for every step a GPU still
+                # has queued: read before them, that wait was never counted (elapsed_s short,
+                # tokens_per_s high on CUDA)
+                tokens, loss_now = int(tok_count), loss.item()
+                now = time.perf_counter()
+                elapsed_now = elapsed + (now - t0)
+                tps = tokens / max(now - t0, 1e-9)
                 last = {
                     "step": step,
-                    "loss": loss.item(),
+                    "loss": loss_now,
                     "lr": lr,
                     "tokens_per_s": tps,
                     "elapsed_s": elapsed_now,
@@ -557,8 +561,9 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
                 )
                 bar.update(step, info)
                 elapsed, tok_count, t0 = elapsed_now, 0, time.perf_counter()
-            stop = (
-                "accuracy" in last
+            stop = (  # not at the last step: the run trained its whole budget, no early stop
+                step < tc.steps
+                and "accuracy" in last
                 and last["step"] == step
                 and (best >= tc.early_stop_accuracy or (tc.patience and stale >= tc.patience))
             )
