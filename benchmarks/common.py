@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import glob
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -52,18 +54,32 @@ def positive_ints(text: str) -> list[int]:
 
 def refuse_overwrite(parser: argparse.ArgumentParser, path: str | Path | None, force: bool,
                      flag: str = "--out") -> None:
-    """Before any work: an existing result file is replaced only when asked (`--force`)."""
+    """Before any work: an existing result file is replaced only when asked (`--force`), and
+    the file can be written (a folder, or a folder this process cannot write to, failed at the
+    end, after every benchmark had run). Its name is a name, not a pattern: `r[1].json` was
+    replaced unasked, since as a pattern it matches `r1.json` and not itself."""
     if path is None:
         return
+    path = Path(path)
     try:
-        io.refuse_overwrite(Path(path).parent, Path(path).name, force)
+        if path.is_dir():
+            raise ValueError(f"{str(path)!r} is a folder; expected a file to write the result to")
+        try:
+            io.check_out_folder(path.parent)
+        except ValueError as err:  # its words are --out's, of the folder
+            raise ValueError(f"{str(path)!r} cannot be written: "
+                             f"{str(err).split(': ', 1)[-1]}") from None
+        io.refuse_overwrite(path.parent, glob.escape(path.name), force)
     except ValueError as err:
         parser.error(f"{flag}: {err}")
 
 
 def write_result(path: str | Path, obj: Any) -> None:
-    """A result JSON, written atomically (a crash leaves the old file or the new, never half)."""
-    atomic_write_text(Path(path), json.dumps(obj, indent=1, default=str) + "\n")
+    """A result JSON, written atomically (a crash leaves the old file or the new, never half),
+    with the command that made it (`--quick`, `--repeats`, the benchmark's own flags: a single
+    benchmark's file recorded none of them)."""
+    doc = {"command": list(sys.argv)} | obj if isinstance(obj, dict) else obj
+    atomic_write_text(Path(path), json.dumps(doc, indent=1, default=str) + "\n")
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -198,7 +214,8 @@ def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, Any]:
     rs = [a / b for a, b in zip(num, den, strict=True) if b > 0]
     ci = median_ci(rs)
     return {"median": median(rs), "min": min(rs), "max": max(rs), "n": len(rs),
-            "ci": [ci["lo"], ci["hi"]], "ci_coverage": ci["coverage"]}
+            "ci": [ci["lo"], ci["hi"]], "ci_coverage": ci["coverage"],
+            "ratios": rs}  # each repeat's, so the CI can be recomputed from the file
 
 
 def summary(times: Sequence[float]) -> dict[str, Any]:
@@ -206,7 +223,8 @@ def summary(times: Sequence[float]) -> dict[str, Any]:
     its coverage), from which a quantity over the time (MFU) takes its own."""
     ci = median_ci(times)
     return {"median_s": median(times), "min_s": min(times), "max_s": max(times), "n": len(times),
-            "ci_s": [ci["lo"], ci["hi"]], "ci_coverage": ci["coverage"]}
+            "ci_s": [ci["lo"], ci["hi"]], "ci_coverage": ci["coverage"],
+            "times_s": list(times)}  # each repeat's, so the CI can be recomputed from the file
 
 
 def _cpu_model() -> str:

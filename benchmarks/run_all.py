@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out = ROOT / "runs" / "bench" / f"results-{stamp}.json"
     refuse_overwrite(parser, args.out, args.force)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]
+    if not chosen:  # ran nothing and wrote an empty result, exit 0
+        parser.error(f"--only: expected a comma-separated subset of {', '.join(ORDER)}; got "
+                     f"{args.only!r}")
     for name in chosen:
         if name not in MODULES:
             parser.error(f"--only: unknown benchmark {name!r}; expected {', '.join(ORDER)}")

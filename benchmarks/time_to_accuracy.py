@@ -57,6 +57,7 @@ def first_reach(run_dir: Path, threshold: float, split: str) -> dict[str, Any]:
         records = read_metrics(run_dir)
     except (FileNotFoundError, ValueError) as err:
         return out | {"error": str(err)}
+    out["splits"] = sorted({s for rec in records for s in rec.get("accuracy", {})})
     for rec in records:
         acc = rec.get("accuracy", {}).get(split)
         if acc is not None and acc >= threshold:
@@ -91,13 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="overwrite an existing --json")
     args = parser.parse_args(argv)
     refuse_overwrite(parser, args.json, args.force, flag="--json")
+    # each was read as a run that never reached it (exit 0): -1 as reached at once
+    if not 0 < args.threshold <= 1:
+        parser.error(f"--threshold: expected an accuracy in (0, 1]; got {args.threshold}")
+    for run in args.runs:
+        if not run.is_dir():
+            parser.error(f"{str(run)!r}: expected a run folder; it does not exist")
     rows = [first_reach(r, args.threshold, args.split) for r in args.runs]
+    logged = {s for r in rows for s in r.get("splits", ())}
+    if logged and args.split not in logged:
+        parser.error(f"--split: no run logged {args.split!r} (logged: {', '.join(sorted(logged))})")
     groups = summarise(rows)
     print(f"first evaluation with accuracy.{args.split} >= {args.threshold}\n")
     print("| run | placement | step | elapsed s |\n|---|---|---|---|")
     for r in rows:
         if r["reached"]:
-            print(f"| {r['run']} | {r['placement']} | {r['step']} | {r['elapsed_s']:.1f} |")
+            secs = "—" if r["elapsed_s"] is None else f"{r['elapsed_s']:.1f}"  # an older log's
+            print(f"| {r['run']} | {r['placement']} | {r['step']} | {secs} |")
         else:
             note = r.get("error") or f"not reached (last step {r.get('last_step')})"
             print(f"| {r['run']} | {r['placement']} | {note} | — |")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,10 @@ def test_ratio_stats_reports_the_median_and_its_ci_of_paired_ratios() -> None:
     assert (st["median"], st["min"], st["max"], st["n"]) == (3.0, 2.0, 4.0, 3)
     assert st["ci"] == [2.0, 4.0] and st["ci_coverage"] == pytest.approx(0.75)
     assert common.rci(st) == "2.00–4.00 (75%)" and common.rci(None) == "—"
+    # each repeat is kept, so a reader can recompute the interval from the file
+    assert st["ratios"] == [2.0, 3.0, 4.0]
+    t = common.summary([0.3, 0.1, 0.2])
+    assert t["times_s"] == [0.3, 0.1, 0.2] and t["median_s"] == 0.2 and t["ci_s"] == [0.1, 0.3]
 
 
 @pytest.mark.parametrize("argv", [["--threads", "0"], ["--repeats", "-2"], ["--threads", "two"]])
@@ -168,7 +173,8 @@ def test_an_existing_result_file_is_replaced_only_with_force(tmp_path: Path, mon
     assert out.read_text() == '{"kept": true}'
     monkeypatch.setattr(sys, "argv", ["bench_x.py", "--out", str(out), "--force"])
     common.bench_main("doc", run, lambda res: "")
-    assert ran == [1] and out.read_text() == '{\n "new": true\n}\n'
+    assert ran == [1] and json.loads(out.read_text()) == {
+        "command": ["bench_x.py", "--out", str(out), "--force"], "new": True}
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temp file left
 
 
@@ -177,12 +183,71 @@ def test_time_to_accuracy_json_is_replaced_only_with_force(tmp_path: Path, capsy
 
     out = tmp_path / "tta.json"
     out.write_text("{}")
+    run = tmp_path / "run"
+    run.mkdir()  # a run folder with no log yet: a row saying so
     with pytest.raises(SystemExit) as exit_info:
-        time_to_accuracy.main([str(tmp_path / "no-run"), "--json", str(out)])
+        time_to_accuracy.main([str(run), "--json", str(out)])
     assert exit_info.value.code == 2 and out.read_text() == "{}"
     assert "--json: " in capsys.readouterr().err
-    assert time_to_accuracy.main([str(tmp_path / "no-run"), "--json", str(out), "--force"]) == 0
+    assert time_to_accuracy.main([str(run), "--json", str(out), "--force"]) == 0
     assert '"runs"' in out.read_text()
+
+
+def test_time_to_accuracy_refuses_what_cannot_be_reached(tmp_path: Path, capsys) -> None:
+    """A threshold of -1 counted a run as reached at its first evaluation, one of 2 or NaN and
+    a misspelt split read "0 / 1 reached", a missing folder became a row: each exit 0."""
+    import json as _json
+
+    import time_to_accuracy
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(_json.dumps({"step": 5, "accuracy": {"train": 0.5}})
+                                       + "\n")
+    for argv, said in (([str(run), "--threshold", "-1"], "--threshold: expected an accuracy in "
+                                                         "(0, 1]; got -1.0"),
+                       ([str(run), "--threshold", "nan"], "--threshold: expected"),
+                       ([str(run), "--threshold", "2"], "--threshold: expected"),
+                       ([str(run), "--split", "trian"], "--split: no run logged 'trian' "
+                                                         "(logged: train)"),
+                       ([str(tmp_path / "nope")], "expected a run folder; it does not exist")):
+        with pytest.raises(SystemExit) as exit_info:
+            time_to_accuracy.main(argv)
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err, argv
+    assert time_to_accuracy.main([str(run), "--threshold", "0.5"]) == 0
+    assert "| 1 / 1 |" in capsys.readouterr().out
+
+
+def test_a_result_file_is_checked_as_a_name_and_as_writable_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """`--out r[1].json` matched r1.json as a pattern and replaced itself unasked; a folder, or
+    a folder this process cannot write, failed after every benchmark had run; --only '' ran
+    nothing and wrote an empty result."""
+    import run_all
+
+    ran = []
+
+    def run(args: object) -> dict:
+        ran.append(1)
+        return {}
+
+    (tmp_path / "r1.json").write_text("{}")
+    (tmp_path / "r[1].json").write_text('{"kept": true}')
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out, said in ((tmp_path / "r[1].json", "already exists; pass --force"),
+                      (tmp_path, "is a folder; expected a file to write the result to"),
+                      (blocker / "r.json", "cannot be written: expected a folder")):
+        monkeypatch.setattr(sys, "argv", ["bench_x.py", "--out", str(out)])
+        with pytest.raises(SystemExit) as exit_info:
+            common.bench_main("doc", run, lambda res: "")
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err, out
+    assert not ran and (tmp_path / "r[1].json").read_text() == '{"kept": true}'
+    with pytest.raises(SystemExit):
+        run_all.main(["--out", str(tmp_path / "new.json"), "--only", ",,"])
+    assert "--only: expected a comma-separated subset" in capsys.readouterr().err
+    assert not (tmp_path / "new.json").exists()
 
 
 def test_run_all_writes_a_new_file_under_runs_bench_by_default(tmp_path: Path, monkeypatch,

@@ -137,8 +137,9 @@ def test_an_evaluation_made_by_hand_with_a_limit_is_made_again(
 @pytest.mark.parametrize(("flags", "message"), [
     (["--jobs", str(2**31)], r"^normlab: error: --jobs: expected an int in \[1, 65536\) runs at "
                              r"once; got 2147483648$"),
-    (["--device", "cuda"], r"^normlab: error: train\.device: 'cuda' requested but no CUDA "
-                           r"device is available$"),
+    # the flag, not the runs' train.device, which it overrides
+    (["--device", "cuda"], r"^normlab: error: --device cuda: requested but no CUDA device is "
+                           r"available$"),
 ])
 def test_a_refused_reproduce_writes_no_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 flags: list[str], message: str) -> None:
@@ -171,3 +172,27 @@ def test_a_run_made_with_another_config_is_named_in_reproduces_words(
     assert ("the 'smoke' profile's config changed since that run was made (another normlab "
             "version?): give --out a new folder, or remove that run's folder") in err
     assert "sweep file" not in err
+
+
+def test_a_profile_changed_since_its_runs_is_refused_before_the_report(
+        smoke: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile whose definition changed since its runs were made (a new normlab): each
+    finished run was refused alone, after manifest.json was rewritten to the new configs and
+    the good report replaced by "0/4 runs ok" with every claim inconclusive."""
+    import dataclasses
+    import shutil
+
+    from normlab import reproduce
+
+    out = tmp_path / "smoke"
+    shutil.copytree(smoke, out)
+    kept = {p: p.read_bytes() for p in (out / "manifest.json", out / "report.md",
+                                        out / "summary.json")}
+    changed = dataclasses.replace(reproduce.PROFILES["smoke"], overrides={
+        **reproduce.PROFILES["smoke"].overrides, "train.lr": 0.5})
+    monkeypatch.setitem(reproduce.PROFILES, "smoke", changed)
+    assert main(["reproduce", "--profile", "smoke", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.lr" in err and "the 'smoke' profile's config changed since that run" in err
+    assert {p: p.read_bytes() for p in kept} == kept

@@ -103,13 +103,17 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str |
             what = f"{foreign[0]!r}, which reproduce does not write" if foreign else "no runs/"
             raise ValueError(f"--out {str(out)!r} holds files but no manifest.json and "
                              f"{what}; give the {profile!r} profile a folder of its own")
-        from normlab.config import RunConfig
-        from normlab.train import check_saved_config
+    # every run made already must be this profile's as it stands (its definition may have
+    # changed since the manifest was written): checked before the manifest and the report
+    # are rewritten, where each run refused alone replaced a good report with "0/4 runs ok"
+    from normlab.config import RunConfig
+    from normlab.train import check_saved_config
 
-        for s in specs:
-            check_saved_config(Path(s.out), RunConfig.from_dict(s.config), (
-                "reproduce", f"--out {str(out)!r} holds other runs: give the {profile!r} "
-                "profile a folder of its own"))
+    foreign_runs = ("reproduce", f"--out {str(out)!r} holds other runs: give the {profile!r} "
+                    "profile a folder of its own")
+    for s in specs:  # with a manifest they are this profile's runs, made at another version
+        check_saved_config(Path(s.out), RunConfig.from_dict(s.config),
+                           tuple(s.remedy) if manifest.is_file() else foreign_runs)
     with FolderLock(SWEEPING) as lock:
         lock.take(out)  # made now, and held while the runs and the report are written
         return _run_and_report(profile, out, specs, manifest, jobs, device, progress)

@@ -335,7 +335,14 @@ def check_execute(specs: list[RunSpec], *, backend: str = "local", jobs: int | N
         # failed with it in turn (a finished run's eval and analysis run on the CPU)
         for name in sorted({device or s.config.get("train", {}).get("device", "auto")
                             for s in specs if not (Path(s.out) / DONE).is_file()}):
-            pick_device(name)
+            try:
+                pick_device(name)
+            except ValueError as err:  # the flag the user typed, where it set the device
+                if device is None:
+                    raise
+                raise ValueError(f"--device {device}: "
+                                 f"{str(err).removeprefix(f'train.device: {device!r} ')}"
+                                 ) from None
 
 
 def execute(
