@@ -205,6 +205,8 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     log = (out / "run.log").read_text()
     assert log.rstrip().endswith("UTC " + full["info"]["date"][:4])
     assert "sync_check: skipped (CUDA's sync debug mode needs a GPU)" in log
+    # before the training runs, which a lease may cut short; those finished within TTA_LIMIT
+    assert log.index("sync_check:") < log.index("[pre-s0]") and "stopped at TTA_LIMIT" not in log
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}  # run again: refused, kept
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)

@@ -12,7 +12,9 @@
 #   nvidia-smi.txt; gpu_full.json and gpu_full.md (run_all.py: train step, MFU, packing,
 #   decoding and hooks; the collapse sweep and the scaling runs are CPU-only and say so);
 #   tta.json (time to 99% on the train cells, default recipes, SEEDS, default one seed each:
-#   three would not fit a 15-minute lease); run.log (everything printed; near its end
+#   three would not fit a 15-minute lease; each run stopped after TTA_LIMIT seconds, default
+#   120, so that the summary is written within the device tool's 10-minute call: a run stopped
+#   there reads "not reached"); run.log (everything printed; after the benchmarks,
 #   sync_check.py's line: does a training step make the host wait for the GPU?).
 # About 5 minutes on an H100 is the plan; nothing here has run on a GPU yet (no GPU has been
 # lent to this project so far), so read run.log first.
@@ -55,6 +57,8 @@ status=0
 "$py" benchmarks/run_all.py --device "$device" --only train_step,mfu,packing,decode,hooks \
   "${quick[@]}" --no-plot --force --out "$out/gpu_full.json" > "$out/gpu_full.md" || status=1
 cat "$out/gpu_full.md"
+# before the training runs, which a lease may cut short
+"$py" benchmarks/gpu/sync_check.py --device "$device" || status=1
 date -u
 # time to accuracy: the runs go to a scratch folder (too many files to bring back), then
 # one summary; one run at a time, as benchmarks/tta_runs.sh does on the CPU
@@ -63,14 +67,19 @@ trap 'rm -rf "$runs"' EXIT
 steps=()
 [ -n "${QUICK:-}" ] && steps=(--set train.steps=20 --set train.eval_every=10 \
   --set train.checkpoint_every=10 --set train.eval_examples=8)
+limit=${TTA_LIMIT:-120}
 for seed in $seeds; do
   for placement in pre qkv; do
-    "$py" -m normlab.cli train --config "configs/addition/$placement.toml" \
+    # Ctrl-C at the limit (normlab closes its log; KILL 10 s later if it did not stop)
+    timeout -s INT -k 10 "$limit" "$py" -m normlab.cli train \
+      --config "configs/addition/$placement.toml" \
       --out "$runs/$placement-s$seed" --seed "$seed" --device "$device" \
-      --set train.early_stop_accuracy=0.99 "${steps[@]}" || status=1
+      --set train.early_stop_accuracy=0.99 "${steps[@]}"
+    rc=$?
+    [ "$rc" = 124 ] && echo "run.sh: $placement-s$seed stopped at TTA_LIMIT=$limit s"
+    [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1  # stopped at the limit: read as not reached
   done
 done
 "$py" benchmarks/time_to_accuracy.py "$runs"/*/ --json "$out/tta.json" --force || status=1
-"$py" benchmarks/gpu/sync_check.py --device "$device" || status=1
 date -u
 finish $status
