@@ -71,7 +71,7 @@ def matmul_peak(
         times.append(time.perf_counter() - t0)
     flops = 2 * n**3
     return {"n": n, "best_flops_per_s": flops / min(times),
-            "median_flops_per_s": flops / summary(times)["median_s"]}
+            "median_flops_per_s": flops / summary(times)["median_s"], "times_s": times}
 
 
 def n_matmul(model: torch.nn.Module) -> int:
@@ -110,6 +110,8 @@ def _utilisation(f: dict[str, float], step: dict[str, Any], peak: float) -> dict
     out: dict[str, Any] = {"median_s": s, "flops_per_s": f["flops"] / s,
                            "mfu": f["flops"] / s / peak,
                            "mfu_causal": f["causal_flops"] / s / peak}
+    if "times_s" in step:  # each repeat's, as every timing keeps them
+        out["times_s"] = step["times_s"]
     if "ci_s" in step:
         lo, hi = step["ci_s"]
         out["mfu_ci"] = [f["flops"] / hi / peak, f["flops"] / lo / peak]

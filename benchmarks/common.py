@@ -66,19 +66,26 @@ def refuse_overwrite(parser: argparse.ArgumentParser, path: str | Path | None, f
             raise ValueError(f"{str(path)!r} is a folder; expected a file to write the result to")
         try:
             io.check_out_folder(path.parent)
-        except ValueError as err:  # its words are --out's, of the folder
-            raise ValueError(f"{str(path)!r} cannot be written: "
-                             f"{str(err).split(': ', 1)[-1]}") from None
+        except ValueError as err:  # its words are --out's, of the folder: said of the file's
+            said = str(err).removeprefix(f"--out {str(path.parent)!r}: ")
+            raise ValueError(f"{str(path)!r} cannot be written: its folder "
+                             f"{str(path.parent)!r}: {said}") from None
         io.refuse_overwrite(path.parent, glob.escape(path.name), force)
     except ValueError as err:
         parser.error(f"{flag}: {err}")
 
 
-def write_result(path: str | Path, obj: Any) -> None:
+def command(argv: Sequence[str] | None = None) -> list[str]:
+    """The command line a result was made by: the script and `argv` as its `main` got them
+    (called from Python, `sys.argv` is the caller's), else the process's own."""
+    return list(sys.argv) if argv is None else [Path(sys.argv[0]).name, *argv]
+
+
+def write_result(path: str | Path, obj: Any, argv: Sequence[str] | None = None) -> None:
     """A result JSON, written atomically (a crash leaves the old file or the new, never half),
     with the command that made it (`--quick`, `--repeats`, the benchmark's own flags: a single
-    benchmark's file recorded none of them)."""
-    doc = {"command": list(sys.argv)} | obj if isinstance(obj, dict) else obj
+    benchmark's file recorded none of them); `argv`: as its `main` got them."""
+    doc = {"command": command(argv)} | obj if isinstance(obj, dict) else obj
     atomic_write_text(Path(path), json.dumps(doc, indent=1, default=str) + "\n")
 
 

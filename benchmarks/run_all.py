@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": time.perf_counter() - t_start, "results": results,
         "headlines": heads,
     }
-    write_result(args.out, doc)
+    write_result(args.out, doc, argv)
     print(f"total {doc['total_seconds']:.0f} s; wrote {args.out}" + (f"; {note}" if note else ""))
     drawn = plot.filled(results) if figures else []
     stale = [str(p) for p, name in figures.items() if name not in drawn and p.exists()]

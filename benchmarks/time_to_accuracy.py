@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threshold: expected an accuracy in (0, 1]; got {args.threshold}")
     for run in args.runs:
         if not run.is_dir():
-            parser.error(f"{str(run)!r}: expected a run folder; it does not exist")
+            what = "is a file" if run.exists() else "does not exist"
+            parser.error(f"{str(run)!r}: expected a run folder; it {what}")
     rows = [first_reach(r, args.threshold, args.split) for r in args.runs]
     logged = {s for r in rows for s in r.get("splits", ())}
     if logged and args.split not in logged:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {g['reached']} / {g['runs']} | {step} | {sec} |")
     if args.json:
         write_result(args.json, {"threshold": args.threshold, "split": args.split,
-                                 "runs": rows, "by_placement": groups})
+                                 "runs": rows, "by_placement": groups}, argv)
     return 0
 
 

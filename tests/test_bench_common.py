@@ -210,12 +210,17 @@ def test_time_to_accuracy_refuses_what_cannot_be_reached(tmp_path: Path, capsys)
                        ([str(run), "--threshold", "2"], "--threshold: expected"),
                        ([str(run), "--split", "trian"], "--split: no run logged 'trian' "
                                                          "(logged: train)"),
-                       ([str(tmp_path / "nope")], "expected a run folder; it does not exist")):
+                       ([str(tmp_path / "nope")], "expected a run folder; it does not exist"),
+                       ([str(run / "metrics.jsonl")], "expected a run folder; it is a file")):
         with pytest.raises(SystemExit) as exit_info:
             time_to_accuracy.main(argv)
         assert exit_info.value.code == 2 and said in capsys.readouterr().err, argv
-    assert time_to_accuracy.main([str(run), "--threshold", "0.5"]) == 0
+    out = tmp_path / "tta.json"
+    assert time_to_accuracy.main([str(run), "--threshold", "0.5", "--json", str(out)]) == 0
     assert "| 1 / 1 |" in capsys.readouterr().out
+    # the command as main got it, not the caller's (pytest's) own
+    assert _json.loads(out.read_text())["command"] == [
+        Path(sys.argv[0]).name, str(run), "--threshold", "0.5", "--json", str(out)]
 
 
 def test_a_result_file_is_checked_as_a_name_and_as_writable_first(
@@ -238,7 +243,8 @@ def test_a_result_file_is_checked_as_a_name_and_as_writable_first(
     blocker.write_text("")
     for out, said in ((tmp_path / "r[1].json", "already exists; pass --force"),
                       (tmp_path, "is a folder; expected a file to write the result to"),
-                      (blocker / "r.json", "cannot be written: expected a folder")):
+                      (blocker / "r.json", f"cannot be written: its folder {str(blocker)!r}: "
+                                           "expected a folder for the results; it is a file")):
         monkeypatch.setattr(sys, "argv", ["bench_x.py", "--out", str(out)])
         with pytest.raises(SystemExit) as exit_info:
             common.bench_main("doc", run, lambda res: "")

@@ -67,4 +67,5 @@ def test_mfu_takes_its_interval_from_the_step_times() -> None:
     u = _utilisation(f, times, peak=2.0)
     assert (u["mfu"], u["mfu_causal"], u["mfu_ci"]) == (1.0, 0.75, [8 / 7 / 2, 4.0])
     assert u["ci_coverage"] == times["ci_coverage"]
+    assert u["times_s"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # kept, to recompute the CI
     assert "mfu_ci" not in _utilisation(f, {"median_s": 4.0}, peak=2.0)

@@ -1826,8 +1826,10 @@ def test_training_steps_equal_a_hand_written_adamw_loop(tmp_path: Path) -> None:
     from normlab.tasks.addition import IGNORE_INDEX, TrainStream
     from normlab.train import load_run
 
+    # a decay and an lr large enough that decaying every parameter, or none, is seen
     c = cfg("train.steps=4", "train.warmup_steps=2", "train.schedule='linear'",
-            "train.min_lr_ratio=0.1", "train.checkpoint_every=4", "train.eval_every=4")
+            "train.min_lr_ratio=0.1", "train.checkpoint_every=4", "train.eval_every=4",
+            "train.lr=1e-2", "train.weight_decay=0.5")
     t = c.train
     train(c, tmp_path / "run", progress=False)
     _, trained, _ = load_run(tmp_path / "run")
