@@ -1106,20 +1106,21 @@ def test_result_files_are_written_whole_readable_and_figures_too(tmp_path: Path)
 
     import matplotlib.pyplot as plt
 
-    from normlab.io import _umask, atomic_write_text, save_figure
+    from normlab.io import atomic_write_text, process_umask, save_figure
 
     old = os.umask(0o027)
     try:
-        assert _umask() == 0o027
+        assert process_umask() == 0o027
         atomic_write_text(tmp_path / "a.json", "{}")
         assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(old)
-    fig, ax = plt.subplots()
+    fig, ax = plt.subplots(figsize=(2, 1))
     ax.plot([0, 1])
-    save_figure(fig, tmp_path / "f.png", dpi=50)
+    save_figure(fig, tmp_path / "f.png")  # every figure at 200 dpi: 2 x 1 inches
     png = (tmp_path / "f.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (400, 200)
     fig, ax = plt.subplots()
 
     def broken(*a, **k):

@@ -102,4 +102,4 @@ def plot_curves(curves: Sequence[Curve], path: Path, split: str = "train") -> No
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, Path(path), dpi=120)
+    save_figure(fig, Path(path))

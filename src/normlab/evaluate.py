@@ -272,4 +272,4 @@ def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: 
     ax.set_title(title or "exact match % (red: train cells)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046).set_label("exact match (%)", fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    save_figure(fig, path)

@@ -43,7 +43,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results should be readable
+        os.chmod(tmp, 0o666 & ~process_umask())  # mkstemp makes 0600; results should be readable
         os.replace(tmp, path)
     except BaseException as err:
         if tmp is not None:
@@ -64,7 +64,7 @@ def cannot_write(path: Path, err: OSError) -> OSError:
     return type(err)(f"{str(path)!r} cannot be written: {err.strerror or err}{at}")
 
 
-def _umask() -> int:
+def process_umask() -> int:
     """The process umask, read where Linux shows it: setting it to read it would change it
     for every thread meanwhile."""
     try:
@@ -93,7 +93,11 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def save_figure(fig: Any, path: Path, dpi: int) -> None:
+FIGURE_DPI = 200
+"""Every figure normlab writes, at a resolution a paper can print (they were 100-120 dpi)."""
+
+
+def save_figure(fig: Any, path: Path, dpi: int = FIGURE_DPI) -> None:
     """A matplotlib figure written as atomically as any result file, then closed."""
     import matplotlib.pyplot as plt
 

@@ -374,7 +374,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     ax2.legend(fontsize=7)
     fig.tight_layout()
     out["collapse"] = folder / "collapse_vs_sigma.png"
-    save_figure(fig, out["collapse"], dpi=100)
+    save_figure(fig, out["collapse"])
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for i, by in enumerate(runs.values()):
@@ -391,7 +391,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     ax.legend(fontsize=7)
     fig.tight_layout()
     out["norms"] = folder / "norm_spread.png"
-    save_figure(fig, out["norms"], dpi=100)
+    save_figure(fig, out["norms"])
     return out
 
 

@@ -800,4 +800,4 @@ def plot_collapse(result: dict[str, Any], path: Path, title: str = "") -> None:
     ax.set_title(title or f"circuit collapse ({result['mode']} mode, {result['noise']} noise, "
                           f"targets {''.join(result['targets'])})", fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    save_figure(fig, path)

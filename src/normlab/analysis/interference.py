@@ -452,4 +452,4 @@ def plot_interference(result: dict[str, Any], path: Path, title: str = "") -> No
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    save_figure(fig, path)

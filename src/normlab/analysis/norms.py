@@ -212,7 +212,7 @@ def plot_norm_spread(result: dict[str, Any], path: Path, title: str = "") -> Non
     axes[0, 0].set_title(title or "norm spread: 5-95% of scale / layer median (dashed: ±20%)",
                          fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    save_figure(fig, path)
 
 
 def _short(entry: dict[str, Any]) -> str:

@@ -195,17 +195,6 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _umask() -> int:
-    """This process's umask, read without setting it (Linux), else the usual 022."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
-
-
 def compiler() -> list[str]:
     """The C compiler command: `$CC` (it may carry words, e.g. `ccache gcc`), else `cc`."""
     return shlex.split(os.environ.get("CC") or "cc")
@@ -253,7 +242,9 @@ def _compile(cc: list[str], flags: tuple[str, ...], src: bytes, rebuild: bool = 
         if not ok or os.path.getsize(tmp) == 0:  # a "compiler" that wrote nothing (CC=true)
             return None
         # readable by the cache's other users, as a linker's own output is (mkstemp's is 0600)
-        os.chmod(tmp, 0o755 & ~_umask())
+        from normlab.io import process_umask  # here: io imports this module
+
+        os.chmod(tmp, 0o755 & ~process_umask())
         try:
             os.replace(tmp, out)
         except OSError:  # another user's build holds the name (a sticky shared folder)
