@@ -841,3 +841,17 @@ def test_malformed_hook_arguments_are_named() -> None:
         model.run_with_cache(tokens, names_filter=(n for n in ["blocks.0.hook_resid_per"]))
     _, cache = model.run_with_cache(tokens, names_filter=(name,))
     assert list(cache) == [name]
+
+
+def test_a_block_shared_by_two_models_is_cached_under_each_ones_names() -> None:
+    """`a.blocks[1] = b.blocks[0]` renamed the shared points for both models; `b`'s cache then
+    filed block 0's tensors under `blocks.1.*`, where its own block 1 overwrote them."""
+    torch.manual_seed(0)
+    a, b = build_model(cfg(n_layers=2)), build_model(cfg(n_layers=2))
+    tokens = torch.randint(0, b.cfg.vocab_size, (1, 5))
+    _, before = b.run_with_cache(tokens)
+    a.blocks[1] = b.blocks[0]
+    a.hook_names()  # a's set-up names the shared points blocks.1.*
+    _, after = b.run_with_cache(tokens)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)

@@ -215,9 +215,13 @@ class HookedModule(nn.Module):
                 self._resolve(name)
         cache: dict[str, torch.Tensor] = {}
 
-        def save(x: torch.Tensor, hook: HookPoint) -> None:
-            cache[hook.name] = x.detach() if detach else x
+        def saver(name: str) -> HookFn:
+            # filed under the name this model knows the point by: `hook.name` is the last
+            # model's to set it up, so a block shared with another model lost its keys here
+            def save(x: torch.Tensor, hook: HookPoint) -> None:
+                cache[name] = x.detach() if detach else x
+            return save
 
-        with self.hooks([(name, save) for name in points if match(name)]):
+        with self.hooks([(name, saver(name)) for name in points if match(name)]):
             out = self(*args, **kwargs)
         return out, cache
