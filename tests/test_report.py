@@ -991,7 +991,8 @@ def test_the_report_states_the_analysis_settings_behind_its_numbers(tmp_path: Pa
     real_save = plt.Figure.savefig
 
     def keep(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
-        done = real_save(fig, *args, **kwargs)  # drawn at the saved dpi
+        done = real_save(fig, *args, **kwargs)
+        fig.canvas.draw()  # at the figure's own dpi, as its bbox is (savefig drew at another)
         for ax in fig.axes:  # each y label drawn inside the figure, top to bottom
             box = ax.yaxis.label.get_window_extent()
             labels.append((ax.get_ylabel(), box.y0 >= 0 and box.y1 <= fig.bbox.height))
