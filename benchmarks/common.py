@@ -65,11 +65,9 @@ def refuse_overwrite(parser: argparse.ArgumentParser, path: str | Path | None, f
         if path.is_dir():
             raise ValueError(f"{str(path)!r} is a folder; expected a file to write the result to")
         try:
-            io.check_out_folder(path.parent)
-        except ValueError as err:  # its words are --out's, of the folder: said of the file's
-            said = str(err).removeprefix(f"--out {str(path.parent)!r}: ")
-            raise ValueError(f"{str(path)!r} cannot be written: its folder "
-                             f"{str(path.parent)!r}: {said}") from None
+            io.check_out_folder(path.parent, name="its folder")
+        except ValueError as err:
+            raise ValueError(f"{str(path)!r} cannot be written: {err}") from None
         io.refuse_overwrite(path.parent, glob.escape(path.name), force)
     except ValueError as err:
         parser.error(f"{flag}: {err}")

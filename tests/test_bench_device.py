@@ -215,6 +215,12 @@ def test_the_gpu_script_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
         "replace them"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
+    odd = dict(env, OUT=str(tmp_path / "odd"), TTA_LIMIT="2m")  # refused before any work
+    proc = subprocess.run(["bash", str(script)], env=odd, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines() == [
+        "run.sh: TTA_LIMIT=2m: expected whole seconds >= 1"]
+    assert not (tmp_path / "odd").exists()
+
     bare = dict(env, OUT=str(tmp_path / "bare"), PYTHON=str(tmp_path / "no-torch"))
     (tmp_path / "no-torch").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "no-torch").chmod(0o755)

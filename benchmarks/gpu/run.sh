@@ -23,6 +23,11 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
 device=${DEVICE:-cuda}
 seeds=${SEEDS:-0}
+limit=${TTA_LIMIT:-120}
+if ! [[ "$limit" =~ ^[1-9][0-9]*$ ]]; then  # else `timeout` refused each run, after the benchmarks
+  echo "run.sh: TTA_LIMIT=$limit: expected whole seconds >= 1"
+  exit 2
+fi
 quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
 if [ -z "${FORCE:-}" ] && compgen -G "$out/*" > /dev/null; then
@@ -67,7 +72,6 @@ trap 'rm -rf "$runs"' EXIT
 steps=()
 [ -n "${QUICK:-}" ] && steps=(--set train.steps=20 --set train.eval_every=10 \
   --set train.checkpoint_every=10 --set train.eval_examples=8)
-limit=${TTA_LIMIT:-120}
 for seed in $seeds; do
   for placement in pre qkv; do
     # Ctrl-C at the limit (normlab closes its log; KILL 10 s later if it did not stop)

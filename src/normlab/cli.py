@@ -112,15 +112,14 @@ def stale(run_dir: Path, step: int, limit: int | None) -> str | None:
     """Why an evaluation of `run_dir` made from checkpoint `step` (on `limit` questions a cell)
     is not the finished run's, to follow "made from step N, ", or None: a run evaluated, then
     resumed, kept the earlier checkpoint's accuracy in `compare`, unmarked."""
-    from normlab.io import recorded
     from normlab.train import DONE
 
     done = Path(run_dir) / DONE
-    final = recorded(done, "step")  # a damaged record is said, not raised after eval wrote
+    final = _recorded_step(done, "step")  # a damaged record is said, not raised after eval wrote
     why = []
     if not done.is_file():
         why.append(f"before training finished (no {DONE})")
-    elif not isinstance(final, int) or isinstance(final, bool):
+    elif final is None:
         why.append(f"but {DONE} records no step to compare it with")
     elif final != step:
         why.append(f"but training finished at step {final}")

@@ -111,25 +111,25 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
-def check_out_folder(path: Path) -> Path:
+def check_out_folder(path: Path, name: str = "--out") -> Path:
     """`path` as a folder results can be written into: one already, or one `mkdir` can make
     (its nearest existing parent a folder this process may write to). Checked before any work:
     an `analyze --hf --out` naming a file failed at its first write, after the whole analysis,
-    with "[Errno 17] File exists", naming no option."""
+    with "[Errno 17] File exists", naming no option. `name` leads every error."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {str(path)!r}: expected a folder for the results; it is a file")
+        raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; it is a file")
     parent = path
     while not parent.exists():  # ends at the root, or at "." for a relative path
         if parent.is_symlink():  # mkdir would say "File exists"
-            raise ValueError(f"--out {str(path)!r}: {str(parent)!r} is a link to "
+            raise ValueError(f"{name} {str(path)!r}: {str(parent)!r} is a link to "
                              f"{os.readlink(parent)!r}, which does not exist")
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"--out {str(path)!r}: expected a folder for the results; "
+        raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; "
                          f"{str(parent)!r} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {str(path)!r}: {str(parent)!r} is not writable here")
+        raise ValueError(f"{name} {str(path)!r}: {str(parent)!r} is not writable here")
     return path
 
 

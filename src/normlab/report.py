@@ -162,9 +162,10 @@ def _settings(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_comparable(runs: list[dict[str, Any]]) -> None:
+def _check_comparable(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Claims pool runs over seeds and placements: runs made with other settings (another
-    grid, another threshold or sigma list) would be averaged without a word."""
+    grid, another threshold or sigma list) would be averaged without a word. Returns the
+    settings they share (each as the runs recording it have it)."""
     ref: dict[str, tuple[Any, Path]] = {}  # each setting as the first run recording it has it
     for run in runs:  # every pair compared, not only with the first run's settings
         for key, value in _settings(run).items():
@@ -173,6 +174,7 @@ def _check_comparable(runs: list[dict[str, Any]]) -> None:
                 raise ValueError(f"{str(run['dir'])!r} was made with {key} = {value!r}, "
                                  f"{str(where)!r} with {seen!r}; a report pools runs of one "
                                  "task, model, recipe, evaluation and analysis setting")
+    return {key: value for key, (value, _) in ref.items()}
 
 
 def held_out(ev: dict[str, Any]) -> float:
@@ -429,12 +431,9 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
             })
     # the analysis settings every pooled run shares (checked by `collect`): H2's rate means
     # little without its threshold, draws and questions (smoke's θ = 0.5, quick's 0.9)
-    analysis: dict[str, Any] = {}
-    for by in runs.values():
-        for r in by.values():
-            for key, value in _settings(r).items():
-                if key.startswith("analysis "):
-                    analysis.setdefault(key.removeprefix("analysis "), value)
+    shared = _check_comparable([r for by in runs.values() for r in by.values()])
+    analysis = {k.removeprefix("analysis "): v for k, v in shared.items()
+                if k.startswith("analysis ")}
     summary = {"profile": profile, "claims": claims, "analysis": analysis,
                "splits": split_table(runs), "runs": run_info, "failed": failed,
                "provenance": provenance(), "rules": __doc__}

@@ -101,7 +101,7 @@ def h90_var(ratio: np.ndarray, example: np.ndarray) -> float | None:
     id per ratio); None under two examples.
 
     A question's tokens move together, so thousands of ratios from a few hundred questions
-    still leave h90 uncertain (a cluster bootstrap gave one quick run's h90 an sd of 0.03, 4%):
+    still leave h90 uncertain (tests/test_norms.py sets it beside a bootstrap over examples):
     Woodruff's interval for a quantile, the fraction within h90 with a variance robust to
     clusters (a ratio estimator's, over examples), carried through the empirical quantile
     function; the medians are taken as known, so this is a floor (H1's, in the report)."""

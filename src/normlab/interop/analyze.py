@@ -240,7 +240,8 @@ def _tokenize(folder: Path, path: Path, need: int) -> tuple[list[int], str, bool
     pre-tokenizer splits the text, as GPT-2's, Llama 3's and Qwen's do), only the tokens next
     to the cut differ from the whole file's, so the first `need` are the file's own (tested
     against whole-file tokenisation with a byte-level BPE); for one that merges across a whole
-    text the margin is a safeguard, not a proof. Tokenising a 37 MB file whole took 5.6 GB."""
+    text the margin is a safeguard, not a proof. Tokenised whole, a file took memory in proportion
+    to its size, for the few thousand tokens used."""
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"--text: folder {str(folder)!r} has no tokenizer (none of "
                          f"{', '.join(TOKENIZER_FILES)}); save one there with "

@@ -324,7 +324,7 @@ def held_logs() -> Iterator[_Kept]:
 def read_hf_config(folder: Path, name: str) -> tuple[Any, str, ModelConfig, list[str]]:
     """A `save_pretrained` folder's config: as transformers reads it, the causal-LM class it
     loads as, and normlab's config of it, with every refusal made before a weight is read (a
-    Llama 3.1 folder's RoPE scaling was refused only after 16 GB of weights had loaded); also
+    Llama 3.1 folder's RoPE scaling was refused only after all its weights had loaded); also
     the warnings transformers logged reading it, held for the caller to show. `name` (the
     option or function given `folder`) leads every error."""
     check_hf_folder(folder, name)

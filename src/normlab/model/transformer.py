@@ -200,7 +200,7 @@ def _check_cache(cache: KVCache, key_mask: torch.Tensor | None, memory: torch.Te
                  mask_name: str) -> None:
     """A step must read what its cache was filled from: without the mask the prefill had, it
     attended to the cached padding; with another source, it read the first one's cross keys
-    and values (each silently, a padded row's logits 0.16 off)."""
+    and values (each silently: tests/test_model.py shows both)."""
     if cache.masked and key_mask is None:
         raise ValueError(f"{mask_name}: the cache was filled under one; expected one over the "
                          "cached positions and these at every step")
