@@ -125,6 +125,37 @@ def test_wilson_interval_matches_its_closed_forms() -> None:
     assert wilson_ci(0, 0) == (0.0, 1.0)  # nothing asked: every accuracy possible
 
 
+@pytest.mark.parametrize("counts", [(3, -2), (5, 3), (-1, 10)])
+def test_wilson_interval_refuses_impossible_counts(counts: tuple[int, int]) -> None:
+    """(3, -2) read (5.77, -0.42), an interval outside [0, 1]; (5, 3) a bare math error."""
+    from normlab.evaluate import wilson_ci
+
+    with pytest.raises(ValueError, match=r"^wilson_ci: expected 0 <= correct <= count; got"):
+        wilson_ci(*counts)
+
+
+def test_a_cell_longer_than_the_tasks_is_refused() -> None:
+    """Decoding stops after the task's `max_new` tokens: a longer cell's right answers were cut
+    to wrong ones (a perfect model read 42% on n2d7 of the quick grid). A shorter cell that the
+    task does not list is evaluated."""
+    from normlab.evaluate import evaluate
+    from normlab.tasks.addition import TaskConfig
+
+    task = TaskConfig(grid="smoke").resolve()
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32))
+    rng = random.Random(0)
+    long = Cell(2, 7)
+    with pytest.raises(ValueError, match=r"^sets\['x'\]: cell n2d7 has questions up to 17 and "
+                                         r"answers up to 9 characters, past the task's"):
+        evaluate(model, task, {"x": {long: [long.sample(rng)]}})
+    with pytest.raises(ValueError, match=r"^sets\['x'\]: expected Cell keys; got 'n1d1'"):
+        evaluate(model, task, {"x": {"n1d1": [("1+1", "2")]}})  # type: ignore[dict-item]
+    short = Cell(1, (1, 2))
+    assert short not in task.all_cells
+    res = evaluate(model, task, {"x": {short: [short.sample(rng) for _ in range(3)]}})
+    assert res["splits"]["x"]["count"] == 3
+
+
 def test_no_problems_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one problem"):
         answer_token_accuracy(PeekingDecoder(), [], answer_format="msd")
@@ -154,3 +185,17 @@ def test_a_limit_is_a_number_of_examples_or_none() -> None:
     empty = {"train": sets["train"], "extra": {cell: [] for cell in sets["train"]}}
     with pytest.raises(ValueError, match=r"^sets\['extra'\]: expected at least one problem"):
         evaluate(model, task, empty, predictor=oracle)
+
+
+def test_a_heatmap_of_mixed_digit_cells_only_says_so(tmp_path) -> None:
+    """With no cell of one digit count the grid was empty: a blank PNG and three matplotlib
+    warnings. The figure now says where the cells are, and warns of nothing."""
+    import warnings
+
+    from normlab.evaluate import heatmap
+
+    result = {"cells": [{"n": 2, "d": [1, 2], "accuracy": 0.5, "count": 4}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        heatmap(result, [], tmp_path / "h.png")
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -371,6 +371,20 @@ def test_eval_json_schema(tmp_path: Path) -> None:
         assert t["count"] == 8 and full and t["exact"] <= min(full)
 
 
+def test_a_limit_that_asks_every_question_is_recorded_as_none(tmp_path: Path) -> None:
+    """`--limit` at or past every cell's questions evaluates them all: recorded as a limit,
+    `compare` starred the run and the report read it as not comparable with a full one."""
+    run = tmp_path / "run"
+    train(cfg("task.eval_size=6", "train.steps=2", "train.checkpoint_every=2",
+              "train.eval_every=2"), run, progress=False)
+    full = eval_run(run)
+    assert eval_run(run, limit=6, force=True)["limit"] is None
+    saved = json.loads((run / "eval.json").read_text())
+    assert saved["limit"] is None and saved["splits"] == full["splits"]
+    assert eval_run(run, limit=5, force=True)["limit"] == 5
+    assert {c["count"] for c in json.loads((run / "eval.json").read_text())["cells"]} <= {5}
+
+
 # ---- the command line ----------------------------------------------------------------------
 
 

@@ -66,6 +66,8 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     torch.set_num_threads(cfg.train.threads)
     task = cfg.task.resolve()
     sets = eval_sets(task)
+    if limit is not None and all(len(p) <= limit for b in sets.values() for p in b.values()):
+        limit = None  # every question asked: recorded as a --limit, it was starred in compare
     result = evaluate(model, task, sets, limit=limit)
     # Where in the answer each cell fails (teacher-forced; same questions as above).
     result["answer_tokens"] = [
@@ -238,13 +240,23 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.curve is not None:  # "--curve ''" printed the accuracy table
         import dataclasses
 
-        from normlab.curves import curve_table, learning_curve, plot_curves, run_labels
+        from normlab.curves import (
+            curve_table,
+            learning_curve,
+            periodic_questions,
+            plot_curves,
+            run_labels,
+        )
 
         labels = run_labels(args.run_dirs)
         curves = [dataclasses.replace(learning_curve(Path(d), args.curve), name=label)
                   for d, label in zip(args.run_dirs, labels, strict=True)]
         header, rows = curve_table(curves)
-        title = f"exact match % on {args.curve} (training seconds)"
+        asked = sorted({q for d in args.run_dirs
+                        if (q := periodic_questions(Path(d))) is not None})
+        title = f"exact match % on {args.curve} (training seconds)" + (
+            f"; the first {' / '.join(map(str, asked))} questions a cell (train.eval_examples; "
+            "`normlab eval` asks every question)" if asked else "")
         if args.plot:
             if Path(args.plot).is_dir():  # "already exists; pass --force", which then failed
                 raise ValueError(f"--plot {args.plot!r}: expected a file to write the figure "

@@ -10,8 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from normlab.io import read_metrics, save_figure
+
+if TYPE_CHECKING:
+    from normlab.config import RunConfig
 
 
 @dataclass
@@ -41,13 +45,26 @@ def learning_curve(run_dir: Path, split: str = "train") -> Curve:
                  [r.get("elapsed_s") for r in rows], [float(r["accuracy"][split]) for r in rows])
 
 
-def _split_names(run_dir: Path) -> list[str] | None:
-    """The splits a run evaluates, from its config.toml; None where it has none to read."""
+def _config(run_dir: Path) -> RunConfig | None:
+    """A run's config.toml, read; None where it has none."""
     from normlab.config import load_config
 
-    if not (run_dir / "config.toml").is_file():
-        return None
-    return list(load_config(run_dir / "config.toml").task.resolve().eval_splits)
+    path = Path(run_dir) / "config.toml"
+    return load_config(path) if path.is_file() else None
+
+
+def _split_names(run_dir: Path) -> list[str] | None:
+    """The splits a run evaluates, from its config.toml; None where it has none to read."""
+    cfg = _config(run_dir)
+    return None if cfg is None else list(cfg.task.resolve().eval_splits)
+
+
+def periodic_questions(run_dir: Path) -> int | None:
+    """Questions a cell in a run's periodic evaluations (its first `train.eval_examples` of
+    `task.eval_size`); None without a config.toml. A curve's last point can differ from
+    `normlab eval`'s accuracy of the same checkpoint, which asks every question."""
+    cfg = _config(run_dir)
+    return None if cfg is None else min(cfg.train.eval_examples, cfg.task.eval_size)
 
 
 def run_labels(run_dirs: Sequence[Path | str]) -> list[str]:

@@ -23,6 +23,7 @@ from normlab.tasks.addition import (
     check_answer_format,
     make_batch,
     make_prompts,
+    max_lengths,
     next_aux_position,
     parse_answer,
 )
@@ -181,6 +182,26 @@ def check_limit(limit: object) -> None:
         check_int(limit, "limit", low=1, what="an int >= 1 examples per cell")
 
 
+def _check_cells_fit(
+    task: ResolvedTask, sets: dict[str, dict[Cell, list[tuple[str, str]]]]
+) -> None:
+    """Every cell's questions and answers fit the task's longest: decoding stops after the
+    task's `max_new` tokens, so a longer answer was cut to a wrong one, and an answer exactly
+    that long was read without its E (one that never stopped scored right)."""
+    q_max, a_max = task.max_lengths()
+    for split, by_cell in sets.items():
+        for cell in by_cell:
+            if not isinstance(cell, Cell):
+                raise ValueError(f"sets[{split!r}]: expected Cell keys; got {cell!r}")
+            q, a = max_lengths([cell])
+            if q > q_max or a > a_max:
+                raise ValueError(
+                    f"sets[{split!r}]: cell {cell} has questions up to {q} and answers up to "
+                    f"{a} characters, past the task's {q_max} and {a_max}; expected cells "
+                    "no longer than the task's (add it to a split of the task)"
+                )
+
+
 def evaluate(
     model: Model,
     task: ResolvedTask,
@@ -195,6 +216,7 @@ def evaluate(
     check_batch_size(batch_size)
     if not sets:  # {'splits': {}} was returned, no eval.json a reader takes
         raise ValueError("sets: expected at least one split of problems; got none")
+    _check_cells_fit(task, sets)
     arch = model.cfg.arch
     max_new = task.max_new()
     predictor = predictor or (
@@ -242,6 +264,14 @@ def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: 
     from matplotlib.patches import Rectangle
 
     cells = [c for c in result["cells"] if isinstance(c["d"], int)]
+    if not cells:  # an empty grid drew a blank figure and three matplotlib warnings
+        fig, ax = plt.subplots(figsize=(4, 1.2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no cell of one digit count to draw;\nmixed-digit cells: eval.json",
+                ha="center", va="center", fontsize=9)
+        ax.set_title(title or "exact match %", fontsize=9)
+        save_figure(fig, path)
+        return
     ns = sorted({c["n"] for c in cells})
     ds = sorted({c["d"] for c in cells})
     grid = torch.full((len(ns), len(ds)), float("nan"))

@@ -74,6 +74,9 @@ def mean_ci(
 def wilson_ci(correct: int, count: int, z: float = Z975) -> tuple[float, float]:
     """95% Wilson score interval for a binomial proportion (sane at 0% and 100%):
     an accuracy over its questions, a collapse rate over its row-draws."""
+    if not 0 <= correct <= count:  # (3, -2) read (5.77, -0.42); (5, 3) a bare math error
+        raise ValueError(f"wilson_ci: expected 0 <= correct <= count; got {correct} correct "
+                         f"of {count}")
     if count == 0:
         return (0.0, 1.0)
     p = correct / count

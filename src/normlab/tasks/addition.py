@@ -503,9 +503,10 @@ class ResolvedTask:
         return max_lengths(self.all_cells)
 
     def max_new(self) -> int:
-        """Tokens greedy decoding generates at most: the longest answer, its ``E`` and one
-        more, so that an answer that does not stop reads as wrong instead of being cut to a
-        right one."""
+        """Tokens greedy decoding generates at most: the longest answer and its ``E`` (so an
+        answer that does not stop reads as wrong, not cut to a right one), and one step more
+        than that needs. The spare step is kept: `perturbed_predictor`'s noise draws are sized
+        by it, so dropping it would change every recorded accuracy under noise."""
         return self.max_lengths()[1] + 2
 
     def max_seq_len(self, arch: str) -> int:
