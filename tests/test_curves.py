@@ -128,8 +128,8 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
     from normlab.config import dump_toml, load_config
 
     a, b = _logs(tmp_path)
-    (a / "config.toml").write_text(dump_toml(load_config(None, ["train.eval_examples=64"]).to_dict()))
-    (b / "config.toml").write_text(dump_toml(load_config(None, ["task.eval_size=32"]).to_dict()))
+    for run, key in ((a, "train.eval_examples=64"), (b, "task.eval_size=32")):
+        (run / "config.toml").write_text(dump_toml(load_config(None, [key]).to_dict()))
     assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
     title = capsys.readouterr().out.splitlines()[0]
     assert title == ("exact match % on train (training seconds); the first 32 / 64 questions "

@@ -1739,6 +1739,17 @@ def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys
         capsys.readouterr().out
     assert main(["compare", "--markdown", str(run)]) == 0
     assert "| 10 * |" in capsys.readouterr().out
+    # a result folder copied without its checkpoints (docs/results/paper_*): "before training
+    # finished", with a remedy that failed ("not a normlab run folder")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("config.toml", "eval.json"):
+        (copy / name).write_text((run / name).read_text())
+    assert main(["compare", "--markdown", str(copy)]) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"normlab: {str(copy / 'eval.json')!r}: made from step 10, with no train_done.json or "
+        "checkpoints/ to tell whether training finished; a copied result: nothing here to "
+        "evaluate again")
 
 
 def test_figures_and_messages_a_first_user_met(tmp_path: Path, capsys) -> None:

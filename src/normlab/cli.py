@@ -119,7 +119,9 @@ def stale(run_dir: Path, step: int, limit: int | None) -> str | None:
     done = Path(run_dir) / DONE
     final = _recorded_step(done, "step")  # a damaged record is said, not raised after eval wrote
     why = []
-    if not done.is_file():
+    if not done.is_file() and not (Path(run_dir) / "checkpoints").is_dir():
+        why.append(f"with no {DONE} or checkpoints/ to tell whether training finished")
+    elif not done.is_file():
         why.append(f"before training finished (no {DONE})")
     elif final is None:
         why.append(f"but {DONE} records no step to compare it with")
@@ -209,9 +211,11 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     for (d, r), label in zip(results, run_labels([d for d, _ in results]), strict=True):
         step = _recorded_step(d / "eval.json", "checkpoint", "step")  # None: not recorded
         why = None if step is None else stale(d, step, r.get("limit"))
-        if why:  # marked in the table and said once, with the remedy
-            print(f"normlab: {str(d / 'eval.json')!r}: made from step {step}, {why}; `normlab "
-                  f"eval {d} --force` evaluates the newest checkpoint on every question",
+        if why:  # marked in the table and said once, with the remedy where there is one
+            fix = (f"`normlab eval {d} --force` evaluates the newest checkpoint on every "
+                   "question" if (d / "checkpoints").is_dir() else "a copied result: nothing "
+                   "here to evaluate again")
+            print(f"normlab: {str(d / 'eval.json')!r}: made from step {step}, {why}; {fix}",
                   file=sys.stderr)
         cells = []
         for s in splits:
