@@ -67,7 +67,8 @@ def test_sigma_zero_predictions_match_plain_decoding(arch: str) -> None:
     pert = Perturbation(model)
     assert perturbed_predictor(model, task, pert, 0.0)(qs) == plain
     assert perturbed_predictor(model, task, pert, 0.5)(qs) != plain  # the hooks do act
-    sets = {"s": {Cell(2, 2): problems(12)}}
+    rng = random.Random(0)  # a cell of the task: evaluate refuses one past its lengths
+    sets = {"s": {Cell(1, 2): [Cell(1, 2).sample(rng) for _ in range(12)]}}
     acc = perturbed_accuracy(model, task, sets, sigmas=[0.0], limit=12)
     assert acc["accuracy"][0] == acc["accuracy_unperturbed"]
 

@@ -164,9 +164,10 @@ def test_a_run_made_with_another_config_is_named_in_reproduces_words(
 
     out = tmp_path / "smoke"
     shutil.copytree(smoke, out)
-    config = out / "runs" / "pre-s0" / "config.toml"
-    config.write_text(re.sub(r"(?m)^steps = (\d+)$", lambda m: f"steps = {int(m[1]) + 1}",
-                             config.read_text()))
+    done = out / "runs" / "pre-s0" / "train_done.json"  # a finished run: the config it records
+    record = json.loads(done.read_text())
+    record["config"]["train"]["steps"] += 1
+    done.write_text(json.dumps(record))
     assert main(["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1"]) == 2
     err = capsys.readouterr().err
     assert ("the 'smoke' profile's config changed since that run was made (another normlab "

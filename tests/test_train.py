@@ -489,6 +489,71 @@ def test_eval_and_analyze_never_overwrite_without_force(tmp_path: Path, capsys) 
     assert (run / "analysis" / "collapse.json").read_text() == "{}"
 
 
+def test_analyze_lands_its_files_together_or_not_at_all(tmp_path: Path, monkeypatch,
+                                                        capsys) -> None:
+    """The files were written one by one, then ~2 s of figures: a full disk left one new
+    norms.json (a rerun then refused to replace it), a failure or kill while drawing left new
+    JSON beside the old figures, and the sweep took such a folder as done. Now a failure at
+    any write, or while drawing, leaves the folder as it was; a killed writer's staging folder
+    is cleared by the next; a second analysis of a folder being analysed is refused."""
+    import errno
+    import fcntl
+    import os
+
+    import normlab.analysis.report
+    import normlab.io as nio
+    from normlab.analysis.report import analyze_run
+
+    run = tmp_path / "run"
+    train(cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5"), run,
+          progress=False)
+    small = {"n_examples": 4, "n_draws": 2, "sigmas": [0.1]}
+    analyze_run(run, **small)
+    before = {f.name: f.read_bytes() for f in (run / "analysis").iterdir()}
+    assert len(before) == 7
+    real = nio.atomic_write_bytes
+    for full_at in (1, 3, 5):  # a full disk at the first, a middle and a figure's write
+        writes: list[Path] = []
+
+        def write(path: Path, data: bytes, full_at: int = full_at,
+                  writes: list = writes) -> None:
+            writes.append(path)
+            if len(writes) == full_at:
+                raise nio.cannot_write(path, OSError(errno.ENOSPC, "No space left on device"))
+            real(path, data)
+
+        monkeypatch.setattr(nio, "atomic_write_bytes", write)
+        monkeypatch.setattr(normlab.analysis.report, "atomic_write_bytes", write)
+        with pytest.raises(OSError, match="No space left on device"):
+            analyze_run(run, **small, seed=full_at)
+        assert {f.name: f.read_bytes() for f in (run / "analysis").iterdir()} == before
+    monkeypatch.undo()
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the figure failed")
+
+    monkeypatch.setattr(normlab.analysis.report, "plot_interference", fail)
+    with pytest.raises(RuntimeError, match="the figure failed"):
+        analyze_run(run, **small, seed=9)
+    assert {f.name: f.read_bytes() for f in (run / "analysis").iterdir()} == before
+    monkeypatch.undo()
+    (run / "analysis" / ".staging-killed").mkdir()  # as a kill while staging leaves it
+    (run / "analysis" / ".staging-killed" / "norms.json").write_text("{}")
+    analyze_run(run, **small, seed=3)
+    after = {f.name: f.read_bytes() for f in (run / "analysis").iterdir()}
+    assert after.keys() == before.keys() and after["norms.json"] != before["norms.json"]
+    fd = os.open(run / "analysis", os.O_RDONLY | os.O_DIRECTORY)  # another process's lock
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        capsys.readouterr()
+        code, err = _cli(capsys, "analyze", str(run), "--examples", "4", "--draws", "2",
+                         "--force")
+        assert code == 2 and err == (f"normlab: error: {str(run / 'analysis')!r} is being "
+                                     "analysed by another process; wait for it to end")
+    finally:
+        os.close(fd)
+
+
 def test_analyze_writes_all_its_files_or_none(tmp_path: Path, monkeypatch, capsys) -> None:
     """`analyze --force` wrote norms.json first: a failure later (a seed past 2**64 - 1
     reached torch's generator only then) left a new norms.json beside the old collapse.json.
@@ -602,6 +667,76 @@ def test_force_and_resume_only_touch_a_run_folder(tmp_path: Path) -> None:
             train(cfg("train.steps=5", "train.device='cuda'"), tmp_path / "run", progress=False,
                   force=True)
         assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_a_force_stopped_part_way_never_leaves_a_finished_record_alone(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """`--force` deleted in path order, train_done.json last: stopped part way, a folder kept
+    the record of a finished run without its checkpoints or config.toml, and `--resume` then
+    returned it as done (under any config). Stopped at every deletion, the record is gone
+    before what marks the run, and what marks the run goes last."""
+    import shutil
+
+    from normlab.train import DONE, prepare_run_dir
+
+    c = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4")
+    train(c, tmp_path / "done", progress=False)
+    n_files = len(tr._written_here(tmp_path / "done")[0])
+    real = Path.unlink
+    for stop in range(n_files):
+        run = tmp_path / f"run{stop}"
+        shutil.copytree(tmp_path / "done", run)
+        calls = []
+
+        def unlink(self: Path, *a: object, stop: int = stop, calls: list = calls) -> None:
+            if len(calls) == stop:
+                raise KeyboardInterrupt
+            calls.append(self)
+            real(self, *a)
+
+        monkeypatch.setattr(Path, "unlink", unlink)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_run_dir(run, resume=False, force=True)
+        monkeypatch.setattr(Path, "unlink", real)
+        assert stop == 0 or not (run / DONE).exists()
+        marks = [p for p in calls if p.name == "config.toml" or p.parent.name == "checkpoints"]
+        assert calls[len(calls) - len(marks):] == marks  # the marks after everything else
+        if stop:  # resumed, it trains again: never the old record without its checkpoints
+            assert train(c, run, progress=False, resume=True)["step"] == 4
+            assert tr.list_checkpoints(run / "checkpoints")
+
+
+def test_a_finished_run_is_judged_by_the_config_it_trained_with(tmp_path: Path,
+                                                                capsys) -> None:
+    """An edited config.toml: a resume trained on with the checkpoint's config and kept the
+    edit, and the finished run was judged by it (its true config refused, one that never
+    trained taken as done). The resume now writes the file again, and says so; a finished
+    run is judged by train_done.json's config. A changed d_model was named by d_head, the
+    size derived from it."""
+    c = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4")
+    run = tmp_path / "run"
+    train(c, run, progress=False, stop_after=2)
+    saved = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(saved.replace("lr = ", "lr = 5", 1))
+    logs: list[str] = []
+    assert train(c, run, progress=False, resume=True, log=logs.append)["step"] == 4
+    assert any(m.startswith(f"warning: {str(run / 'config.toml')!r} is not the config this "
+                            "run trained with (train.lr: saved ") and m.endswith("written again")
+               for m in logs), logs
+    assert (run / "config.toml").read_text() == saved
+    (run / "config.toml").write_text(saved.replace("lr = ", "lr = 5", 1))
+    edited = load_config(run / "config.toml")
+    with pytest.raises(ValueError, match=r"\(train\.lr: saved "):  # never trained: refused
+        train(edited, run, progress=False, resume=True)
+    assert train(c, run, progress=False, resume=True)["step"] == 4  # judged by what trained
+    assert (run / "config.toml").read_text() == saved  # and its file made right again
+    with pytest.raises(ValueError, match=r"\(train\.lr: saved "):
+        train(edited, run, progress=False, resume=True)
+    wider = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
+                f"model.d_model={2 * c.model.d_model}")
+    with pytest.raises(ValueError, match=r"\(model\.d_model: saved \d+, given \d+; 1 more: "
+                                         r"model\.d_head\)"):
+        train(wider, run, progress=False, resume=True)
 
 
 def test_force_deletes_only_what_normlab_wrote(tmp_path: Path) -> None:
@@ -1396,10 +1531,14 @@ def test_a_damaged_run_folder_is_named_not_the_users_config(tmp_path: Path, caps
     code, err = _cli(capsys, *argv)
     assert code == 2 and f"{str(done)!r}: expected an object with an int \"step\"" in err
     done.write_text(saved)
-    with (tmp_path / "run" / "config.toml").open("a") as f:
+    config = tmp_path / "run" / "config.toml"
+    before = config.read_text()
+    with config.open("a") as f:  # a finished run is judged by train_done.json's config
         f.write("\n[extra]\nfoo = 1\n")
     code, err = _cli(capsys, *argv)
-    assert code == 2 and err.startswith(f"normlab: error: {str(tmp_path / 'run/config.toml')!r}: ")
+    assert code == 0 and err.startswith(f"warning: {str(config)!r} is not the config this run "
+                                        "trained with (")
+    assert err.endswith("written again") and config.read_text() == before
 
 
 def test_compare_names_a_damaged_eval_json_or_log(tmp_path: Path, capsys) -> None:

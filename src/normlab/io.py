@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
 import os
 import platform
 import reprlib
+import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,40 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:  # released on every way out
         self.release()
+
+
+#: what a second analysis of one folder is told while the first writes it
+ANALYSING = "{out} is being analysed by another process; wait for it to end"
+
+
+@contextlib.contextmanager
+def written_together(out: Path, last: str, busy: str = ANALYSING,
+                     name: str = "--out") -> Iterator[Path]:
+    """A folder to write a set of result files into: they land in `out` only once the block
+    ends without error, `last` last, the mark readers take for a whole set. Written one by one,
+    a full disk left one new norms.json, which a rerun refused to replace, and a failure or kill
+    while figures were drawn left new files beside an older set's. `out` is locked meanwhile
+    (`busy`: what a second writer is told), and what a killed writer left is cleared. `name`
+    leads the error where `out` is no folder to write into."""
+    out = check_out_folder(out, name)
+    with FolderLock(busy) as lock:
+        lock.take(out)
+        if lock.fd is not None:  # under the lock: no one else's
+            for old in out.glob(".staging-*"):
+                shutil.rmtree(old, ignore_errors=True)
+        stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+        try:
+            yield stage
+            names = sorted((p.name for p in stage.iterdir()), key=lambda n: n == last)
+            for name in names:  # a folder in a file's place is refused before any file lands
+                if (out / name).is_dir():
+                    raise ValueError(f"{str(out / name)!r}: expected a file to write; it is a "
+                                     "folder")
+            for name in names:
+                os.replace(stage / name, out / name)
+            _fsync_dir(out)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:

@@ -43,7 +43,7 @@ from normlab.io import (
     read_metrics,
     write_json,
 )
-from normlab.model import Model, build_model
+from normlab.model import Model, ModelConfig, build_model
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
 DONE = "train_done.json"  # written once training has finished (all steps or early stop)
@@ -267,7 +267,10 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
                              "new run's would replace it; move it, or give --out another folder")
         # what normlab wrote, and no more: any config.toml or checkpoints/ marked a folder as
         # a run's, and --force deleted all of it, a thesis beside them too
-        for p in ours:
+        # the record of a finished run first, what marks a run folder last: stopped part way,
+        # a folder kept train_done.json and lost its checkpoints, and --resume called it done
+        for p in sorted(ours, key=lambda p: (p.name != DONE, p.name == "config.toml"
+                                             or p.parent.name == "checkpoints")):
             p.unlink()
         for sub in filter(None, RUN_FILES):
             with contextlib.suppress(OSError):  # kept where it holds something else
@@ -354,6 +357,7 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)
         done = read_json(out / DONE, *DONE_RECORD)  # as the sweep and the report read it
+        _rewrite_edited_config(out, cfg, log, lock)
         return {k: v for k, v in done.items() if k not in ("config", "provenance")}
     # a checkpoint's sidecar, not any JSON file: a stray notes.json made a run killed before
     # its first checkpoint fail with "no checkpoint" rather than start again
@@ -428,8 +432,9 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
         if meta.get("early_stopped"):  # killed after stopping early, before train_done.json
             last["early_stopped"] = True
         log(f"resuming {out} from step {step}")
-        if not (out / "config.toml").is_file():  # deleted since: every run folder holds one
-            atomic_write_text(out / "config.toml", config_text)
+        # every run folder holds the config it trains with: deleted since, or edited (then the
+        # finished run was judged by the edit), it is written again
+        _rewrite_edited_config(out, cfg, log, lock)
     else:
         if resume:  # killed before its first checkpoint: it starts again, as the same run
             check_saved_config(out, cfg)
@@ -598,9 +603,17 @@ RESUME_REMEDY = ("--resume", "use the same config, or start over in another fold
 
 def check_saved_config(out: Path, cfg: RunConfig,
                        remedy: tuple[str, str] = RESUME_REMEDY) -> None:
-    """A run folder's `config.toml`, where there is one, must be `cfg`'s (up to where and how
-    it runs): a finished run is taken as done, or a killed one restarted, only as itself.
+    """A run folder's config must be `cfg`'s (up to where and how it runs): a finished run is
+    taken as done, or a killed one restarted, only as itself. A finished run's is the one its
+    `train_done.json` records (what trained: an edited config.toml made the true config refused
+    and one that never trained accepted), else its `config.toml`, where there is one.
     `remedy` (who, what to do) words the error for the command the user ran."""
+    done = Path(out) / DONE
+    if done.is_file():
+        record = read_json(done, *DONE_RECORD)
+        if isinstance(record.get("config"), dict):
+            _check_same_config(record["config"], cfg, Path(out), remedy)
+            return
     path = Path(out) / "config.toml"
     if path.is_file():
         try:
@@ -609,6 +622,24 @@ def check_saved_config(out: Path, cfg: RunConfig,
             msg = str(err)
             raise ValueError(msg if str(path) in msg else f"{str(path)!r}: {msg}") from None
         _check_same_config(saved, cfg, Path(out), remedy)
+
+
+def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None],
+                           lock: FolderLock) -> None:
+    """A resumed or finished run's config.toml made `cfg` again (the checkpoint's or
+    train_done.json's config, as checked) where it was deleted, damaged or edited: an edited one
+    went on judging the finished run, its true config refused and one never trained taken."""
+    path = out / "config.toml"
+    try:
+        diff = _config_diff(load_config(path).to_dict(), cfg) if path.is_file() else None
+    except ValueError as err:  # damaged: written again, as a missing one is
+        diff = first_line(err)
+    if diff:
+        log(f"warning: {str(path)!r} is not the config this run trained with ({diff}); "
+            "written again")
+    if diff or not path.is_file():
+        lock.take(out)  # only to write: a finished run on a read-only disk still reads as done
+        atomic_write_text(path, dump_toml(cfg.to_dict()))
 
 
 def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
@@ -629,18 +660,30 @@ def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path,
                        remedy: tuple[str, str] = RESUME_REMEDY) -> None:
     """Resuming (or finding finished) the run in `out` needs the config it was made with; the
     error names the fields that differ (of some 60, set by a file, `--set` or a sweep)."""
-    was, now = _comparable(saved), _comparable(cfg.to_dict())
-    if was != now:
+    if diff := _config_diff(saved, cfg):
         who, what = remedy
-        keys = [(t, k) for t in sorted(was.keys() | now.keys())
-                for k in sorted(was.get(t, {}).keys() | now.get(t, {}).keys())
-                if was.get(t, {}).get(k) != now.get(t, {}).get(k)]
-        (t, k), more = keys[0], [f"{t}.{k}" for t, k in keys[1:]]
-        diff = f"{t}.{k}: saved {was.get(t, {}).get(k)!r}, given {now.get(t, {}).get(k)!r}"
-        if more:
-            diff += f"; {len(more)} more: {', '.join(more[:3])}{', ...' if more[3:] else ''}"
         raise ValueError(f"{who}: the config differs from the one saved in {str(out)!r} "
                          f"({diff}); {what}")
+
+
+def _config_diff(saved: dict[str, Any], cfg: RunConfig) -> str | None:
+    """The fields in which `cfg` differs from `saved`, the first with both values; None if
+    none does (up to where and how it runs)."""
+    was, now = _comparable(saved), _comparable(cfg.to_dict())
+    if was == now:
+        return None
+    keys = [(t, k) for t in sorted(was.keys() | now.keys())
+            for k in sorted(was.get(t, {}).keys() | now.get(t, {}).keys())
+            if was.get(t, {}).get(k) != now.get(t, {}).get(k)]
+    # a size that followed another (d_head a changed d_model) after the one a user set
+    changed = {k for t, k in keys if t == "model"}
+    keys.sort(key=lambda tk: tk[0] == "model" and bool(
+        changed & set(ModelConfig.DERIVED.get(tk[1], ()))))
+    (t, k), more = keys[0], [f"{t}.{k}" for t, k in keys[1:]]
+    diff = f"{t}.{k}: saved {was.get(t, {}).get(k)!r}, given {now.get(t, {}).get(k)!r}"
+    if more:
+        diff += f"; {len(more)} more: {', '.join(more[:3])}{', ...' if more[3:] else ''}"
+    return diff
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from normlab.analysis.interference import (
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.checks import check_int, check_seed, check_sigmas, did_you_mean, is_int
-from normlab.io import atomic_write_bytes, provenance, write_json
+from normlab.io import atomic_write_bytes, provenance, write_json, written_together
 
 if TYPE_CHECKING:
     from normlab.config import RunConfig
@@ -243,46 +243,46 @@ def analyze_run(
     common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
               "params": params, "config": cfg.to_dict()}
     seconds: dict[str, float] = {}
+    # the files land together once all are made, interference.json last (the sweep's mark of
+    # a whole analysis): a failure or kill part way leaves the folder as it was
+    with written_together(out, "interference.json", name="analysis folder") as stage:
+        t0 = time.perf_counter()
+        norms = norm_spread(model, data) | common | {"provenance": provenance()}
+        seconds["norms"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    norms = norm_spread(model, data) | common | {"provenance": provenance()}
-    seconds["norms"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws,
+                                    threshold=threshold, mode=mode, targets=targets,
+                                    noise=noise, sites=sites, heads=heads, seed=seed)
+        rows = collapse.pop("rows")
+        seconds["collapse_sweep"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        collapse |= perturbed_accuracy(model, task, sets, sigmas=sigmas, limit=per_cell,
+                                       mode=mode, targets=targets, noise=noise, sites=sites,
+                                       heads=heads, seed=seed)
+        seconds["accuracy"] = time.perf_counter() - t0
+        collapse |= common | {"provenance": provenance()}
 
-    t0 = time.perf_counter()
-    collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws, threshold=threshold,
-                                mode=mode, targets=targets, noise=noise, sites=sites,
-                                heads=heads, seed=seed)
-    rows = collapse.pop("rows")
-    seconds["collapse_sweep"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    collapse |= perturbed_accuracy(model, task, sets, sigmas=sigmas, limit=per_cell, mode=mode,
-                                   targets=targets, noise=noise, sites=sites, heads=heads,
-                                   seed=seed)
-    seconds["accuracy"] = time.perf_counter() - t0
-    collapse |= common | {"provenance": provenance()}
+        t0 = time.perf_counter()
+        interference = {
+            "probe": interference_probe(model, data, alpha=alpha, sites=sites, heads=heads,
+                                        seed=seed),
+            "synthetic": synthetic_interference(seed=seed),
+        } | common | {"provenance": provenance()}
+        seconds["interference"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    interference = {
-        "probe": interference_probe(model, data, alpha=alpha, sites=sites, heads=heads,
-                                    seed=seed),
-        "synthetic": synthetic_interference(seed=seed),
-    } | common | {"provenance": provenance()}
-    seconds["interference"] = time.perf_counter() - t0
-
-    # written once all three are made: a failure part way leaves the folder as it was, not
-    # one new file beside two old ones of other settings
-    files = [str(out / "norms.json")]
-    write_json(out / "norms.json", norms)
-    files += write_collapse(out, collapse, rows)
-    write_json(out / "interference.json", interference)
-    files.append(str(out / "interference.json"))
-
-    if figures:
-        name = f"{run_dir.name} ({cfg.model.arch}, {cfg.model.norm_placement})"
-        plot_norm_spread(norms, out / "norms.png", f"{name}: scale / layer median, 5-95%")
-        plot_collapse(collapse, out / "collapse.png", f"{name}: circuit collapse")
-        plot_interference(interference, out / "interference.png", name)
-        files += [str(out / f) for f in ("norms.png", "collapse.png", "interference.png")]
+        names = ["norms.json"]
+        write_json(stage / "norms.json", norms)
+        names += [Path(f).name for f in write_collapse(stage, collapse, rows)]
+        write_json(stage / "interference.json", interference)
+        names.append("interference.json")
+        if figures:
+            name = f"{run_dir.name} ({cfg.model.arch}, {cfg.model.norm_placement})"
+            plot_norm_spread(norms, stage / "norms.png", f"{name}: scale / layer median, 5-95%")
+            plot_collapse(collapse, stage / "collapse.png", f"{name}: circuit collapse")
+            plot_interference(interference, stage / "interference.png", name)
+            names += ["norms.png", "collapse.png", "interference.png"]
+    files = [str(out / n) for n in names]
     return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
             "collapse": collapse, "interference": interference}
 

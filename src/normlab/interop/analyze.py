@@ -48,7 +48,7 @@ from normlab.interop.hf import (
     read_hf_config,
     require_transformers,
 )
-from normlab.io import check_out_folder, provenance, write_json
+from normlab.io import check_out_folder, provenance, write_json, written_together
 from normlab.model import DecoderLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -156,31 +156,33 @@ def analyze_hf(
         "params": params,
         "config": model.cfg.to_dict(),
     }
-    with _skip_unembed(model):
-        t0 = time.perf_counter()
-        norms = norm_spread(model, data) | common | {"provenance": provenance()}
-        seconds["norms"] = time.perf_counter() - t0
+    # the files land together once all are made (collapse.json last): a failure or kill part
+    # way leaves the folder as it was, not half new
+    with written_together(out, "collapse.json") as stage:
+        with _skip_unembed(model):
+            t0 = time.perf_counter()
+            norms = norm_spread(model, data) | common | {"provenance": provenance()}
+            seconds["norms"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws,
-                                    threshold=threshold, mode=mode, targets=targets, noise=noise,
-                                    seed=seed, max_tokens=max_tokens)
-        seconds["collapse"] = time.perf_counter() - t0
-    rows = collapse.pop("rows")
-    collapse |= {"accuracy": None, "accuracy_by_split": None, "accuracy_unperturbed": None,
-                 "accuracy_unperturbed_by_split": None, "accuracy_examples": 0,
-                 "accuracy_note": ACCURACY_NOTE, "seconds": seconds}
-    collapse |= common | {"provenance": provenance()}
-    # written once both are made: a failure leaves the folder as it was, not half new
-    files = [str(out / "norms.json")]
-    write_json(out / "norms.json", norms)
-    files += write_collapse(out, collapse, rows)
-
-    if figures:
-        name = f"{folder.name} ({hf_class})"
-        plot_norm_spread(norms, out / "norms.png", f"{name}: scale / layer median, 5-95%")
-        plot_collapse(collapse, out / "collapse.png", f"{name}: circuit collapse")
-        files += [str(out / "norms.png"), str(out / "collapse.png")]
+            t0 = time.perf_counter()
+            collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws,
+                                        threshold=threshold, mode=mode, targets=targets,
+                                        noise=noise, seed=seed, max_tokens=max_tokens)
+            seconds["collapse"] = time.perf_counter() - t0
+        rows = collapse.pop("rows")
+        collapse |= {"accuracy": None, "accuracy_by_split": None, "accuracy_unperturbed": None,
+                     "accuracy_unperturbed_by_split": None, "accuracy_examples": 0,
+                     "accuracy_note": ACCURACY_NOTE, "seconds": seconds}
+        collapse |= common | {"provenance": provenance()}
+        names = ["norms.json"]
+        write_json(stage / "norms.json", norms)
+        names += [Path(f).name for f in write_collapse(stage, collapse, rows)]
+        if figures:
+            name = f"{folder.name} ({hf_class})"
+            plot_norm_spread(norms, stage / "norms.png", f"{name}: scale / layer median, 5-95%")
+            plot_collapse(collapse, stage / "collapse.png", f"{name}: circuit collapse")
+            names += ["norms.png", "collapse.png"]
+    files = [str(out / n) for n in names]
     return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
             "collapse": collapse}
 

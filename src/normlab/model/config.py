@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from normlab.checks import check_int, check_real, did_you_mean, is_int
 
@@ -57,6 +57,11 @@ class ModelConfig:
     # embedding: e.g. digit significance (Abacus embeddings, McLeish et al. 2024). 0 = off.
     n_aux_positions: int = 0
     init_std: float = 0.02
+
+    #: sizes `__post_init__` derives, where unset, from the fields named (a diff of two
+    #: configs names the source before the size that followed it)
+    DERIVED: ClassVar[dict[str, tuple[str, ...]]] = {
+        "d_head": ("d_model", "n_heads"), "d_mlp": ("d_model",), "n_kv_heads": ("n_heads",)}
 
     def __post_init__(self) -> None:
         # derived sizes only from ints, as Python ints (numpy's uint8 200 * 4 would wrap):
