@@ -52,6 +52,7 @@ def test_sigma_zero_is_exact_and_rate_grows() -> None:
     lo, hi = res["collapse_ci95"][2]
     assert lo <= res["collapse_rate"][2] <= hi
     assert res["predicted_rate"][0] == 0.0 and res["rows_per_s"] > 0
+    assert res["draws_per_sigma"] == [1, 8, 8]  # sigma 0 is exact in one draw
     # counts by threshold are nested and the chosen theta's count is n_sparse_rows
     c = res["sparse_counts_by_threshold"]
     assert c["0.5"] == res["n_sparse_rows"] >= c["0.8"] >= c["0.9"] >= c["0.99"]
@@ -151,6 +152,53 @@ def test_token_mode_shares_one_factor_vector_mode_does_not() -> None:
     one = Perturbation(model, mode="token", heads=[2])
     r = _qkv_ratio(model, data, one.hooks(one.draw(0.2, 3, lengths, gen)), "blocks.0.attn")
     torch.testing.assert_close(r["k"][:, :, [0, 1, 3]], torch.ones(3, lengths["tokens"], 3))
+    # grouped-query attention: query head 1 reads kv head 1 // 2 = 0, whose k and v get its
+    # noise; kv head 1 (query heads 2, 3) is left alone
+    gqa = small(n_kv_heads=2)
+    one = Perturbation(gqa, mode="token", heads=[1])
+    tables = one.draw(0.2, 3, lengths, gen)
+    r = _qkv_ratio(gqa, data, one.hooks(tables), "blocks.0.attn")
+    eps = 1 + tables[("blocks.0.attn", "q")]
+    for t in "kv":
+        torch.testing.assert_close(r[t], torch.stack([eps, torch.ones_like(eps)], -1))
+    torch.testing.assert_close(r["q"][:, :, 1], eps)
+
+
+def test_threshold_one_selects_the_rows_whose_weight_is_exactly_one() -> None:
+    """A row is sparse when its max weight is >= the threshold, so the accepted threshold 1.0
+    selects the saturated rows (weight 1.0 in float32), counted by hand from the patterns."""
+    model = small(norm_placement="qk", attn_scale="learned", init_std=2.0)
+    with torch.no_grad():
+        for b in model.blocks:
+            b.attn.scale.mul_(50)
+    data = EvalData.from_problems(problems(8), "decoder")
+    rows = find_sparse_rows(model, data, threshold=1.0)
+    names = [f"blocks.{i}.attn.hook_{k}" for i in range(2) for k in ("pattern", "attn_scores")]
+    cache = collect(model, data, {n: torch.Tensor.detach for n in names})
+    total = 0
+    for i in range(2):
+        site = f"blocks.{i}.attn"
+        ok = data.valid["tokens"][:, None, :] & (
+            torch.isfinite(cache[f"{site}.hook_attn_scores"]).sum(-1) >= 2)
+        full = ok & (cache[f"{site}.hook_pattern"].max(-1).values == 1.0)  # [B, H, Q]
+        for h in range(4):
+            assert rows.counts[(site, h)][1.0] == int(full[:, h].sum())
+        total += int(full.sum())
+    assert total > 50 and len(rows) == total and bool((rows.weight == 1.0).all())
+
+
+@pytest.mark.parametrize("sigma", [0.2, 1.5])
+def test_uniform_noise_is_symmetric_on_minus_sigma_to_sigma(sigma: float) -> None:
+    """`noise="uniform"` draws eps ~ U[-sigma, sigma]: every table within the bounds, both
+    signs, mean 0 and variance sigma^2 / 3 (as the theory's noise, `test_theory`)."""
+    model = small()
+    pert = Perturbation(model, noise="uniform", mode="vector")
+    tables = pert.draw(sigma, 64, {"tokens": 32}, torch.Generator().manual_seed(0))
+    eps = torch.cat([t.flatten() for t in tables.values()]).double()
+    assert eps.numel() > 30000
+    assert float(eps.abs().max()) <= sigma and float(eps.min()) < -0.99 * sigma
+    assert abs(float(eps.mean())) < 0.02 * sigma
+    assert float(eps.var()) == pytest.approx(sigma**2 / 3, rel=0.03)
 
 
 class _Point:
@@ -613,3 +661,15 @@ def test_the_collapse_interval_is_never_narrower_than_wilsons_under_noise() -> N
     lo, hi = _cluster_ci(flips, counts, _resamples(50, seed=0))
     w_lo, w_hi = wilson_ci(3, 32)
     assert (lo, hi) == (pytest.approx(w_lo), pytest.approx(w_hi)) and lo < 3 / 32 < hi
+    # flips clustered in examples: the bootstrap is wider than Wilson and is the 95% interval,
+    # holding 95% of the resampled rates (a 90% interval holds 90%)
+    rng = np.random.default_rng(1)
+    counts = rng.integers(16, 48, 40).astype(float)
+    flips = np.floor(counts * rng.beta(0.3, 2.0, 40))
+    w = _resamples(40, seed=0)
+    lo, hi = _cluster_ci(flips, counts, w)
+    w_lo, w_hi = wilson_ci(float(flips.sum()), float(counts.sum()))
+    assert lo < w_lo and hi > w_hi
+    rates = (w @ flips) / (w @ counts)
+    assert 0.94 <= float(np.mean((rates >= lo) & (rates <= hi))) <= 0.96
+    assert 0.02 <= float(np.mean(rates < lo)) <= 0.03

@@ -80,6 +80,21 @@ def test_qkv_hooks_fire_after_the_norm() -> None:
     assert "blocks.0.attn.hook_v_pre_norm" in cache and "blocks.0.ln1.hook_scale" not in cache
 
 
+def test_a_named_point_is_cached_alone_and_detach_false_keeps_its_graph() -> None:
+    """A string filter is one exact name: `hook_k` caches hook_k, not `hook_k_pre_norm` beside
+    it. The cache holds detached tensors unless `detach=False`, whose entries stay in the
+    graph: the loss's gradient reaches them."""
+    model = build_model(cfg(norm_placement="qkv"))
+    tokens = torch.randint(0, 16, (2, 5))
+    name = "blocks.0.attn.hook_k"
+    out, cache = model.run_with_cache(tokens, names_filter=name)
+    assert list(cache) == [name] and not cache[name].requires_grad
+    out, cache = model.run_with_cache(tokens, names_filter=[name], detach=False)
+    assert list(cache) == [name] and cache[name].requires_grad
+    (grad,) = torch.autograd.grad(out.logsumexp(-1).sum(), cache[name])
+    assert grad.shape == (2, 5, 4, 8) and bool(grad.abs().sum() > 0)
+
+
 @pytest.mark.parametrize(("scope", "normalized", "scale"), [
     ("head", (2, 5, 4, 8), (2, 5, 4, 1)), ("all", (2, 5, 32), (2, 5, 1))])
 def test_qkv_norm_hook_shapes_follow_the_scope(scope: str, normalized: tuple[int, ...],
@@ -348,6 +363,22 @@ def test_greedy_decode_reserves_exactly_the_positions_it_feeds(arch: str) -> Non
     # an empty prompt was decoded from the padding alone (an empty source: from no key at all)
     with pytest.raises(ValueError, match=r"^prompts\[1\]: expected at least one token"):
         greedy_decode(model, [[1, 5], []], max_new=2, eos=-1)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_a_row_that_emits_eos_stops_alone(arch: str) -> None:
+    """Whatever token is eos, each row is the free decode cut after its own first eos: a row
+    that stops early does not stop the others (the loop ends only when every row is done)."""
+    torch.manual_seed(1)
+    model = build_model(cfg(arch=arch, pos_encoding="rope", init_std=1.0))
+    prompts = [[1, 5, 6, 2], [1, 7, 2], [3, 9, 12, 4, 8]]
+    free = greedy_decode(model, prompts, max_new=6, eos=-1)
+    ragged = 0
+    for eos in sorted({t for row in free for t in row}):
+        cut = [row[: row.index(eos) + 1] if eos in row else row for row in free]
+        assert greedy_decode(model, prompts, max_new=6, eos=eos) == cut, eos
+        ragged += len({len(row) for row in cut}) > 1
+    assert ragged  # some eos ends one row before another
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])

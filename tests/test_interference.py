@@ -43,12 +43,20 @@ def randomise_gains(m: torch.nn.Module) -> None:
                 p.copy_(0.5 + torch.rand(p.shape, generator=gen))
 
 
-@pytest.mark.parametrize("placement", ["qkv", "none", "qk"])
-def test_probe_is_zero_when_the_head_reads_x_directly(placement: str) -> None:
-    res = interference_probe(model(placement), data(), n_directions=2)
+@pytest.mark.parametrize(("placement", "kw", "null_dim"), [
+    ("qkv", {}, 32 - 2 * 8), ("none", {}, 32 - 2 * 8), ("qk", {}, 32 - 2 * 8),
+    ("none", {"n_kv_heads": 2}, 32 - 2 * 8),  # a head reads W_Q[h] and its kv head's W_K
+    ("qk", {"qkv_norm_scope": "all", "d_head": 2}, 32 - 2 * 4 * 2),  # every head's W_Q, W_K
+], ids=["qkv", "none", "qk", "none-gqa", "qk-scope-all"])
+def test_probe_is_zero_when_the_head_reads_x_directly(placement: str, kw: dict,
+                                                      null_dim: int) -> None:
+    """Content outside what the head's q and k read leaves its pattern still: null dims by
+    hand (under grouped-query attention the head's own kv head; under a whole-projection q/k
+    norm every head's projections, which its normalised q and k divide by)."""
+    res = interference_probe(model(placement, **kw), data(), n_directions=2)
     assert len(res["per_head"]) == 8
     assert res["tv_max"] < 1e-5
-    assert all(r["null_dim"] == 32 - 2 * 8 for r in res["per_head"])
+    assert all(r["null_dim"] == null_dim for r in res["per_head"])
 
 
 def test_probe_is_nonzero_under_pre_and_one_token_mode() -> None:
@@ -59,6 +67,25 @@ def test_probe_is_nonzero_under_pre_and_one_token_mode() -> None:
     assert all(r["null_dim"] == 32 - 2 * 8 - 1 for r in res["per_head"])  # centring
     one = interference_probe(m, data(), n_directions=2, tokens="one", heads=[1])
     assert len(one["per_head"]) == 2 and 0 < one["tv_mean"] < res["tv_mean"]
+
+
+@pytest.mark.parametrize("tokens", ["all", "one"])
+def test_the_probe_shifts_every_real_token_or_one_per_example(tokens: str) -> None:
+    """`tokens="all"` adds the content to every real token and `"one"` to exactly one real
+    token of each example: the tokens whose norm scale moved, against the unshifted forward."""
+    m = model("pre", n_layers=1)
+    d = data(n=6)  # padded rows of 10 to 14 real tokens
+    scales: list[torch.Tensor] = []
+    with m.hooks([("blocks.0.ln1.hook_scale", lambda x, hook: scales.append(x.detach()))]):
+        interference_probe(m, d, n_directions=1, tokens=tokens, heads=[0])
+    ref, shifted = (s[..., 0] for s in scales)  # the reference forward, then the probe's
+    moved = (shifted / ref - 1).abs() > 1e-3
+    valid = d.valid["tokens"]
+    assert not (moved & ~valid).any()
+    if tokens == "all":
+        assert torch.equal(moved, valid)
+    else:
+        assert moved.sum(-1).tolist() == [1] * 6
 
 
 def test_null_directions_respect_gain_and_centring() -> None:
@@ -72,6 +99,15 @@ def test_null_directions_respect_gain_and_centring() -> None:
         assert (u @ w.detach()).abs().max() > 1e-2  # the plain W would have been wrong
     torch.testing.assert_close(u.sum(-1), torch.zeros(3), atol=1e-5, rtol=0)
     torch.testing.assert_close(u.norm(dim=-1), torch.ones(3))
+    # a gain stored as w and applied as 1 + w (Gemma style): the read map is diag(1 + w) W
+    go = model("pre", norm_gain_offset=True)
+    randomise_gains(go)
+    u, k = null_directions(go, attention_sites(go)["blocks.1.attn"], 2, 3,
+                           torch.Generator().manual_seed(0))
+    g = go.blocks[1].ln1.w.detach()
+    assert k == 32 - 2 * 8 - 1
+    for w in (go.blocks[1].attn.W_Q[2], go.blocks[1].attn.W_K[2]):
+        assert (u @ ((1 + g)[:, None] * w.detach())).abs().max() < 1e-5
     # pre_qk with zero LN bias: the head only sees the norm change, which its q/k norms
     # remove, so with the gain accounted for the pattern is unchanged
     pq = model("pre_qk")

@@ -420,10 +420,59 @@ def test_unknown_field_from_dict() -> None:
         ModelConfig.from_dict({"d_modle": 3})
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_init_shrinks_every_output_projection_by_the_total_depth(arch: str) -> None:
+    """GPT-2 init: every `W_*` is N(0, init_std) except the residual writers `W_O` and `W_out`,
+    N(0, init_std / sqrt(2 L)) with L every layer the residual stream passes (encoder's and
+    decoder's together)."""
+    torch.manual_seed(0)
+    layers = {"n_layers": 3} if arch == "decoder" else {"n_encoder_layers": 5,
+                                                        "n_decoder_layers": 2}
+    model = build_model(tiny(arch=arch, d_model=64, d_mlp=256, init_std=0.02, **layers))
+    depth = 3 if arch == "decoder" else 7
+    seen = set()
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if not leaf.startswith("W_"):
+            continue
+        want = 0.02 / math.sqrt(2 * depth) if leaf in ("W_O", "W_out") else 0.02
+        assert abs(p.std().item() / want - 1) < 0.1, (name, p.std().item(), want)
+        seen.add(leaf)
+    assert {"W_O", "W_out", "W_Q", "W_in", "W_E"} <= seen
+
+
+def test_tied_encoder_decoder_unembeds_with_the_decoders_table() -> None:
+    """A tied encoder-decoder's logits are its decoder's final residual times the decoder's
+    own embedding table (the table its targets are read with), not the encoder's."""
+    torch.manual_seed(0)
+    model = build_model(tiny(arch="encoder_decoder", tie_embeddings=True))
+    assert model.encoder.embed.W_E is not model.decoder.embed.W_E
+    src, tgt = torch.randint(0, 16, (2, 7)), torch.randint(0, 16, (2, 5))
+    logits, cache = model.run_with_cache(src, tgt)
+    table = cache["decoder.hook_embed"][0]  # row p: the embedding of tgt[0, p]
+    assert torch.equal(table, model.decoder.embed.W_E[tgt[0]])
+    want = cache["decoder.ln_final.hook_normalized"] @ model.decoder.embed.W_E.T
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_evaluating_runs_without_autograd_in_eval_mode_and_restores_the_mode() -> None:
+    """Inside `transformer.evaluating` a forward records no graph (greedy decoding and every
+    analysis run there) and the model is in eval mode; afterwards its mode is back."""
+    model = build_model(tiny(dropout=0.5)).train()
+    tokens = torch.randint(0, 16, (2, 6))
+    with transformer.evaluating(model):
+        out = model(tokens)
+        assert not model.training and not torch.is_grad_enabled()
+    assert not out.requires_grad and out.grad_fn is None
+    assert model.training and torch.is_grad_enabled() and model(tokens).requires_grad
+
+
 def test_dropout_only_where_it_drops(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dropout modules run only in training with p > 0 (where they draw masks), or when a
     PyTorch hook is registered on them; in eval mode or with p = 0 they are skipped, which
-    torch's dropout would return x for anyway: the same output, and no random numbers drawn."""
+    torch's dropout would return x for anyway: the same output, and no random numbers drawn.
+    Training also drops attention weights: the first query, whose one weight is 1, mixes
+    either nothing or 2 v (p = 0.5), and in eval mode exactly v."""
     calls: list[int] = []
     forward = torch.nn.Dropout.forward
     monkeypatch.setattr(torch.nn.Dropout, "forward",
@@ -446,6 +495,13 @@ def test_dropout_only_where_it_drops(monkeypatch: pytest.MonkeyPatch) -> None:
     plain.blocks[0].drop.register_forward_hook(lambda m, a, out: seen.append(1))
     plain(tokens)
     assert len(seen) == 2  # attention's and the MLP's
+    _, cache = model.train().run_with_cache(tokens)
+    z, v = (cache[f"blocks.0.attn.hook_{n}"][:, 0] for n in ("z", "v"))  # [batch, head, d]
+    kept = (z == 2 * v).all(-1)
+    assert ((z == 0).all(-1) | kept).all() and 0 < int(kept.sum()) < kept.numel()
+    _, cache = model.eval().run_with_cache(tokens)
+    torch.testing.assert_close(cache["blocks.0.attn.hook_z"][:, 0],
+                               cache["blocks.0.attn.hook_v"][:, 0], atol=1e-6, rtol=0)
 
 
 

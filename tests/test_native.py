@@ -12,6 +12,7 @@ full block of eight, on one and two threads.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from normlab import ModelConfig, build_model
 from normlab.io import process_umask
 from normlab.model import native
 from normlab.model.attention import HeadNorm
+from normlab.model.mlp import MLP
 from normlab.model.norms import Norm
 from normlab.model.positions import Rope, Rotary
 
@@ -1597,6 +1599,37 @@ def test_linear_gelu_batched_gradients() -> None:
             got.append(torch.autograd.grad(y, (xs, ws), gys, is_grads_batched=True))
     for ours, ref in zip(*got, strict=True):
         torch.testing.assert_close(ours, ref, atol=1e-6 * ref.abs().max().item(), rtol=1e-5)
+
+
+TRUE_ACT = {  # the activations from their formulas, in float64
+    "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2))),
+    "gelu_tanh": lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi)
+                                                     * (h + 0.044715 * h**3))),
+    "relu": lambda h: h.clamp(min=0),
+    "silu": lambda h: h / (1 + torch.exp(-h)),
+}
+
+
+@pytest.mark.parametrize("act", sorted(TRUE_ACT))
+def test_mlp_training_forward_is_its_own_activation_and_keeps_its_hook(act: str) -> None:
+    """A training (autograd) forward large enough for `native.linear_gelu` is
+    act(x @ W_in + b_in) @ W_out + b_out with the MLP's own `act` (the kernel is exact GELU
+    only), and a hook on `hook_pre` still fires there, seeing the pre-activation."""
+    torch.manual_seed(0)
+    mlp = MLP(ModelConfig(d_model=64, n_heads=4, n_layers=1, d_mlp=256, act=act,
+                          mlp_bias=True))
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(100, 64)  # 25600 pre-activations: above GELU_MIN_ELEMENTS
+    assert native.linear_gelu_applies(x, mlp.W_in, mlp.b_in)
+    h = x.double() @ mlp.W_in.double() + mlp.b_in.double()
+    want = TRUE_ACT[act](h) @ mlp.W_out.double() + mlp.b_out.double()
+    torch.testing.assert_close(mlp(x).double(), want, atol=1e-4, rtol=1e-4)
+    seen: list[torch.Tensor] = []
+    mlp.hook_pre.fns.append(lambda t, hook: seen.append(t.detach()))
+    torch.testing.assert_close(mlp(x).double(), want, atol=1e-4, rtol=1e-4)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0].double(), h, atol=1e-4, rtol=1e-4)
 
 
 def test_linear_gelu_applies_only_under_autograd_to_what_it_can_read() -> None:

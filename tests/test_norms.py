@@ -41,16 +41,29 @@ def test_ratios_match_hand_computation_from_residuals(norm_type: str) -> None:
     valid = d.inputs["tokens"] != 0
     hand = scale[valid].numpy()
     hand = hand / np.median(hand)
-    item = find(norm_ratios(m, d), "blocks.1.ln1.hook_scale")
+    items = norm_ratios(m, d)
+    item = find(items, "blocks.1.ln1.hook_scale")
     np.testing.assert_allclose(item["ratio"], hand, rtol=1e-5)
+    # the residual reference: the centred RMS (LayerNorm's statistic, no eps) for either norm
+    xr = cache["blocks.1.hook_resid_pre"].double()
+    rs = (xr - xr.mean(-1, keepdim=True)).pow(2).mean(-1).sqrt()[valid].numpy()
+    resid = find(items, "blocks.1.hook_resid_pre")
+    assert resid["kind"] == "resid"
+    np.testing.assert_allclose(resid["ratio"], rs / np.median(rs), rtol=1e-5)
     # per-class statistics from the hand ratios
     q_len = torch.tensor([len(q) + 2 for q, _ in d.problems])
     is_q = (torch.arange(valid.shape[1])[None] < q_len[:, None])[valid].numpy()
-    entry = next(e for e in norm_spread(m, d)["entries"]
-                 if e["hook"] == "blocks.1.ln1.hook_scale")
+    spread = norm_spread(m, d)
+    entry = next(e for e in spread["entries"] if e["hook"] == "blocks.1.ln1.hook_scale")
+    # the summary pools the norm entries only (not the residual reference), in every class
+    n_norm = sum(e["classes"]["all"]["n"] for e in spread["entries"] if e["kind"] == "norm")
+    summary = spread["summary"]
+    assert summary["all"]["n"] == n_norm == 5 * int(valid.sum())  # 2 blocks: ln1, ln2; final
+    assert sum(summary[c]["n"] for c in d.class_names) == n_norm
     for cname, sel in (("all", np.ones_like(is_q)), ("question", is_q), ("answer", ~is_q)):
         r, st = hand[sel], entry["classes"][cname]
         assert st["n"] == r.size
+        assert st["within_10"] == pytest.approx(np.mean(np.abs(r - 1) <= 0.1), abs=1e-9)
         assert st["within_20"] == pytest.approx(np.mean(np.abs(r - 1) <= 0.2), abs=1e-9)
         assert st["p5"] == pytest.approx(np.percentile(r, 5), rel=1e-5)
         # h90: the smallest symmetric band around 1 holding 90% of the ratios

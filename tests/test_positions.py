@@ -6,6 +6,7 @@ reproducibility on two threads."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from normlab import ModelConfig, build_model
 from normlab.model import native
-from normlab.model.positions import Rotary, lookup
+from normlab.model.positions import Rotary, lookup, sinusoidal_table
 
 
 def textbook(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -255,3 +256,20 @@ def test_full_precision_tables_are_the_textbook_ones(dtype: torch.dtype) -> None
     assert rope.cos.dtype == dtype and torch.equal(rope.cos, angles.cos())
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves the tables float32
         assert Rotary(16, 10000.0)(positions).cos.dtype == torch.float32
+
+
+@pytest.mark.parametrize("d", [6, 7])
+def test_sinusoidal_table_is_the_vaswani_formula(d: int) -> None:
+    """The fixed table is Vaswani et al.'s: sin(pos / 10000^(2i/d)) at dim 2i, cos at 2i + 1
+    (an odd width drops the last cos), and it is what a sinusoidal model adds to its tokens."""
+    want = torch.zeros(9, d, dtype=torch.float64)
+    for pos in range(9):
+        for i in range(0, d, 2):
+            angle = pos / 10000.0 ** (i / d)
+            want[pos, i] = math.sin(angle)
+            if i + 1 < d:
+                want[pos, i + 1] = math.cos(angle)
+    torch.testing.assert_close(sinusoidal_table(9, d).double(), want, atol=1e-6, rtol=0)
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
+                                    vocab_size=16, pos_encoding="sinusoidal"))
+    assert torch.equal(model.pos_embed.W_pos, sinusoidal_table(8, 16))

@@ -109,6 +109,18 @@ def test_hand_computed_two_key_value() -> None:
     assert float(pair_flip_probability(2.0, 1.0, 0.5)) == pytest.approx(expected, rel=1e-12)
 
 
+def test_union_bound_is_capped_at_one() -> None:
+    """The union bound is min(1, sum of pair probabilities): nine competitors near-tied with
+    the winner sum to about 4.4, a probability bound of 1, not 4.4."""
+    row = [1.0] + [0.99] * 9
+    pairs = sum(float(pair_flip_probability(1.0, s, 0.3)) for s in row[1:])
+    assert pairs > 4
+    assert float(union_bound(torch.tensor([row]), 0.3)[0]) == 1.0
+    few = [1.0, 0.5, 0.4]  # a sum below 1 is the bound itself
+    want = sum(float(pair_flip_probability(1.0, s, 0.3)) for s in few[1:])
+    assert float(union_bound(torch.tensor([few]), 0.3)[0]) == pytest.approx(want, rel=1e-12)
+
+
 def test_pair_probability_degenerate_and_dtype() -> None:
     # s* = s' = 0 never moves; a "winner" that is really behind always stays behind at σ=0.
     assert float(pair_flip_probability(0.0, 0.0, 1.0)) == 0.0
