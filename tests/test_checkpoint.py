@@ -5,6 +5,7 @@ field, and the newest good checkpoint is used instead, as for bad tensors."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -47,6 +48,11 @@ DAMAGE = [
         params=None)),
     ("optimizer.param_groups[1].betas", lambda m: m["optimizer"]["param_groups"][1].update(
         betas=[0.9])),
+    ("stale", lambda m: m.update(stale=-3)),
+    # base64 of 10 bytes, not of torch's CPU state: the resume died in torch's own error
+    ("torch_rng", lambda m: m.update(torch_rng=base64.b64encode(b"0123456789").decode())),
+    ("optimizer.param_groups[0].weight_decay", lambda m: m["optimizer"]["param_groups"][0]
+     .update(weight_decay="0.1")),
 ]
 IDS = [f"{field}-{i}" for i, (field, _) in enumerate(DAMAGE)]
 

@@ -195,6 +195,21 @@ def test_one_sigma_is_named_sigma_and_a_numpy_threshold_is_a_number() -> None:
     assert check_threshold(np.float32(0.5)) == 0.5
 
 
+def test_each_bound_is_where_its_docstring_puts_it() -> None:
+    """The edges themselves: only values far past them were tested, so moving a bound by one
+    (1024 threads refused, an elapsed time of 0 s refused as no duration, 1 GiB printed as
+    1,024.0 MiB) or loosening the misspelling match (`stop` taken for `steps`) passed."""
+    assert checks.check_threads(checks.MAX_THREADS, "t") == 1024
+    with pytest.raises(ValueError, match=r"^t: expected at most 1024; got 1025$"):
+        checks.check_threads(1025, "t")
+    assert checks.is_seconds(0) and checks.is_seconds(0.0) and not checks.is_seconds(-1e-9)
+    assert [checks.format_bytes(n) for n in (2**30, 2**20, 2**30 - 1, 1023)] == [
+        "1.0 GiB", "1.0 MiB", "1,024.0 MiB", "1.0 KiB"]
+    assert checks.did_you_mean("step", ["steps", "seed"]) == " (did you mean 'steps'?)"
+    assert checks.did_you_mean("stop", ["steps", "seed"]) == ""
+    assert checks.did_you_mean("decay", ["weight_decay"]) == ""
+
+
 def test_memory_bytes_reads_the_system(monkeypatch) -> None:
     """Memory and swap from /proc/meminfo where Linux has it, else the physical pages."""
     total = checks.memory_bytes()
@@ -203,6 +218,10 @@ def test_memory_bytes_reads_the_system(monkeypatch) -> None:
         kib = [int(ln.split()[1]) for ln in info.splitlines()
                if ln.startswith(("MemTotal:", "SwapTotal:"))]
         assert total == 1024 * sum(kib)
+    # swap counts too (this machine may have none, where leaving it out passed)
+    monkeypatch.setattr(checks.Path, "read_text",
+                        lambda self: "MemTotal:  8388608 kB\nSwapTotal: 4194304 kB\n")
+    assert checks.memory_bytes() == 12 * 2**30
     monkeypatch.setattr(checks.Path, "read_text", lambda self: "no such table")
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert checks.memory_bytes() == pages > 0

@@ -43,6 +43,9 @@ def test_curve_table_is_the_union_of_steps(tmp_path: Path) -> None:
     header, rows = curve_table([learning_curve(a), learning_curve(b)])
     assert header == ["step", "a", "b"]
     assert rows == [["100", "25.0 (10 s)", "-"], ["200", "50.0 (20 s)", "75.0 (30 s)"]]
+    # in step order whichever run comes first (the first run's steps led, the rest after)
+    header, rows = curve_table([learning_curve(b), learning_curve(a)])
+    assert header == ["step", "b", "a"] and [r[0] for r in rows] == ["100", "200"]
 
 
 def test_bad_logs_give_one_line_errors(tmp_path: Path) -> None:
@@ -137,3 +140,21 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
     (b / "config.toml").unlink()  # a folder without its config: no count to give for it
     assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
+
+
+def test_the_curve_figure_is_in_minutes_and_whole_percent(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wall-time panel, labelled in minutes, plots minutes, and the accuracy axis spans
+    0-100%: no test read the figure, so seconds under "(min)", or an axis zoomed to the
+    data, passed."""
+    import matplotlib.pyplot as plt
+
+    import normlab.curves as cu
+
+    drawn: list = []
+    monkeypatch.setattr(cu, "save_figure", lambda fig, path: drawn.append(fig))
+    cu.plot_curves([cu.Curve("a", [100, 200], [600.0, 1200.0], [0.25, 0.5])], tmp_path / "c.png")
+    ax1, ax2 = drawn[0].axes
+    assert "(min)" in ax2.get_xlabel() and list(ax2.lines[0].get_xdata()) == [10.0, 20.0]
+    assert list(ax1.lines[0].get_ydata()) == [25.0, 50.0] and ax1.get_ylim() == (0, 100)
+    plt.close(drawn[0])

@@ -187,6 +187,23 @@ def test_a_limit_is_a_number_of_examples_or_none() -> None:
         evaluate(model, task, empty, predictor=oracle)
 
 
+def test_a_splits_accuracy_is_over_its_questions_not_its_cells() -> None:
+    """Sets passed to `evaluate` may give cells unequal numbers of questions: a split's
+    accuracy is right answers over questions (3 of 4 here), not the mean of its cells' (1/2),
+    which the command's equal-sized cells cannot tell apart."""
+    from normlab.evaluate import evaluate
+    from normlab.tasks.addition import TaskConfig, eval_sets
+
+    task = TaskConfig(grid="smoke", eval_size=4).resolve()
+    (a, pa), (b, pb) = list(eval_sets(task)["train"].items())[:2]
+    sets = {"train": {a: pa[:3], b: pb[:1]}}
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32))
+    right = dict(pa[:3])  # right on a's three questions, wrong on b's one
+    res = evaluate(model, task, sets, predictor=lambda qs: [right.get(q, "x") for q in qs])
+    assert res["splits"]["train"]["count"] == 4
+    assert res["splits"]["train"]["accuracy"] == 0.75
+
+
 def test_a_heatmap_of_mixed_digit_cells_only_says_so(tmp_path) -> None:
     """With no cell of one digit count the grid was empty: a blank PNG and three matplotlib
     warnings. The figure now says where the cells are, and warns of nothing."""

@@ -177,6 +177,14 @@ def test_early_stopping(tmp_path: Path) -> None:
                  tmp_path / "b", progress=False)
     assert last["early_stopped"] and last["step"] == 20  # no improvement at the second eval
     assert train(load_config(None, base), tmp_path / "c", progress=False)["step"] == 40
+    # the evaluations without improvement are counted across a resume: a resume that reset
+    # the count trained on past where the straight run stopped (step 40, not 30)
+    slow = load_config(None, [*base, "train.patience=2", "train.lr=1e-9"])
+    straight = train(slow, tmp_path / "d", progress=False)
+    assert straight["early_stopped"] and straight["step"] == 30
+    train(slow, tmp_path / "e", progress=False, stop_after=20)  # after one stale evaluation
+    resumed = train(slow, tmp_path / "e", progress=False, resume=True)
+    assert (resumed["step"], resumed.get("early_stopped")) == (30, True)
 
 
 def test_next_aux_position_extends_rows_like_aux_positions() -> None:

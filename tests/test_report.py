@@ -125,6 +125,14 @@ def test_claims_table_on_synthetic_runs() -> None:
         runs["qkv"][s]["eval"]["splits"]["extrapolation"]["accuracy"] = 0.9
         runs["qkv"][s]["eval"]["splits"]["interpolation"]["accuracy"] = 0.9
     assert {r["id"]: r for r in claims_table(runs)}["H4"]["verdict"] == "disagrees"
+    # seeds just above H1's and H2's bands (h90 0.45 ± 0.01 against [0.10, 0.40], a collapse
+    # rate of 2.5% ± 0.1% against [0.5%, 2%]): their intervals miss them, whose upper edges no
+    # test pinned (widened, each verdict read "agrees")
+    runs["pre"] = {s: _run("pre", s, 0.99, 0.5, h90, rate) for s, (h90, rate) in
+                   enumerate([(0.44, 0.024), (0.45, 0.025), (0.46, 0.026)])}
+    rows = {r["id"]: r for r in claims_table(runs)}
+    assert rows["H1"]["ci95"][0] > 0.40 and rows["H1"]["verdict"] == "disagrees"
+    assert rows["H2"]["ci95"][0] > 0.02 and rows["H2"]["verdict"] == "disagrees"
     # no runs at all: every claim inconclusive, nothing invented
     assert all(r["verdict"] == "inconclusive" and r["ours"] is None for r in claims_table({}))
 
@@ -249,7 +257,7 @@ def test_a_sweep_key_that_is_not_table_key_is_named_as_the_sweep_file_writes_it(
 def test_sweep_values_reach_the_config_as_written(tmp_path: Path) -> None:
     """Grid and set values are written back as TOML for `load_config`: a string with an
     apostrophe or quotes, and lists, arrive as they were (an apostrophe used to leave
-    quotes inside the value)."""
+    quotes inside the value; a DEL, which TOML bars unescaped, arrived quotes and all)."""
     from normlab.sweep import _toml
 
     for v in ["it's", 'say "hi"', "back\\slash", "tab\tand\nline", "é", "", [1, "a'b"], 2.5,
@@ -257,7 +265,7 @@ def test_sweep_values_reach_the_config_as_written(tmp_path: Path) -> None:
               {"interpolation": [[3, 1]]}, {"a.b": {"it's": [{"x": 'q"'}]}, "": 1},
               [{"n": 1}, {"n": [2.5, True]}], datetime.datetime(1979, 5, 27, 7, 32),
               datetime.datetime(1979, 5, 27, 7, 32, 0, 999, tzinfo=datetime.UTC),
-              datetime.date(1979, 5, 27), datetime.time(7, 32, 1)]:
+              datetime.date(1979, 5, 27), datetime.time(7, 32, 1), "del\x7fete"]:
         assert tomllib.loads(f"x = {_toml(v)}")["x"] == v, v
     assert math.isnan(tomllib.loads(f"x = {_toml(math.nan)}")["x"])
     # a table value (`task.splits`) was passed on as the text of a Python dict, and refused;
@@ -322,8 +330,12 @@ def test_local_sweep_runs_skips_and_resumes(tmp_path: Path) -> None:
     specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
     # a killed run: 4 of 6 steps done, checkpoint at 3, no eval yet
     train(RunConfig.from_dict(specs[1].config), Path(specs[1].out), progress=False, stop_after=4)
+    # its first attempt's time, as the sweep records it: the rerun adds to it (it replaced it)
+    (Path(specs[1].out) / "timings.json").write_text(json.dumps({"train": 100.0}))
     results = execute(specs, jobs=2, progress=False)
     assert all(r["ok"] for r in results), results
+    took = json.loads((Path(specs[1].out) / "timings.json").read_text())
+    assert 100.0 < took["train"] < 200.0 and set(took) == {"train", "eval"}
     by = {r["name"]: r for r in results}
     assert by["pre-s0"]["did"] == ["train", "eval"] and by["pre-s1"]["did"] == ["train", "eval"]
     assert "resuming" in (tmp_path / "out" / "pre-s1.log").read_text()
@@ -761,14 +773,43 @@ def test_a_report_refuses_runs_made_with_other_settings(tmp_path: Path) -> None:
 def test_the_figure_shows_every_seeds_sigmas() -> None:
     """The collapse figure was drawn at the first seed's sigmas only: a sigma another seed
     measured was dropped from the curve. `collect` refuses such runs; hand-built ones reach
-    `figures`."""
-    from normlab.report import _seed_mean, _sigma_grid
+    `figures`. Sigmas merge only where they are one (a coarse tolerance dropped 0.005), and
+    the band spans the seeds' range (its top at the lowest seed passed)."""
+    from normlab.report import _seed_mean, _seed_range, _sigma_grid
 
     a = {"sigmas": [0.1, 0.0], "collapse_rate": [0.002, 0.0]}
-    b = {"sigmas": [0.0, 0.3, 0.1 + 1e-12], "collapse_rate": [0.0, 0.04, 0.004]}
-    sig = _sigma_grid([a, b])
-    assert sig == pytest.approx([0.0, 0.1, 0.3]) and len(sig) == 3
-    assert _seed_mean([a, b], "collapse_rate", sig) == pytest.approx([0.0, 0.003, 0.04])
+    b = {"sigmas": [0.0, 0.3, 0.1 + 1e-12, 0.005], "collapse_rate": [0.0, 0.04, 0.004, 0.001]}
+    sig = _sigma_grid([a, b])  # 0.1 and 0.1 + 1e-12 are one sigma; 0.005 is its own
+    assert sig == pytest.approx([0.0, 0.005, 0.1, 0.3]) and len(sig) == 4
+    assert _seed_mean([a, b], "collapse_rate", sig) == pytest.approx([0.0, 0.001, 0.003, 0.04])
+    # the band drawn around the mean: the lowest and the highest seed at each sigma
+    lo, hi = _seed_range([a, b], "collapse_rate", sig)
+    assert (lo, hi) == (pytest.approx([0.0, 0.001, 0.002, 0.04]),
+                        pytest.approx([0.0, 0.001, 0.004, 0.04]))
+
+
+def test_the_norm_spread_whisker_spans_the_seeds_range(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The h90 bar's whisker runs from the lowest seed to the highest, as its title says:
+    no test read the figure, so a whisker with its ends swapped (mirrored about the mean)
+    passed."""
+    import matplotlib.pyplot as plt
+
+    import normlab.report as rep
+
+    drawn: list = []
+    monkeypatch.setattr(rep, "save_figure", lambda fig, path: drawn.append(fig))
+    runs = {"pre": {s: _run("pre", s, 0.99, 0.5, h90, 0.01)
+                    for s, h90 in enumerate([0.19, 0.20, 0.24])}}
+    rep.figures(runs, tmp_path)
+    from matplotlib.container import BarContainer
+
+    (bars,) = [c for c in drawn[1].axes[0].containers if isinstance(c, BarContainer)]
+    assert bars[0].get_height() == pytest.approx(0.21)
+    (_, low), (_, high) = bars.errorbar.lines[2][0].get_segments()[0]
+    assert sorted([low, high]) == pytest.approx([0.19, 0.24])
+    for fig in drawn:
+        plt.close(fig)
 
 
 def test_a_task_without_held_out_splits_gives_no_number_for_h4(tmp_path: Path) -> None:

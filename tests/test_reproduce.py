@@ -52,6 +52,22 @@ def test_rerun_skips_finished_runs(smoke: Path, capsys: pytest.CaptureFixture[st
     assert "already done" in capsys.readouterr().err
 
 
+def test_the_profiles_are_the_readmes_from_any_folder(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """quick is pre and qkv with 2 seeds each, paper every placement with 5 (the README): no
+    test pinned them. The configs are the checkout's wherever the command runs: every test ran
+    from the checkout, where ./configs hid a config_root that missed it."""
+    from normlab.reproduce import profile_specs
+
+    monkeypatch.chdir(tmp_path)
+    for profile, placements, seeds in (("quick", ("pre", "qkv"), 2),
+                                       ("paper", ("none", "post", "pre", "qk", "qkv"), 5)):
+        specs = profile_specs(profile, tmp_path / profile)
+        assert [s.name for s in specs] == [f"{p}-s{i}" for p in placements for i in range(seeds)]
+        assert [(s.config["model"]["norm_placement"], s.config["train"]["seed"])
+                for s in specs] == [(p, i) for p in placements for i in range(seeds)]
+
+
 def test_unknown_profile_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["reproduce", "--profile", "huge", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

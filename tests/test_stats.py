@@ -96,3 +96,14 @@ def test_mean_ci_refuses_what_is_no_measurement(values: list[float], within: lis
 
     with pytest.raises(ValueError, match=match):
         mean_ci(values, within)
+
+
+def test_mean_ci_floors_at_the_seeds_mean_within_variance() -> None:
+    """The floor is the mean of the seeds' own variances, not the largest (every test gave the
+    seeds equal ones, where the two agree). By hand: two equal values, variances 0 and 0.02,
+    floor 0.01, t(1) = 12.706: half-width 12.706 sqrt(0.01) / sqrt(2)."""
+    from normlab.stats import mean_ci
+
+    m, (lo, hi) = mean_ci([0.5, 0.5], within_var=[0.0, 0.02])
+    half = 12.706 * math.sqrt(0.01) / math.sqrt(2)
+    assert m == 0.5 and (lo, hi) == pytest.approx((0.5 - half, 0.5 + half))

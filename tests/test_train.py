@@ -120,6 +120,10 @@ def test_a_finished_run_resumes_only_with_its_own_config(tmp_path: Path) -> None
         train(cfg("train.steps=11", "train.checkpoint_every=10", "train.eval_every=10",
                   "model.d_mlp=32", "train.lr=0.5"), tmp_path / "run", progress=False,
               resume=True)
+    # the seed is what the run trained, not where it ran: another seed is another run
+    with pytest.raises(ValueError, match=r"\(train\.seed: saved 0, given 1\); use"):
+        train(cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
+                  "train.seed=1"), tmp_path / "run", progress=False, resume=True)
     # a config built in Python with tuples is the same run as the lists read back from TOML
     c = cfg("train.steps=10", "train.checkpoint_every=10", "train.eval_every=10",
             "task.train=[[1, 1]]", "task.splits={held = [[2, 1]]}")
@@ -190,6 +194,10 @@ def test_corrupted_checkpoint_is_one_line_and_previous_still_loads(tmp_path: Pat
     side.write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_checkpoint(prev)
+    # both bad, each its own way: the one error names the newest one's fault, not the oldest's
+    with pytest.raises(CheckpointError, match=r"^no readable checkpoint in .*: checkpoint "
+                                              r"'.*step_0000020\.safetensors' is truncated"):
+        latest_checkpoint(tmp_path / "run/checkpoints")
 
 
 def test_checkpoint_sidecar_records_provenance(tmp_path: Path) -> None:
@@ -247,6 +255,36 @@ def test_checkpoints_record_the_commit_the_run_started_from(tmp_path: Path, monk
     sides = list_checkpoints(tmp_path / "run/checkpoints")
     assert len(sides) == 2
     assert [json.loads(s.read_text())["provenance"]["git_commit"] for s in sides] == ["started"] * 2
+
+
+def test_the_commit_is_marked_dirty_where_the_tree_has_local_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results made from uncommitted code carry "-dirty" after the commit: the commit tests
+    replace `git_commit`, so dropping the mark (a clean commit's name on them) passed."""
+    import subprocess
+
+    import normlab
+    from normlab.io import git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    pkg = tmp_path / "src" / "normlab"  # a checkout: git_commit asks the tree above src/
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+    sha = git("rev-parse", "HEAD")
+    monkeypatch.setattr(normlab, "__file__", str(pkg / "__init__.py"))
+    assert git_commit() == sha
+    (pkg / "__init__.py").write_text("x = 1\n")
+    assert git_commit() == sha + "-dirty"
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
@@ -941,6 +979,13 @@ def test_evaluations_between_log_steps_are_run(tmp_path: Path) -> None:
     recs = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "accuracy" in r] == [3, 6, 9, 12]
     assert [r["step"] for r in recs] == [3, 5, 6, 9, 10, 12]
+    # steps no multiple of eval_every: the last step is evaluated too (the run's record had
+    # no accuracy)
+    c = cfg("train.steps=7", "train.log_every=5", "train.eval_every=3",
+            "train.checkpoint_every=7")
+    assert "accuracy" in train(c, tmp_path / "odd", progress=False)
+    recs = [json.loads(ln) for ln in (tmp_path / "odd/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "accuracy" in r] == [3, 6, 7]
 
 
 @pytest.mark.parametrize(("sets", "field"), [
@@ -1250,7 +1295,9 @@ def test_an_os_error_while_writing_names_the_file_not_its_temp_file(
 
 def test_result_files_are_written_whole_readable_and_figures_too(tmp_path: Path) -> None:
     """Atomic writes leave no temp file, give the mode the umask allows (read from the
-    process, not by setting it), and a figure that fails to render leaves the old file."""
+    process, not by setting it), replace the file (a reader that opened the old one reads it
+    whole, where a rewrite in place gives it a half file), and a figure that fails to render
+    leaves the old file."""
     import os
 
     import matplotlib.pyplot as plt
@@ -1264,6 +1311,10 @@ def test_result_files_are_written_whole_readable_and_figures_too(tmp_path: Path)
         assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(old)
+    with (tmp_path / "a.json").open() as reader:
+        atomic_write_text(tmp_path / "a.json", '{"new": 1}')
+        assert reader.read() == "{}"
+    assert (tmp_path / "a.json").read_text() == '{"new": 1}'
     fig, ax = plt.subplots(figsize=(2, 1))
     ax.plot([0, 1])
     save_figure(fig, tmp_path / "f.png")  # every figure at 200 dpi: 2 x 1 inches
@@ -1684,6 +1735,13 @@ def test_a_folder_another_process_trains_in_is_refused_untouched(tmp_path: Path,
         assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
     finally:
         os.close(fd)
+    # the lock a first normlab holds, not only a raw exclusive one: a shared lock let two in
+    from normlab.io import FolderLock
+
+    with FolderLock(tr.TRAINING) as first:
+        first.take(run)
+        with pytest.raises(ValueError, match="is being trained by another process"):
+            train(c, run, progress=False, resume=True)
     train(c, run, progress=False, resume=True)
     train(c, tmp_path / "run2", progress=False)  # released: the same process trains again
     train(c, tmp_path / "run2", progress=False, force=True)
@@ -1983,7 +2041,9 @@ def test_training_steps_equal_a_hand_written_adamw_loop(tmp_path: Path) -> None:
     """Four steps of `train` against the same steps written out: the cross-entropy over the
     answer tokens, the gradient clipped to norm 1, AdamW by its formulas (weight decay on
     the `W_*` matrices only), at a warm-up then linear lr by hand. Dropping the line that sets
-    each step's lr (every step at the peak) passed every test before this one."""
+    each step's lr (every step at the peak) passed every test before this one. At a seed
+    other than the default: a `train.seed` that never reached the initial weights or the
+    training stream passed too."""
     import math
 
     import torch.nn.functional as F
@@ -1994,7 +2054,7 @@ def test_training_steps_equal_a_hand_written_adamw_loop(tmp_path: Path) -> None:
     # a decay and an lr large enough that decaying every parameter, or none, is seen
     c = cfg("train.steps=4", "train.warmup_steps=2", "train.schedule='linear'",
             "train.min_lr_ratio=0.1", "train.checkpoint_every=4", "train.eval_every=4",
-            "train.lr=1e-2", "train.weight_decay=0.5")
+            "train.lr=1e-2", "train.weight_decay=0.5", "train.seed=3")
     t = c.train
     train(c, tmp_path / "run", progress=False)
     _, trained, _ = load_run(tmp_path / "run")
