@@ -137,6 +137,9 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
     title = capsys.readouterr().out.splitlines()[0]
     assert title == ("exact match % on train (training seconds); the first 32 / 64 questions "
                      "a cell (train.eval_examples; `normlab eval` asks every question)")
+    (b / "config.toml").write_text("[model\n")  # damaged: the table still prints, no count
+    assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
     (b / "config.toml").unlink()  # a folder without its config: no count to give for it
     assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"

@@ -570,6 +570,19 @@ def test_analyze_lands_its_files_together_or_not_at_all(tmp_path: Path, monkeypa
     def fail(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the figure failed")
 
+    moved: list[str] = []
+
+    def replace(src: object, dst: object) -> None:
+        if Path(str(dst)).parent == run / "analysis":  # not a write into the staging folder
+            moved.append(Path(str(dst)).name)
+        real_replace(src, dst)
+
+    real_replace = nio.os.replace
+    monkeypatch.setattr(nio.os, "replace", replace)
+    analyze_run(run, **small, seed=8)
+    assert moved[-1] == "interference.json" and len(moved) == 7  # the sweep's mark last
+    monkeypatch.undo()
+    before = {f.name: f.read_bytes() for f in (run / "analysis").iterdir()}
     monkeypatch.setattr(normlab.analysis.report, "plot_interference", fail)
     with pytest.raises(RuntimeError, match="the figure failed"):
         analyze_run(run, **small, seed=9)
@@ -744,6 +757,20 @@ def test_a_force_stopped_part_way_never_leaves_a_finished_record_alone(tmp_path:
             assert tr.list_checkpoints(run / "checkpoints")
 
 
+def test_force_clears_a_killed_analysis_staging_folder(tmp_path: Path) -> None:
+    """A kill while `analyze` moved its files left them in analysis/.staging-*, which `--force`
+    kept as "not written by normlab": the new run carried the old run's results."""
+    c = cfg("train.steps=2", "train.checkpoint_every=2", "train.eval_every=2")
+    run = tmp_path / "run"
+    train(c, run, progress=False)
+    stage = run / "analysis" / ".staging-x1y2"
+    stage.mkdir(parents=True)
+    (stage / "norms.json").write_text("{}")
+    logs: list[str] = []
+    train(c, run, progress=False, force=True, log=logs.append)
+    assert not stage.exists() and not any("kept what normlab did not write" in m for m in logs)
+
+
 def test_a_finished_run_is_judged_by_the_config_it_trained_with(tmp_path: Path,
                                                                 capsys) -> None:
     """An edited config.toml: a resume trained on with the checkpoint's config and kept the
@@ -770,6 +797,27 @@ def test_a_finished_run_is_judged_by_the_config_it_trained_with(tmp_path: Path,
     assert (run / "config.toml").read_text() == saved  # and its file made right again
     with pytest.raises(ValueError, match=r"\(train\.lr: saved "):
         train(edited, run, progress=False, resume=True)
+    # a rewrite that cannot be made (a read-only disk) is a warning: the run still reads as done
+    logs.clear()
+    (run / "config.toml").write_text(saved.replace("lr = ", "lr = 5", 1))
+    with pytest.MonkeyPatch.context() as mp:
+        def read_only(path: Path, text: str) -> None:
+            raise OSError(30, "Read-only file system", str(path))
+
+        mp.setattr(tr, "atomic_write_text", read_only)
+        assert train(c, run, progress=False, resume=True, log=logs.append)["step"] == 4
+    assert logs[-1].startswith(f"warning: {str(run / 'config.toml')!r} could not be written "
+                               "again: ")
+    # an older record with no config: nothing checked against what trained, so nothing written
+    done = json.loads((run / "train_done.json").read_text())
+    (run / "train_done.json").write_text(json.dumps({k: v for k, v in done.items()
+                                                     if k != "config"}))
+    (run / "config.toml").unlink()
+    other = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
+                "train.lr=0.5")
+    assert train(other, run, progress=False, resume=True)["step"] == 4
+    assert not (run / "config.toml").exists()
+    (run / "train_done.json").write_text(json.dumps(done))
     wider = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
                 f"model.d_model={2 * c.model.d_model}")
     with pytest.raises(ValueError, match=r"\(model\.d_model: saved \d+, given \d+; 1 more: "

@@ -63,7 +63,10 @@ def periodic_questions(run_dir: Path) -> int | None:
     """Questions a cell in a run's periodic evaluations (its first `train.eval_examples` of
     `task.eval_size`); None without a config.toml. A curve's last point can differ from
     `normlab eval`'s accuracy of the same checkpoint, which asks every question."""
-    cfg = _config(run_dir)
+    try:  # a damaged config.toml leaves the count out of a title, not the table unprinted
+        cfg = _config(run_dir)
+    except ValueError:
+        return None
     return None if cfg is None else min(cfg.train.eval_examples, cfg.task.eval_size)
 
 

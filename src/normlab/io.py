@@ -201,13 +201,13 @@ def written_together(out: Path, last: str, busy: str = ANALYSING,
         stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
         try:
             yield stage
-            names = sorted((p.name for p in stage.iterdir()), key=lambda n: n == last)
-            for name in names:  # a folder in a file's place is refused before any file lands
-                if (out / name).is_dir():
-                    raise ValueError(f"{str(out / name)!r}: expected a file to write; it is a "
+            files = sorted((p.name for p in stage.iterdir()), key=lambda n: n == last)
+            for f in files:  # a folder in a file's place is refused before any file lands
+                if (out / f).is_dir():
+                    raise ValueError(f"{str(out / f)!r}: expected a file to write; it is a "
                                      "folder")
-            for name in names:
-                os.replace(stage / name, out / name)
+            for f in files:
+                os.replace(stage / f, out / f)
             _fsync_dir(out)
         finally:
             shutil.rmtree(stage, ignore_errors=True)

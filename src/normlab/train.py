@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -272,6 +273,9 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
         for p in sorted(ours, key=lambda p: (p.name != DONE, p.name == "config.toml"
                                              or p.parent.name == "checkpoints")):
             p.unlink()
+        for stage in (out / "analysis").glob(".staging-*"):  # a killed analysis's files
+            if stage.is_dir() and not stage.is_symlink():
+                shutil.rmtree(stage)
         for sub in filter(None, RUN_FILES):
             with contextlib.suppress(OSError):  # kept where it holds something else
                 (out / sub).rmdir()
@@ -357,7 +361,8 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)
         done = read_json(out / DONE, *DONE_RECORD)  # as the sweep and the report read it
-        _rewrite_edited_config(out, cfg, log, lock)
+        if isinstance(done.get("config"), dict):  # checked against what trained, not a file
+            _rewrite_edited_config(out, cfg, log, lock)
         return {k: v for k, v in done.items() if k not in ("config", "provenance")}
     # a checkpoint's sidecar, not any JSON file: a stray notes.json made a run killed before
     # its first checkpoint fail with "no checkpoint" rather than start again
@@ -638,8 +643,11 @@ def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None]
         log(f"warning: {str(path)!r} is not the config this run trained with ({diff}); "
             "written again")
     if diff or not path.is_file():
-        lock.take(out)  # only to write: a finished run on a read-only disk still reads as done
-        atomic_write_text(path, dump_toml(cfg.to_dict()))
+        try:  # only to write: a finished run on a read-only disk still reads as done
+            lock.take(out)
+            atomic_write_text(path, dump_toml(cfg.to_dict()))
+        except (ValueError, OSError) as err:
+            log(f"warning: {str(path)!r} could not be written again: {first_line(err)}")
 
 
 def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str, Any],

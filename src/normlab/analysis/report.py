@@ -173,6 +173,28 @@ def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any]) ->
     return [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
 
 
+def write_analysis(stage: Path, title: str, norms: dict[str, Any], collapse: dict[str, Any],
+                   rows: dict[str, Any], interference: dict[str, Any] | None = None, *,
+                   figures: bool = True) -> list[str]:
+    """One analysis's result files (and its figures, titled `title`) into `stage`, the folder
+    `io.written_together` moves into place; returns their names. A run's analysis and a
+    Hugging Face model's (no interference) write the same files by this one function."""
+    names = ["norms.json"]
+    write_json(stage / "norms.json", norms)
+    names += [Path(f).name for f in write_collapse(stage, collapse, rows)]
+    if interference is not None:
+        write_json(stage / "interference.json", interference)
+        names.append("interference.json")
+    if figures:
+        plot_norm_spread(norms, stage / "norms.png", f"{title}: scale / layer median, 5-95%")
+        plot_collapse(collapse, stage / "collapse.png", f"{title}: circuit collapse")
+        names += ["norms.png", "collapse.png"]
+        if interference is not None:
+            plot_interference(interference, stage / "interference.png", title)
+            names.append("interference.png")
+    return names
+
+
 def check_analysis_fits(args: dict[str, Any], cfg: RunConfig, where: str = "analysis") -> None:
     """`args` against one run's config before it trains (a sweep's runs): splits against its
     task, sites and heads against its model, by the very checks `analyze_run` makes on the
@@ -271,17 +293,9 @@ def analyze_run(
         } | common | {"provenance": provenance()}
         seconds["interference"] = time.perf_counter() - t0
 
-        names = ["norms.json"]
-        write_json(stage / "norms.json", norms)
-        names += [Path(f).name for f in write_collapse(stage, collapse, rows)]
-        write_json(stage / "interference.json", interference)
-        names.append("interference.json")
-        if figures:
-            name = f"{run_dir.name} ({cfg.model.arch}, {cfg.model.norm_placement})"
-            plot_norm_spread(norms, stage / "norms.png", f"{name}: scale / layer median, 5-95%")
-            plot_collapse(collapse, stage / "collapse.png", f"{name}: circuit collapse")
-            plot_interference(interference, stage / "interference.png", name)
-            names += ["norms.png", "collapse.png", "interference.png"]
+        names = write_analysis(stage, f"{run_dir.name} ({cfg.model.arch}, "
+                               f"{cfg.model.norm_placement})", norms, collapse, rows,
+                               interference, figures=figures)
     files = [str(out / n) for n in names]
     return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
             "collapse": collapse, "interference": interference}

@@ -36,11 +36,10 @@ from normlab.analysis.collapse import (
     check_targets,
     check_threshold,
     measure_collapse,
-    plot_collapse,
 )
 from normlab.analysis.data import EvalData
-from normlab.analysis.norms import norm_spread, plot_norm_spread
-from normlab.analysis.report import write_collapse
+from normlab.analysis.norms import norm_spread
+from normlab.analysis.report import write_analysis
 from normlab.checks import check_int, check_seed, check_sigmas, first_line
 from normlab.interop.hf import (
     context_length,
@@ -48,7 +47,7 @@ from normlab.interop.hf import (
     read_hf_config,
     require_transformers,
 )
-from normlab.io import check_out_folder, provenance, write_json, written_together
+from normlab.io import check_out_folder, provenance, written_together
 from normlab.model import DecoderLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -174,14 +173,8 @@ def analyze_hf(
                      "accuracy_unperturbed_by_split": None, "accuracy_examples": 0,
                      "accuracy_note": ACCURACY_NOTE, "seconds": seconds}
         collapse |= common | {"provenance": provenance()}
-        names = ["norms.json"]
-        write_json(stage / "norms.json", norms)
-        names += [Path(f).name for f in write_collapse(stage, collapse, rows)]
-        if figures:
-            name = f"{folder.name} ({hf_class})"
-            plot_norm_spread(norms, stage / "norms.png", f"{name}: scale / layer median, 5-95%")
-            plot_collapse(collapse, stage / "collapse.png", f"{name}: circuit collapse")
-            names += ["norms.png", "collapse.png"]
+        names = write_analysis(stage, f"{folder.name} ({hf_class})", norms, collapse, rows,
+                               figures=figures)
     files = [str(out / n) for n in names]
     return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
             "collapse": collapse}
