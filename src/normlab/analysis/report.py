@@ -56,7 +56,9 @@ from normlab.checks import check_int, check_seed, check_sigmas, did_you_mean, is
 from normlab.io import atomic_write_bytes, provenance, write_json, written_together
 
 if TYPE_CHECKING:
+    from normlab.analysis.data import EvalData
     from normlab.config import RunConfig
+    from normlab.model import Model
 
 
 def _checked(
@@ -173,6 +175,23 @@ def write_collapse(out: Path, collapse: dict[str, Any], rows: dict[str, Any]) ->
     return [str(out / "collapse.json"), str(out / "collapse_rows.npz")]
 
 
+def measure_norms_and_collapse(
+    model: Model, data: EvalData, common: dict[str, Any], seconds: dict[str, float],
+    timer: str, **collapse_args: Any,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The two measurements a run's analysis and a Hugging Face model's share: norms.json's
+    document and the collapse sweep's (its per-row columns apart, for collapse_rows.npz), each
+    timed into `seconds` (the sweep under `timer`)."""
+    t0 = time.perf_counter()
+    norms = norm_spread(model, data) | common | {"provenance": provenance()}
+    seconds["norms"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    collapse = measure_collapse(model, data, **collapse_args)
+    rows = collapse.pop("rows")
+    seconds[timer] = time.perf_counter() - t0
+    return norms, collapse, rows
+
+
 def write_analysis(stage: Path, title: str, norms: dict[str, Any], collapse: dict[str, Any],
                    rows: dict[str, Any], interference: dict[str, Any] | None = None, *,
                    figures: bool = True) -> list[str]:
@@ -268,16 +287,10 @@ def analyze_run(
     # the files land together once all are made, interference.json last (the sweep's mark of
     # a whole analysis): a failure or kill part way leaves the folder as it was
     with written_together(out, "interference.json", name="analysis folder") as stage:
-        t0 = time.perf_counter()
-        norms = norm_spread(model, data) | common | {"provenance": provenance()}
-        seconds["norms"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws,
-                                    threshold=threshold, mode=mode, targets=targets,
-                                    noise=noise, sites=sites, heads=heads, seed=seed)
-        rows = collapse.pop("rows")
-        seconds["collapse_sweep"] = time.perf_counter() - t0
+        norms, collapse, rows = measure_norms_and_collapse(
+            model, data, common, seconds, "collapse_sweep", sigmas=sigmas, n_draws=n_draws,
+            threshold=threshold, mode=mode, targets=targets, noise=noise, sites=sites,
+            heads=heads, seed=seed)
         t0 = time.perf_counter()
         collapse |= perturbed_accuracy(model, task, sets, sigmas=sigmas, limit=per_cell,
                                        mode=mode, targets=targets, noise=noise, sites=sites,

@@ -35,11 +35,9 @@ from normlab.analysis.collapse import (
     _check_choice,
     check_targets,
     check_threshold,
-    measure_collapse,
 )
 from normlab.analysis.data import EvalData
-from normlab.analysis.norms import norm_spread
-from normlab.analysis.report import write_analysis
+from normlab.analysis.report import measure_norms_and_collapse, write_analysis
 from normlab.checks import check_int, check_seed, check_sigmas, first_line
 from normlab.interop.hf import (
     context_length,
@@ -159,16 +157,10 @@ def analyze_hf(
     # way leaves the folder as it was, not half new
     with written_together(out, "collapse.json") as stage:
         with _skip_unembed(model):
-            t0 = time.perf_counter()
-            norms = norm_spread(model, data) | common | {"provenance": provenance()}
-            seconds["norms"] = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            collapse = measure_collapse(model, data, sigmas=sigmas, n_draws=n_draws,
-                                        threshold=threshold, mode=mode, targets=targets,
-                                        noise=noise, seed=seed, max_tokens=max_tokens)
-            seconds["collapse"] = time.perf_counter() - t0
-        rows = collapse.pop("rows")
+            norms, collapse, rows = measure_norms_and_collapse(
+                model, data, common, seconds, "collapse", sigmas=sigmas, n_draws=n_draws,
+                threshold=threshold, mode=mode, targets=targets, noise=noise, seed=seed,
+                max_tokens=max_tokens)
         collapse |= {"accuracy": None, "accuracy_by_split": None, "accuracy_unperturbed": None,
                      "accuracy_unperturbed_by_split": None, "accuracy_examples": 0,
                      "accuracy_note": ACCURACY_NOTE, "seconds": seconds}
