@@ -140,6 +140,10 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
     (b / "config.toml").write_text("[model\n")  # damaged: the table still prints, no count
     assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
+    fresh = _run(tmp_path / "fresh", [{"step": 5, "loss": 2.0}])  # not yet evaluated
+    (fresh / "config.toml").write_text("[model\n")
+    assert main(["compare", "--curve", "train", "--markdown", str(a), str(fresh)]) == 0
+    assert "| 200 | 50.0 (20 s) | - |" in capsys.readouterr().out
     (b / "config.toml").unlink()  # a folder without its config: no count to give for it
     assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"

@@ -1621,13 +1621,14 @@ def test_mlp_training_forward_is_its_own_activation_and_keeps_its_hook(act: str)
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(100, 64)  # 25600 pre-activations: above GELU_MIN_ELEMENTS
-    assert native.linear_gelu_applies(x, mlp.W_in, mlp.b_in)
     h = x.double() @ mlp.W_in.double() + mlp.b_in.double()
     want = TRUE_ACT[act](h) @ mlp.W_out.double() + mlp.b_out.double()
-    torch.testing.assert_close(mlp(x).double(), want, atol=1e-4, rtol=1e-4)
     seen: list[torch.Tensor] = []
-    mlp.hook_pre.fns.append(lambda t, hook: seen.append(t.detach()))
-    torch.testing.assert_close(mlp(x).double(), want, atol=1e-4, rtol=1e-4)
+    with switched(True):  # the kernel on, whatever NORMLAB_NATIVE_GELU says
+        assert native.linear_gelu_applies(x, mlp.W_in, mlp.b_in)
+        torch.testing.assert_close(mlp(x).double(), want, atol=1e-4, rtol=1e-4)
+        mlp.hook_pre.fns.append(lambda t, hook: seen.append(t.detach()))
+        torch.testing.assert_close(mlp(x).double(), want, atol=1e-4, rtol=1e-4)
     assert len(seen) == 1
     torch.testing.assert_close(seen[0].double(), h, atol=1e-4, rtol=1e-4)
 

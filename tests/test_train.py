@@ -261,6 +261,7 @@ def test_the_commit_is_marked_dirty_where_the_tree_has_local_changes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Results made from uncommitted code carry "-dirty" after the commit: the commit tests
     replace `git_commit`, so dropping the mark (a clean commit's name on them) passed."""
+    import os
     import subprocess
 
     import normlab
@@ -271,6 +272,10 @@ def test_the_commit_is_marked_dirty_where_the_tree_has_local_changes(
     pkg = tmp_path / "src" / "normlab"  # a checkout: git_commit asks the tree above src/
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
+
+    # the user's own git settings (a global commit.gpgsign) are not the test's
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
@@ -760,6 +765,9 @@ def test_a_force_stopped_part_way_never_leaves_a_finished_record_alone(tmp_path:
 def test_force_clears_a_killed_analysis_staging_folder(tmp_path: Path) -> None:
     """A kill while `analyze` moved its files left them in analysis/.staging-*, which `--force`
     kept as "not written by normlab": the new run carried the old run's results."""
+    import fcntl
+    import os
+
     c = cfg("train.steps=2", "train.checkpoint_every=2", "train.eval_every=2")
     run = tmp_path / "run"
     train(c, run, progress=False)
@@ -767,6 +775,16 @@ def test_force_clears_a_killed_analysis_staging_folder(tmp_path: Path) -> None:
     stage.mkdir(parents=True)
     (stage / "norms.json").write_text("{}")
     logs: list[str] = []
+    # an analysis still running holds the folder: refused, before anything is deleted (its
+    # staging folder cleared under it, it listed seven files and landed one)
+    fd = os.open(run / "analysis", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match=r"analysis' is being analysed by another process"):
+            train(c, run, progress=False, force=True, log=logs.append)
+    finally:
+        os.close(fd)
+    assert stage.exists() and (run / "train_done.json").exists()
     train(c, run, progress=False, force=True, log=logs.append)
     assert not stage.exists() and not any("kept what normlab did not write" in m for m in logs)
 
@@ -806,8 +824,10 @@ def test_a_finished_run_is_judged_by_the_config_it_trained_with(tmp_path: Path,
 
         mp.setattr(tr, "atomic_write_text", read_only)
         assert train(c, run, progress=False, resume=True, log=logs.append)["step"] == 4
-    assert logs[-1].startswith(f"warning: {str(run / 'config.toml')!r} could not be written "
-                               "again: ")
+    assert logs[-1].startswith(f"warning: {str(run / 'config.toml')!r} is not the config this "
+                               "run trained with (train.lr: saved ")
+    assert "; could not be written again: " in logs[-1] and "written again;" not in logs[-1]
+    assert not any(m.endswith("; written again") for m in logs)  # said once, after trying
     # an older record with no config: nothing checked against what trained, so nothing written
     done = json.loads((run / "train_done.json").read_text())
     (run / "train_done.json").write_text(json.dumps({k: v for k, v in done.items()

@@ -46,11 +46,15 @@ def learning_curve(run_dir: Path, split: str = "train") -> Curve:
 
 
 def _config(run_dir: Path) -> RunConfig | None:
-    """A run's config.toml, read; None where it has none."""
+    """A run's config.toml, read; None where it has none, or one that does not read (it gives
+    a title's count and a misspelt split's hint, never what the table holds)."""
     from normlab.config import load_config
 
     path = Path(run_dir) / "config.toml"
-    return load_config(path) if path.is_file() else None
+    try:
+        return load_config(path) if path.is_file() else None
+    except ValueError:
+        return None
 
 
 def _split_names(run_dir: Path) -> list[str] | None:
@@ -63,10 +67,7 @@ def periodic_questions(run_dir: Path) -> int | None:
     """Questions a cell in a run's periodic evaluations (its first `train.eval_examples` of
     `task.eval_size`); None without a config.toml. A curve's last point can differ from
     `normlab eval`'s accuracy of the same checkpoint, which asks every question."""
-    try:  # a damaged config.toml leaves the count out of a title, not the table unprinted
-        cfg = _config(run_dir)
-    except ValueError:
-        return None
+    cfg = _config(run_dir)
     return None if cfg is None else min(cfg.train.eval_examples, cfg.task.eval_size)
 
 

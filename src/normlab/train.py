@@ -35,6 +35,7 @@ from normlab.checks import first_line, format_bytes, is_int, is_seconds, memory_
 from normlab.config import RunConfig, dump_toml, load_config, read_toml
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import (
+    ANALYSING,
     FolderLock,
     atomic_write_text,
     cannot_write,
@@ -270,12 +271,15 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
         # a run's, and --force deleted all of it, a thesis beside them too
         # the record of a finished run first, what marks a run folder last: stopped part way,
         # a folder kept train_done.json and lost its checkpoints, and --resume called it done
-        for p in sorted(ours, key=lambda p: (p.name != DONE, p.name == "config.toml"
-                                             or p.parent.name == "checkpoints")):
-            p.unlink()
-        for stage in (out / "analysis").glob(".staging-*"):  # a killed analysis's files
-            if stage.is_dir() and not stage.is_symlink():
-                shutil.rmtree(stage)
+        with FolderLock(ANALYSING) as analysing:
+            if (out / "analysis").is_dir():  # an analysis in progress: refused, nothing deleted
+                analysing.take(out / "analysis")
+            for p in sorted(ours, key=lambda p: (p.name != DONE, p.name == "config.toml"
+                                                 or p.parent.name == "checkpoints")):
+                p.unlink()
+            for stage in (out / "analysis").glob(".staging-*"):  # a killed analysis's files
+                if stage.is_dir() and not stage.is_symlink():
+                    shutil.rmtree(stage)
         for sub in filter(None, RUN_FILES):
             with contextlib.suppress(OSError):  # kept where it holds something else
                 (out / sub).rmdir()
@@ -639,15 +643,17 @@ def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None]
         diff = _config_diff(load_config(path).to_dict(), cfg) if path.is_file() else None
     except ValueError as err:  # damaged: written again, as a missing one is
         diff = first_line(err)
-    if diff:
-        log(f"warning: {str(path)!r} is not the config this run trained with ({diff}); "
-            "written again")
-    if diff or not path.is_file():
-        try:  # only to write: a finished run on a read-only disk still reads as done
-            lock.take(out)
-            atomic_write_text(path, dump_toml(cfg.to_dict()))
-        except (ValueError, OSError) as err:
-            log(f"warning: {str(path)!r} could not be written again: {first_line(err)}")
+    if not diff and path.is_file():
+        return
+    try:  # only to write: a finished run on a read-only disk still reads as done
+        lock.take(out)
+        atomic_write_text(path, dump_toml(cfg.to_dict()))
+        done = "written again"
+    except (ValueError, OSError) as err:
+        done = f"could not be written again: {first_line(err)}"
+    if diff or not done.startswith("written"):
+        what = f"is not the config this run trained with ({diff})" if diff else "is missing"
+        log(f"warning: {str(path)!r} {what}; {done}")
 
 
 def load_weights(model: Model, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
