@@ -126,8 +126,9 @@ def test_runs_of_the_same_name_from_two_folders_are_told_apart(tmp_path: Path,
 
 def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) -> None:
     """A curve's point is the periodic evaluation of the first `train.eval_examples` questions
-    a cell (at most `task.eval_size`): without saying so it read 48.1% where `normlab eval` of
-    the same checkpoint read 50.4%."""
+    a cell: without saying so it read 48.1% where `normlab eval` of the same checkpoint read
+    50.4%. Where those are every question (`task.eval_size` or fewer) nothing is said, and the
+    count is the one the run trained with (train_done.json's), not an edited config.toml's."""
     from normlab.config import dump_toml, load_config
 
     a, b = _logs(tmp_path)
@@ -135,8 +136,14 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
         (run / "config.toml").write_text(dump_toml(load_config(None, [key]).to_dict()))
     assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
     title = capsys.readouterr().out.splitlines()[0]
-    assert title == ("exact match % on train (training seconds); the first 32 / 64 questions "
+    assert title == ("exact match % on train (training seconds); the first 64 questions "
                      "a cell (train.eval_examples; `normlab eval` asks every question)")
+    assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0  # all 32 asked
+    assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
+    trained = load_config(None, ["train.eval_examples=16"]).to_dict()
+    (a / "train_done.json").write_text(json.dumps({"step": 200, "config": trained}))
+    assert main(["compare", "--curve", "train", "--markdown", str(a)]) == 0
+    assert "; the first 16 questions a cell" in capsys.readouterr().out.splitlines()[0]
     (b / "config.toml").write_text("[model\n")  # damaged: the table still prints, no count
     assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"

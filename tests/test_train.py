@@ -598,9 +598,19 @@ def test_analyze_lands_its_files_together_or_not_at_all(tmp_path: Path, monkeypa
     analyze_run(run, **small, seed=3)
     after = {f.name: f.read_bytes() for f in (run / "analysis").iterdir()}
     assert after.keys() == before.keys() and after["norms.json"] != before["norms.json"]
+    # a refusal leaves no analysis folder it made (the lock makes it, before any check)
+    with pytest.raises(ValueError, match="unknown head 99"):
+        analyze_run(run, out=tmp_path / "new" / "analysis", heads=[99], **small)
+    assert not (tmp_path / "new" / "analysis").exists()
     fd = os.open(run / "analysis", os.O_RDONLY | os.O_DIRECTORY)  # another process's lock
+    loads: list[Path] = []
+    monkeypatch.setattr(tr, "load_run", lambda d, *a: loads.append(d))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="is being analysed by another process"):
+            analyze_run(run, **small)
+        assert loads == []  # refused before it loaded the model (the lock came only after)
+        monkeypatch.undo()
         capsys.readouterr()
         code, err = _cli(capsys, "analyze", str(run), "--examples", "4", "--draws", "2",
                          "--force")
@@ -837,7 +847,21 @@ def test_a_finished_run_is_judged_by_the_config_it_trained_with(tmp_path: Path,
                 "train.lr=0.5")
     assert train(other, run, progress=False, resume=True)["step"] == 4
     assert not (run / "config.toml").exists()
+    # a damaged record is left to the run's own path to name (reproduce refused every run):
+    # the check falls back on config.toml
+    (run / "config.toml").write_text(saved)
+    (run / "train_done.json").write_text("{")
+    tr.check_saved_config(run, c)
+    with pytest.raises(ValueError, match=r"\(train\.lr: saved "):
+        tr.check_saved_config(run, other)
     (run / "train_done.json").write_text(json.dumps(done))
+    (run / "config.toml").unlink()
+    (run / "config.toml").mkdir()  # a folder in its place: said as such, not "missing"
+    logs.clear()
+    assert train(c, run, progress=False, resume=True, log=logs.append)["step"] == 4
+    assert logs[-1].startswith(f"warning: {str(run / 'config.toml')!r} is a folder; could "
+                               "not be written again: ")
+    (run / "config.toml").rmdir()
     wider = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
                 f"model.d_model={2 * c.model.d_model}")
     with pytest.raises(ValueError, match=r"\(model\.d_model: saved \d+, given \d+; 1 more: "
@@ -2010,6 +2034,9 @@ def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys
     copy.mkdir()
     for name in ("config.toml", "eval.json"):
         (copy / name).write_text((run / name).read_text())
+    code, err = _cli(capsys, "eval", str(copy))  # said "pass --force", which failed too
+    assert code == 2 and err == (f"normlab: error: {str(copy)!r} is not a normlab run folder "
+                                 "(no checkpoints/)")
     assert main(["compare", "--markdown", str(copy)]) == 0
     assert capsys.readouterr().err.strip() == (
         f"normlab: {str(copy / 'eval.json')!r}: made from step 10, with no train_done.json or "

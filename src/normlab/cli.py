@@ -51,9 +51,10 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     from normlab.evaluate import answer_token_accuracy, check_limit, evaluate, heatmap
     from normlab.io import provenance, refuse_overwrite, write_json
     from normlab.tasks.addition import eval_sets
-    from normlab.train import load_run
+    from normlab.train import check_run_folder, load_run
 
     check_limit(limit)
+    check_run_folder(run_dir)  # a copied result: not "pass --force", which then failed too
     old = Path(run_dir) / "eval.json"
     if old.is_file() and not force:  # say what the old one is, where it is not the run's own
         made = _recorded_step(old, "checkpoint", "step")

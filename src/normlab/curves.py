@@ -46,12 +46,17 @@ def learning_curve(run_dir: Path, split: str = "train") -> Curve:
 
 
 def _config(run_dir: Path) -> RunConfig | None:
-    """A run's config.toml, read; None where it has none, or one that does not read (it gives
-    a title's count and a misspelt split's hint, never what the table holds)."""
-    from normlab.config import load_config
+    """The config a run trained with (its train_done.json's, else its config.toml); None where
+    it has none, or one that does not read (it gives a title's count and a misspelt split's
+    hint, never what the table holds)."""
+    from normlab.config import RunConfig, load_config
+    from normlab.io import recorded
+    from normlab.train import DONE
 
     path = Path(run_dir) / "config.toml"
     try:
+        if isinstance(trained := recorded(Path(run_dir) / DONE, "config"), dict):
+            return RunConfig.from_dict(trained)
         return load_config(path) if path.is_file() else None
     except ValueError:
         return None
@@ -64,11 +69,14 @@ def _split_names(run_dir: Path) -> list[str] | None:
 
 
 def periodic_questions(run_dir: Path) -> int | None:
-    """Questions a cell in a run's periodic evaluations (its first `train.eval_examples` of
-    `task.eval_size`); None without a config.toml. A curve's last point can differ from
-    `normlab eval`'s accuracy of the same checkpoint, which asks every question."""
+    """Questions a cell in a run's periodic evaluations, its first `train.eval_examples`, where
+    those are fewer than `task.eval_size` (a curve's last point can then differ from `normlab
+    eval`'s accuracy of the same checkpoint, which asks every question); None where they ask
+    every question, or the run has no config to tell."""
     cfg = _config(run_dir)
-    return None if cfg is None else min(cfg.train.eval_examples, cfg.task.eval_size)
+    if cfg is None or cfg.train.eval_examples >= cfg.task.eval_size:
+        return None
+    return cfg.train.eval_examples
 
 
 def run_labels(run_dirs: Sequence[Path | str]) -> list[str]:

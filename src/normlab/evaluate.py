@@ -211,7 +211,9 @@ def evaluate(
     batch_size: int = 1024,
     predictor: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, Any]:
-    """Accuracy per split (with 95% CI) and per cell; `limit` caps examples per cell."""
+    """Accuracy per split (with 95% CI) and per cell; `limit` caps examples per cell. Cells
+    must be `Cell`s no longer than the task's longest (decoding stops after its `max_new`
+    tokens); others are refused in one line."""
     check_limit(limit)
     check_batch_size(batch_size)
     if not sets:  # {'splits': {}} was returned, no eval.json a reader takes

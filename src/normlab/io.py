@@ -183,22 +183,36 @@ class FolderLock:
 ANALYSING = "{out} is being analysed by another process; wait for it to end"
 
 
+#: the name of `written_together`'s staging folders, hidden in the folder they write into
+STAGE_PREFIX = ".staging-"
+
+
+def clear_stages(folder: Path) -> None:
+    """Remove the staging folders a killed writer left in `folder`; only under its lock, where
+    none can be a live writer's. A link or a file of that name is not ours and stays."""
+    for stage in Path(folder).glob(f"{STAGE_PREFIX}*"):
+        if stage.is_dir() and not stage.is_symlink():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def written_together(out: Path, last: str, busy: str = ANALYSING,
                      name: str = "--out") -> Iterator[Path]:
     """A folder to write a set of result files into: they land in `out` only once the block
     ends without error, `last` last, the mark readers take for a whole set. Written one by one,
     a full disk left one new norms.json, which a rerun refused to replace, and a failure or kill
-    while figures were drawn left new files beside an older set's. `out` is locked meanwhile
-    (`busy`: what a second writer is told), and what a killed writer left is cleared. `name`
-    leads the error where `out` is no folder to write into."""
+    while figures were drawn left new files beside an older set's. `out` is locked from the
+    start of the block (`busy`: what a second writer is told; enter it before the work, so that
+    a second is refused before it loads anything), what a killed writer left is cleared, and an
+    `out` the block made is removed again where it fails with nothing in it. `name` leads the
+    error where `out` is no folder to write into."""
     out = check_out_folder(out, name)
+    made = not out.exists()
     with FolderLock(busy) as lock:
         lock.take(out)
-        if lock.fd is not None:  # under the lock: no one else's
-            for old in out.glob(".staging-*"):
-                shutil.rmtree(old, ignore_errors=True)
-        stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+        if lock.fd is not None:
+            clear_stages(out)
+        stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out))
         try:
             yield stage
             files = sorted((p.name for p in stage.iterdir()), key=lambda n: n == last)
@@ -209,8 +223,13 @@ def written_together(out: Path, last: str, busy: str = ANALYSING,
             for f in files:
                 os.replace(stage / f, out / f)
             _fsync_dir(out)
-        finally:
+        except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
+            if made:
+                with contextlib.suppress(OSError):  # kept where it holds anything
+                    out.rmdir()
+            raise
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:

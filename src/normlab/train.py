@@ -10,7 +10,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -40,9 +39,11 @@ from normlab.io import (
     atomic_write_text,
     cannot_write,
     check_out_folder,
+    clear_stages,
     provenance,
     read_json,
     read_metrics,
+    recorded,
     write_json,
 )
 from normlab.model import Model, ModelConfig, build_model
@@ -277,9 +278,7 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
             for p in sorted(ours, key=lambda p: (p.name != DONE, p.name == "config.toml"
                                                  or p.parent.name == "checkpoints")):
                 p.unlink()
-            for stage in (out / "analysis").glob(".staging-*"):  # a killed analysis's files
-                if stage.is_dir() and not stage.is_symlink():
-                    shutil.rmtree(stage)
+            clear_stages(out / "analysis")  # a killed analysis's files
         for sub in filter(None, RUN_FILES):
             with contextlib.suppress(OSError):  # kept where it holds something else
                 (out / sub).rmdir()
@@ -617,12 +616,10 @@ def check_saved_config(out: Path, cfg: RunConfig,
     `train_done.json` records (what trained: an edited config.toml made the true config refused
     and one that never trained accepted), else its `config.toml`, where there is one.
     `remedy` (who, what to do) words the error for the command the user ran."""
-    done = Path(out) / DONE
-    if done.is_file():
-        record = read_json(done, *DONE_RECORD)
-        if isinstance(record.get("config"), dict):
-            _check_same_config(record["config"], cfg, Path(out), remedy)
-            return
+    trained = recorded(Path(out) / DONE, "config")  # None: no record, or a damaged one, which
+    if isinstance(trained, dict):  # the run's own path names (not every run of a reproduce)
+        _check_same_config(trained, cfg, Path(out), remedy)
+        return
     path = Path(out) / "config.toml"
     if path.is_file():
         try:
@@ -652,7 +649,8 @@ def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None]
     except (ValueError, OSError) as err:
         done = f"could not be written again: {first_line(err)}"
     if diff or not done.startswith("written"):
-        what = f"is not the config this run trained with ({diff})" if diff else "is missing"
+        what = (f"is not the config this run trained with ({diff})" if diff
+                else "is a folder" if path.is_dir() else "is missing")
         log(f"warning: {str(path)!r} {what}; {done}")
 
 
@@ -728,14 +726,7 @@ def _kept(ckpt_dir: Path) -> str:
 
 def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict[str, Any]]:
     """The config and newest good model of a run folder (weights only, never unpickled)."""
-    run_dir = Path(run_dir)
-    if not run_dir.exists():
-        raise ValueError(f"run folder {str(run_dir)!r} does not exist")
-    if run_dir.name == "checkpoints" and (run_dir.parent / "config.toml").is_file():
-        raise ValueError(f"{str(run_dir)!r} is a run's checkpoints/ folder; expected the run "
-                         f"folder {str(run_dir.parent)!r}")
-    if not (run_dir / "checkpoints").is_dir():
-        raise ValueError(f"{str(run_dir)!r} is not a normlab run folder (no checkpoints/)")
+    run_dir = check_run_folder(run_dir)
     tensors, meta = latest_checkpoint(
         run_dir / "checkpoints", warn=lambda s: print(s, file=sys.stderr)
     )
@@ -744,6 +735,20 @@ def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict
     model = build_model(cfg.model)
     load_weights(model, tensors, meta, run_dir / "checkpoints")
     return cfg, model.to(device).eval(), meta
+
+
+def check_run_folder(run_dir: Path) -> Path:
+    """`run_dir` as a run folder to read (one holding checkpoints/), or one line saying what it
+    is instead; before anything is loaded or written beside it."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ValueError(f"run folder {str(run_dir)!r} does not exist")
+    if run_dir.name == "checkpoints" and (run_dir.parent / "config.toml").is_file():
+        raise ValueError(f"{str(run_dir)!r} is a run's checkpoints/ folder; expected the run "
+                         f"folder {str(run_dir.parent)!r}")
+    if not (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"{str(run_dir)!r} is not a normlab run folder (no checkpoints/)")
+    return run_dir
 
 
 __all__ = ["TrainingError", "load_run", "lr_at", "provenance", "train"]

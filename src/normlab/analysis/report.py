@@ -266,27 +266,29 @@ def analyze_run(
     Returns the three JSON documents plus `files` and `seconds`.
     """
     from normlab.tasks.addition import eval_sets
-    from normlab.train import load_run
+    from normlab.train import check_run_folder, load_run
 
     # the seed comes back an int for the result files, whatever integer was given
     sigmas, threshold, targets, seed = _checked(sigmas, threshold, targets, mode, noise,
                                                 n_draws, n_examples, seed, alpha)
     run_dir = Path(run_dir)
     out = run_dir / "analysis" if out is None else Path(out)
-    cfg, model, meta = load_run(run_dir)
-    resolve_sites(model, sites, heads)  # fail on a bad selection before any work
-    task = cfg.task.resolve()
-    sets, per_cell = select_problems(task, eval_sets(task), n_examples, splits)
-    data = data_from_sets(sets, cfg.model.arch, task.answer_format, task.digit_positions)
-    params = _recorded(sigmas, n_draws, threshold, mode, targets, noise, n_examples, splits,
-                       sites, heads, alpha) | {"n_examples_used": data.n_examples,
-                                               "per_cell": per_cell}
-    common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
-              "params": params, "config": cfg.to_dict()}
-    seconds: dict[str, float] = {}
-    # the files land together once all are made, interference.json last (the sweep's mark of
-    # a whole analysis): a failure or kill part way leaves the folder as it was
+    check_run_folder(run_dir)  # before the lock, which makes the analysis folder
+    # the folder locked first (a second analysis refused before it loads anything); the files
+    # land together once all are made, interference.json last (the sweep's mark of a whole
+    # analysis): a failure or kill part way leaves the folder as it was
     with written_together(out, "interference.json", name="analysis folder") as stage:
+        cfg, model, meta = load_run(run_dir)
+        resolve_sites(model, sites, heads)  # fail on a bad selection before any work
+        task = cfg.task.resolve()
+        sets, per_cell = select_problems(task, eval_sets(task), n_examples, splits)
+        data = data_from_sets(sets, cfg.model.arch, task.answer_format, task.digit_positions)
+        params = _recorded(sigmas, n_draws, threshold, mode, targets, noise, n_examples, splits,
+                           sites, heads, alpha) | {"n_examples_used": data.n_examples,
+                                                   "per_cell": per_cell}
+        common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
+                  "params": params, "config": cfg.to_dict()}
+        seconds: dict[str, float] = {}
         norms, collapse, rows = measure_norms_and_collapse(
             model, data, common, seconds, "collapse_sweep", sigmas=sigmas, n_draws=n_draws,
             threshold=threshold, mode=mode, targets=targets, noise=noise, sites=sites,

@@ -111,51 +111,52 @@ def analyze_hf(
     kind, path = ("tokens", Path(tokens)) if tokens is not None else ("text", Path(text))
     seconds: dict[str, float] = {}
 
-    t0 = time.perf_counter()
-    config, hf_class, _, held = read_hf_config(folder, "--hf folder")
-    if not path.is_file():  # /dev/null or a pipe exists, and is not a file to read twice
-        what = ("is a folder, not a file" if path.is_dir() else "does not exist"
-                if not path.exists() else "is not a regular file")
-        raise ValueError(f"--{kind} file {str(path)!r} {what}")
-    vocab = int(config.vocab_size)
-    if kind == "tokens":
-        ids, tok_name, whole = _read_token_ids(path), None, True
-    else:
-        ids, tok_name, whole = _tokenize(folder, path, n_examples * seq_len)
-    _check_vocab(ids, vocab, path, folder)
-    if len(ids) < 2:  # norms of one token read as no spread at all; nothing could collapse
-        raise ValueError(f"--{kind} file {str(path)!r} gives 1 token; the analysis needs at "
-                         "least 2 (a query with a key before it)")
-    data, n_used = _rows(ids, seq_len, n_examples)
-    context = context_length(config)  # before the weights load (transformers prints as it does)
-    if data.lengths["tokens"] > context:
-        raise ValueError(f"rows of {data.lengths['tokens']} tokens exceed the model's context "
-                         f"of {context} positions; lower seq_len (--seq-len)")
-    for message in held:  # transformers' warnings on the config, once nothing else is refused
-        print(f"transformers: {message}", file=sys.stderr)
-    model = from_hf_pretrained(folder)
-    seconds["load"] = time.perf_counter() - t0
-
-    max_tokens = max(1, min(DEFAULT_MAX_TOKENS,
-                            SCORE_BUDGET // (model.cfg.n_heads * data.lengths["tokens"])))
-    params = {"sigmas": sigmas, "n_draws": n_draws, "threshold": threshold, "mode": mode,
-              "targets": list(targets), "noise": noise, "n_examples": n_examples,
-              "n_examples_used": data.n_examples, "seq_len": seq_len,
-              "max_tokens": max_tokens, "unembedding": "skipped (logits are not used)"}
-    common = {
-        "hf_dir": str(folder),
-        "hf": _hf_meta(folder, config, hf_class),
-        "input": {"kind": kind, "file": str(path), "sha256": _sha256(path),
-                  "tokenizer": tok_name, "whole_file": whole, "n_tokens": len(ids),
-                  "n_tokens_used": n_used,
-                  "n_rows": data.n_examples, "row_length": data.lengths["tokens"]},
-        "seed": seed,
-        "params": params,
-        "config": model.cfg.to_dict(),
-    }
-    # the files land together once all are made (collapse.json last): a failure or kill part
-    # way leaves the folder as it was, not half new
+    # --out locked first (a second analysis into it refused before it loads anything); the
+    # files land together once all are made (collapse.json last): a failure or kill part way
+    # leaves the folder as it was, not half new
     with written_together(out, "collapse.json") as stage:
+        t0 = time.perf_counter()
+        config, hf_class, _, held = read_hf_config(folder, "--hf folder")
+        if not path.is_file():  # /dev/null or a pipe exists, and is not a file to read twice
+            what = ("is a folder, not a file" if path.is_dir() else "does not exist"
+                    if not path.exists() else "is not a regular file")
+            raise ValueError(f"--{kind} file {str(path)!r} {what}")
+        vocab = int(config.vocab_size)
+        if kind == "tokens":
+            ids, tok_name, whole = _read_token_ids(path), None, True
+        else:
+            ids, tok_name, whole = _tokenize(folder, path, n_examples * seq_len)
+        _check_vocab(ids, vocab, path, folder)
+        if len(ids) < 2:  # norms of one token read as no spread at all; nothing could collapse
+            raise ValueError(f"--{kind} file {str(path)!r} gives 1 token; the analysis needs at "
+                             "least 2 (a query with a key before it)")
+        data, n_used = _rows(ids, seq_len, n_examples)
+        context = context_length(config)  # before the weights load (transformers prints as it does)
+        if data.lengths["tokens"] > context:
+            raise ValueError(f"rows of {data.lengths['tokens']} tokens exceed the model's context "
+                             f"of {context} positions; lower seq_len (--seq-len)")
+        for message in held:  # transformers' warnings on the config, once nothing else is refused
+            print(f"transformers: {message}", file=sys.stderr)
+        model = from_hf_pretrained(folder)
+        seconds["load"] = time.perf_counter() - t0
+
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS,
+                                SCORE_BUDGET // (model.cfg.n_heads * data.lengths["tokens"])))
+        params = {"sigmas": sigmas, "n_draws": n_draws, "threshold": threshold, "mode": mode,
+                  "targets": list(targets), "noise": noise, "n_examples": n_examples,
+                  "n_examples_used": data.n_examples, "seq_len": seq_len,
+                  "max_tokens": max_tokens, "unembedding": "skipped (logits are not used)"}
+        common = {
+            "hf_dir": str(folder),
+            "hf": _hf_meta(folder, config, hf_class),
+            "input": {"kind": kind, "file": str(path), "sha256": _sha256(path),
+                      "tokenizer": tok_name, "whole_file": whole, "n_tokens": len(ids),
+                      "n_tokens_used": n_used,
+                      "n_rows": data.n_examples, "row_length": data.lengths["tokens"]},
+            "seed": seed,
+            "params": params,
+            "config": model.cfg.to_dict(),
+        }
         with _skip_unembed(model):
             norms, collapse, rows = measure_norms_and_collapse(
                 model, data, common, seconds, "collapse", sigmas=sigmas, n_draws=n_draws,
