@@ -602,6 +602,10 @@ def test_analyze_lands_its_files_together_or_not_at_all(tmp_path: Path, monkeypa
     with pytest.raises(ValueError, match="unknown head 99"):
         analyze_run(run, out=tmp_path / "new" / "analysis", heads=[99], **small)
     assert not (tmp_path / "new" / "analysis").exists()
+    (tmp_path / "file").write_text("x")  # a file where the folder goes: named as what it is
+    with pytest.raises(ValueError, match=r"^analysis folder '.*file': expected a folder for "
+                                         r"the results; it is a file$"):
+        analyze_run(run, out=tmp_path / "file", **small)
     fd = os.open(run / "analysis", os.O_RDONLY | os.O_DIRECTORY)  # another process's lock
     loads: list[Path] = []
     monkeypatch.setattr(tr, "load_run", lambda d, *a: loads.append(d))

@@ -46,18 +46,15 @@ def learning_curve(run_dir: Path, split: str = "train") -> Curve:
 
 
 def _config(run_dir: Path) -> RunConfig | None:
-    """The config a run trained with (its train_done.json's, else its config.toml); None where
-    it has none, or one that does not read (it gives a title's count and a misspelt split's
-    hint, never what the table holds)."""
-    from normlab.config import RunConfig, load_config
-    from normlab.io import recorded
-    from normlab.train import DONE
+    """The config a run trained with (`train.trained_config`); None where it has none, or one
+    that does not read (it gives a title's count and a misspelt split's hint, never what the
+    table holds)."""
+    from normlab.config import RunConfig
+    from normlab.train import trained_config
 
-    path = Path(run_dir) / "config.toml"
     try:
-        if isinstance(trained := recorded(Path(run_dir) / DONE, "config"), dict):
-            return RunConfig.from_dict(trained)
-        return load_config(path) if path.is_file() else None
+        saved = trained_config(Path(run_dir))
+        return None if saved is None else RunConfig.from_dict(saved)
     except ValueError:
         return None
 

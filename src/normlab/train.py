@@ -611,23 +611,30 @@ RESUME_REMEDY = ("--resume", "use the same config, or start over in another fold
 
 def check_saved_config(out: Path, cfg: RunConfig,
                        remedy: tuple[str, str] = RESUME_REMEDY) -> None:
-    """A run folder's config must be `cfg`'s (up to where and how it runs): a finished run is
-    taken as done, or a killed one restarted, only as itself. A finished run's is the one its
-    `train_done.json` records (what trained: an edited config.toml made the true config refused
-    and one that never trained accepted), else its `config.toml`, where there is one.
-    `remedy` (who, what to do) words the error for the command the user ran."""
-    trained = recorded(Path(out) / DONE, "config")  # None: no record, or a damaged one, which
-    if isinstance(trained, dict):  # the run's own path names (not every run of a reproduce)
-        _check_same_config(trained, cfg, Path(out), remedy)
-        return
-    path = Path(out) / "config.toml"
-    if path.is_file():
-        try:
-            saved = load_config(path).to_dict()
-        except ValueError as err:  # a damaged run folder, not the user's --config: name it
-            msg = str(err)
-            raise ValueError(msg if str(path) in msg else f"{str(path)!r}: {msg}") from None
+    """A run folder's config (`trained_config`), where it has one, must be `cfg`'s (up to where
+    and how it runs): a finished run is taken as done, or a killed one restarted, only as
+    itself. `remedy` (who, what to do) words the error for the command the user ran."""
+    saved = trained_config(out)
+    if saved is not None:
         _check_same_config(saved, cfg, Path(out), remedy)
+
+
+def trained_config(out: Path) -> dict[str, Any] | None:
+    """The config of the run in `out`: the one its train_done.json records (what trained: an
+    edited config.toml made the true config refused and one never trained accepted), else its
+    config.toml's; None where it has neither. A damaged record is passed over (the run's own
+    path names it, not every run of a reproduce); a damaged config.toml is one line naming it."""
+    trained = recorded(Path(out) / DONE, "config")
+    if isinstance(trained, dict):
+        return trained
+    path = Path(out) / "config.toml"
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path).to_dict()
+    except ValueError as err:  # a damaged run folder, not the user's --config: name it
+        msg = str(err)
+        raise ValueError(msg if str(path) in msg else f"{str(path)!r}: {msg}") from None
 
 
 def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None],
@@ -645,12 +652,13 @@ def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None]
     try:  # only to write: a finished run on a read-only disk still reads as done
         lock.take(out)
         atomic_write_text(path, dump_toml(cfg.to_dict()))
-        done = "written again"
+        failed = None
     except (ValueError, OSError) as err:
-        done = f"could not be written again: {first_line(err)}"
-    if diff or not done.startswith("written"):
+        failed = first_line(err)
+    if diff or failed:
         what = (f"is not the config this run trained with ({diff})" if diff
                 else "is a folder" if path.is_dir() else "is missing")
+        done = "written again" if failed is None else f"could not be written again: {failed}"
         log(f"warning: {str(path)!r} {what}; {done}")
 
 
