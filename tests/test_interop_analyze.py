@@ -365,6 +365,7 @@ def test_llama_text_matches_the_hf_model(tmp_path: Path) -> None:
                      threshold=theta, seq_len=seq, figures=False)
     assert res["norms"]["input"]["n_tokens"] == len(words) + 1  # one BOS
     assert res["norms"]["input"]["n_rows"] == 3  # 37 tokens in rows of 16
+    assert res["seconds"].keys() == {"load", "norms", "collapse"}  # each timed under its name
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager").eval()

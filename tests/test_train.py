@@ -551,7 +551,8 @@ def test_analyze_lands_its_files_together_or_not_at_all(tmp_path: Path, monkeypa
     train(cfg("train.steps=5", "train.checkpoint_every=5", "train.eval_every=5"), run,
           progress=False)
     small = {"n_examples": 4, "n_draws": 2, "sigmas": [0.1]}
-    analyze_run(run, **small)
+    seconds = analyze_run(run, **small)["seconds"]  # each measurement timed under its name
+    assert seconds.keys() == {"norms", "collapse_sweep", "accuracy", "interference"}
     before = {f.name: f.read_bytes() for f in (run / "analysis").iterdir()}
     assert len(before) == 7
     real = nio.atomic_write_bytes
