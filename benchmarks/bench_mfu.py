@@ -16,7 +16,8 @@ pairs: the table also gives MFU over that count (`causal_flops`), a little lower
 Norms, softmax, GELU and the optimiser are not counted: they are the overhead MFU exposes.
 
 Peak: the best of several float32 `torch.mm` of two n x n matrices (2 n^3 FLOPs), measured in
-the same process with the same thread count, before and after the training timings; on a GPU
+the same process with the same thread count, before and after the training timings (twice after
+them where it reads `bench_train_step`'s timings of this run, as `run_all.py` has it); on a GPU
 (`--device cuda`) there, n = 8192, at PyTorch's default float32 matmul precision ('highest':
 no TF32), which the result records, so MFU stays float32 work over a float32 peak. With
 `--precision bfloat16` the steps run under autocast (`train.precision`) and the peak is a

@@ -64,9 +64,12 @@ def base_config() -> RunConfig:
 
 
 def model_config(run: RunConfig, d_model: int, placement: str) -> ModelConfig:
+    """The recipe's model at width `d_model` (MLP scaled with it) and `placement`; a recipe's own
+    `d_head` is kept at its width (re-derived from the heads only where the width changes)."""
     cfg = copy.deepcopy(run.model)
     scale = d_model / cfg.d_model
-    cfg.d_model, cfg.d_head = d_model, None
+    if d_model != cfg.d_model:
+        cfg.d_model, cfg.d_head = d_model, None
     cfg.d_mlp = int(run.model.d_mlp * scale)
     cfg.norm_placement = placement
     cfg.__post_init__()

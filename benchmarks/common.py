@@ -340,7 +340,8 @@ def fmt(x: float | None, digits: int = 3) -> str:
         return f"{x:,}"
     if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
         return f"{x:.{digits}g}"
-    return f"{x:,.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+    # judged after rounding: 999.7 at 3 digits is 1,000, not "1e+03"
+    return f"{x:,.{digits}g}" if abs(float(f"{x:.{digits}g}")) < 1000 else f"{x:,.0f}"
 
 
 def rf(x: float | None) -> str:

@@ -219,7 +219,10 @@ def targets_figure(sources: Sequence[Source]) -> Figure:
 
     def mfu(res: dict[str, Any], cat: str) -> Any:
         c = res["widths"].get(_step_width(res), {}).get("contenders", {}).get(cat)
-        return None if c is None else 100 * c["mfu"]
+        if c is None:
+            return None
+        ci = [100 * x for x in c.get("mfu_ci", [c["mfu"]] * 2)]  # results before mfu_ci: none
+        return {"median": 100 * c["mfu"], "ci": ci}
 
     # "nanogpt-manual" beside "x-transformers" would overlap: the references on two lines
     short = [n.replace("normlab-", "").replace("-", "-\n") for n in mfu_names]

@@ -38,3 +38,27 @@ def test_naive_loop_stops_after_the_last_pattern_and_counts_the_same_flips() -> 
     res = measure_collapse(model, data, sigmas=[B.SIGMA], n_draws=n_draws, threshold=0.9,
                            theory_draws=1, seed=B.SEED)
     assert torch.equal((res["rows"]["rate"][:, 0] * n_draws).round(), early)
+
+
+def test_the_sweep_times_leave_out_the_warm_up_call(monkeypatch) -> None:
+    """Every contender runs once untimed first, as the Method says (none did, and the first
+    repeat carried the first call's cost); the sweep's own times, recorded by each call, are
+    then the timed calls' alone, so they pair with the naive loop's repeats."""
+    import argparse
+
+    import normlab.analysis.collapse as C
+
+    real, calls = C.measure_collapse, []
+
+    def numbered(*args, **kw):  # the real sweep, its time replaced by the call's number
+        res = real(*args, **kw)
+        calls.append(kw.get("bucket", True))
+        return {**res, "sweep_seconds": float(len(calls))}
+
+    monkeypatch.setattr(C, "measure_collapse", numbered)
+    res = B.run(argparse.Namespace(quick=True, threads=1, repeats=2, run=None, device="cpu"))
+    # warm-up (bucketed, one width), then the repeats, the order reversed every other one
+    assert calls == [True, False, True, False, False, True]
+    assert res["warmup"] == 1 and res["vectorised_sweep"]["times_s"] == [3.0, 6.0]
+    assert res["one_width_sweep"]["times_s"] == [4.0, 5.0]
+    assert res["speedup_sweep"]["n"] == 2

@@ -342,3 +342,11 @@ def test_paired_timing_interleaves_and_times_with_the_collector_off() -> None:
     seen.clear()  # warm-up rounds: every contender once a round, before the timed repeats
     common.paired_timing({"a": contender("a"), "b": contender("b")}, repeats=1, warmup=3)
     assert seen == [("a", True), ("b", True)] * 3 + [("a", False), ("b", False)]
+
+
+@pytest.mark.parametrize(("x", "text"), [(999.4, "999"), (999.7, "1,000"), (-999.7, "-1,000"),
+                                         (1234.6, "1,235"), (0.12345, "0.123"), (7, "7")])
+def test_fmt_chooses_its_format_after_rounding(x: float, text: str) -> None:
+    """A table cell of 999.7 ms read "1e+03": the format was picked before rounding to 3
+    digits."""
+    assert common.fmt(x) == text

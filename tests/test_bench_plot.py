@@ -44,7 +44,8 @@ def _run_all(threads: int, scale: float = 1.0) -> dict:
             "contenders": {f"normlab-{p}": {"vs_fastest_ref": s} for p, s in step.items()},
             "qkv_over_pre": _stats(scale * 1.13, scale * 1.1, scale * 1.16)}}},
         "mfu": {"benchmark": "mfu", "info": info, "widths": {"64": {"contenders": {
-            "normlab-pre": {"mfu": scale * 0.3}, "nanogpt": {"mfu": scale * 0.27}}}}},
+            "normlab-pre": {"mfu": scale * 0.3, "mfu_ci": [scale * 0.28, scale * 0.31]},
+            "nanogpt": {"mfu": scale * 0.27}}}}},  # a result from before mfu_ci: no bar
         "decode": {"benchmark": "decode", "info": info, "results": [
             {"placement": "pre", "cell": "n5d1", "speedup": _stats(*(scale * v for v in (
                 2.5, 2.4, 2.7)))},
@@ -87,7 +88,9 @@ def test_targets_figure_shows_each_median_and_its_ci(tmp_path: Path) -> None:
     np.testing.assert_allclose(x, np.arange(6))
     np.testing.assert_allclose(y, [s["median"] for s in want])
     np.testing.assert_allclose(ends, [s["ci"] for s in want])
-    np.testing.assert_allclose(_errorbars(mfu)[0][2], [30.0, 27.0])
+    (_, _, mfu_y, mfu_ends), = _errorbars(mfu)
+    np.testing.assert_allclose(mfu_y, [30.0, 27.0])
+    np.testing.assert_allclose(mfu_ends, [[28.0, 31.0], [27.0, 27.0]])  # in %, as the medians
     np.testing.assert_allclose(_errorbars(decode)[0][2], [2.5, 3.1])
     np.testing.assert_allclose(_errorbars(sweep)[0][2], [18.0, 13.0])
     # every panel carries its target as a dashed line at the value

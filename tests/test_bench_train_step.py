@@ -73,3 +73,18 @@ def test_a_compiled_run_keeps_its_verdicts_in_the_headlines(
         "train step d64: normlab-qkv+compile / nanogpt+compile (time)": (1.32, None),
         "train step d64: qkv / pre (time)": (1.1, "met"),
     }
+
+
+def test_model_config_keeps_a_recipes_own_head_width_at_its_width() -> None:
+    """bench_decode and bench_hooks benchmark a recipe at its own width: its `d_head` stays
+    (it was re-derived as d_model / n_heads, a smaller model than the recipe's); at another
+    width the heads' width follows d_model, and the MLP scales with it."""
+    run = bts.base_config()
+    run.model.d_head = run.model.d_model // run.model.n_heads // 2  # not what d_model gives
+    run.model.__post_init__()
+    same = bts.model_config(run, run.model.d_model, "qkv")
+    assert (same.d_head, same.d_mlp, same.norm_placement) == (
+        run.model.d_head, run.model.d_mlp, "qkv")
+    wide = bts.model_config(run, 2 * run.model.d_model, "pre")
+    assert (wide.d_head, wide.d_mlp) == (2 * run.model.d_model // run.model.n_heads,
+                                         2 * run.model.d_mlp)
