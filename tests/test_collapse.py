@@ -337,7 +337,8 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
         analyze_run(run, mode="both")
     # refused before any work: alpha used to be checked after norms and collapse were written
     for bad, match in ((dict(alpha=0.0), "^alpha: "), (dict(seed=-1), "^seed: "),
-                       (dict(splits=["train", "train"]), "^splits: ")):
+                       (dict(splits=["train", "train"]), "^splits: "),
+                       (dict(rows="trained"), "^unknown rows 'trained'")):
         with pytest.raises(ValueError, match=match):
             analyze_run(run, n_examples=16, n_draws=2, **bad)
         assert not (run / "analysis").exists(), bad
@@ -352,6 +353,7 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     for doc in docs.values():
         assert {"provenance", "config", "seed"} <= set(doc) and doc["seed"] == 3
         assert doc["params"]["splits"] == ["train"]  # one name, not its letters
+        assert doc["params"]["rows"] == "all"
         assert doc["config"]["model"]["d_model"] == 32
     c = docs["collapse"]
     need = {"threshold", "noise", "mode", "targets", "sigmas", "collapse_rate", "collapse_ci95",
@@ -673,3 +675,56 @@ def test_the_collapse_interval_is_never_narrower_than_wilsons_under_noise() -> N
     rates = (w @ flips) / (w @ counts)
     assert 0.94 <= float(np.mean((rates >= lo) & (rates <= hi))) <= 0.96
     assert 0.02 <= float(np.mean(rates < lo)) <= 0.03
+
+
+def test_loss_rows_are_the_positions_whose_output_training_scores() -> None:
+    """`B 1 + 2 E 3 E` (positions 0-6): the loss scores the outputs at the first E (-> 3) and
+    at 3 (-> E); the final E's target is ignored. In the last block a row feeds only its own
+    output (positions 4, 5); before it, every position up to 5, whose later scored outputs
+    read it. Pads never count; an encoder-decoder's every real row feeds the loss."""
+    data = EvalData.from_problems([("1+2", "3"), ("12+34", "46")], "decoder")
+    # hand-laid: row 0 has 7 real tokens (then pads), row 1 `B 1 2 + 3 4 E 4 6 E` 10
+    last = torch.zeros(2, 10, dtype=torch.bool)
+    last[0, [4, 5]] = True
+    last[1, [6, 7, 8]] = True
+    before = torch.zeros(2, 10, dtype=torch.bool)
+    before[0, :6] = True
+    before[1, :9] = True
+    assert torch.equal(data.loss_rows("tokens", last_block=True), last)
+    assert torch.equal(data.loss_rows("tokens", last_block=False), before)
+    # a subset keeps them (cut as the other streams are)
+    one = data.subset(torch.tensor([0]))
+    assert torch.equal(one.loss_rows("tokens", last_block=False), before[:1, :7])
+    ed = EvalData.from_problems([("1+2", "3"), ("12+34", "46")], "encoder_decoder")
+    for stream in ("src", "tgt"):
+        for last_block in (True, False):
+            assert torch.equal(ed.loss_rows(stream, last_block), ed.valid[stream])
+
+
+def test_sparse_rows_of_the_loss_leave_out_rows_training_never_shaped() -> None:
+    """rows="loss" keeps exactly the rows="all" rows a scored output reads: none at a
+    decoder's final E, none at its question in the last block (the positions are worked out
+    from the questions' lengths here, not by `loss_rows`); an unknown choice is refused."""
+    model = small(n_layers=2)
+    probs = problems()
+    data = EvalData.from_problems(probs, "decoder")
+    every = find_sparse_rows(model, data, threshold=0.5)
+    kept = find_sparse_rows(model, data, threshold=0.5, rows="loss")
+    first_e = torch.tensor([len(q) + 1 for q, _ in probs])  # B question E
+    final_e = torch.tensor([len(q) + len(a) + 2 for q, a in probs])  # B question E answer E
+    ex, qpos, site = every.example, every.qpos, every.site
+    last_block = torch.tensor([every.sites[s] == "blocks.1.attn" for s in site.tolist()])
+    want = (qpos < final_e[ex]) & (~last_block | (qpos >= first_e[ex]))
+    assert 0 < int(want.sum()) < len(every)  # both kinds of row are there to leave out
+    assert bool((~want & (qpos == final_e[ex])).any()) and bool((~want & last_block).any())
+    got = {(int(s), int(h), int(e), int(q)) for s, h, e, q in
+           zip(kept.site, kept.head, kept.example, kept.qpos, strict=True)}
+    assert got == {(int(s), int(h), int(e), int(q)) for s, h, e, q, w in
+                   zip(site, every.head, ex, qpos, want, strict=True) if w}
+    # the denominators follow: fewer valid rows, each head's counted over its own
+    assert sum(kept.valid_rows.values()) < sum(every.valid_rows.values())
+    res = measure_collapse(model, data, sigmas=[0.0, 0.2], n_draws=2, threshold=0.5, rows="loss")
+    assert res["n_sparse_rows"] == len(kept)
+    assert res["n_rows"] == sum(kept.valid_rows.values())
+    with pytest.raises(ValueError, match="unknown rows 'trained'; expected one of all, loss"):
+        find_sparse_rows(model, data, rows="trained")

@@ -433,8 +433,13 @@ def test_a_finished_analysis_with_other_settings_is_not_taken_as_done(
     doc["params"]["splits"] = list("train")
     (Path(spec.out) / "analysis" / "collapse.json").write_text(json.dumps(doc))
     assert run_one(spec)["did"] == []
+    # a record from before `rows` was kept counted every row: the default, and only it
+    del doc["params"]["rows"]
+    (Path(spec.out) / "analysis" / "collapse.json").write_text(json.dumps(doc))
+    assert run_one(dataclasses.replace(spec, analysis=same | {"rows": "all"}))["did"] == []
     for changed in ({"n_draws": 16, "sigmas": [0, 0.1]}, {"n_draws": 8, "sigmas": [0, 0.2]},
-                    {"n_draws": 8, "sigmas": [0, 0.1], "seed": 1}):
+                    {"n_draws": 8, "sigmas": [0, 0.1], "seed": 1},
+                    {"n_draws": 8, "sigmas": [0, 0.1], "rows": "loss"}):
         with pytest.raises(ValueError, match=r"holds an analysis with \w+ = .* is asked"):
             run_one(dataclasses.replace(spec, analysis=changed))
 
@@ -1082,3 +1087,47 @@ def test_analyze_help_states_the_librarys_defaults(capsys) -> None:
     assert cli.main(["analyze", "some-run", "--targets", "q,x"]) == 2
     assert capsys.readouterr().err.strip() == ("normlab: error: --targets: unknown target 'x'; "
                                                "expected a subset of q, k, v")
+
+
+def test_analyze_rows_reaches_the_run_analysis_and_is_refused_with_hf(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """`--rows loss` is analyze_run's `rows`; left out, the library's default applies; with
+    --hf (whose text has no unscored positions of its own) it is one line, not dropped."""
+    from normlab import cli
+    from normlab.analysis import report
+
+    seen: list[dict] = []
+
+    def fake(run_dir: Path, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw)
+        return {"out": str(run_dir / "analysis"), "files": []}
+
+    monkeypatch.setattr(report, "analyze_run", fake)
+    assert cli.main(["analyze", str(tmp_path), "--rows", "loss"]) == 0
+    assert cli.main(["analyze", str(tmp_path)]) == 0
+    assert seen[0]["rows"] == "loss" and "rows" not in seen[1]
+    capsys.readouterr()
+    assert cli.main(["analyze", "--hf", str(tmp_path), "--rows", "loss"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "normlab: error: analyze: --rows is for a run folder's analysis; with --hf every real "
+        "row counts")
+    with pytest.raises(SystemExit):
+        cli.main(["analyze", str(tmp_path), "--rows", "trained"])
+    assert "invalid choice: 'trained'" in capsys.readouterr().err
+
+
+def test_a_report_pools_no_run_counted_over_other_rows(tmp_path: Path) -> None:
+    """A record from before `rows` was kept counted every row: pooled with `rows = "all"`,
+    refused beside `rows = "loss"` (its rates are over fewer rows)."""
+    from normlab.report import _check_comparable
+
+    def run(name: str, params: dict) -> dict:
+        return {"dir": tmp_path / name, "collapse": {"params": params},
+                "eval": {"config": {"task": {}, "model": {}, "train": {}}}}
+
+    old = run("old", {"threshold": 0.9})
+    assert _check_comparable([old, run("new", {"threshold": 0.9, "rows": "all"})])[
+        "analysis rows"] == "all"
+    with pytest.raises(ValueError, match=r"'.*loss' was made with analysis rows = 'loss', "
+                                         r"'.*old' with 'all'"):
+        _check_comparable([old, run("loss", {"threshold": 0.9, "rows": "loss"})])

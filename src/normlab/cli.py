@@ -339,6 +339,11 @@ def _analyze(args: argparse.Namespace) -> int:
         if given or args.seq_len is not None:
             raise ValueError(f"analyze: {(given or ['--seq-len'])[0]} is for --hf DIR only; a "
                              "run's analysis goes to RUN_DIR/analysis")
+        if args.rows is not None:
+            kwargs["rows"] = args.rows
+    elif args.rows is not None:  # a text has no scored/unscored split of its own
+        raise ValueError("analyze: --rows is for a run folder's analysis; with --hf every "
+                         "real row counts")
     _check_flags(args, {"--draws": 1, "--examples": 1, "--seq-len": 2})
     check_seed(args.seed, "--seed")
     if args.threads is not None:
@@ -435,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--examples", type=int,
                    help="evaluation sequences to analyse (default 256; with --hf, 32 rows)")
     a.add_argument("--threshold", type=float, default=0.9, help="sparse-row threshold theta")
+    a.add_argument("--rows", choices=["all", "loss"],
+                   help="query rows that may count as sparse: every real one (default), or "
+                        "only those whose output reaches a position the training loss scores; "
+                        "a run folder's analysis only")
     a.add_argument("--mode", choices=["token", "vector"], default="token")
     a.add_argument("--noise", choices=["normal", "uniform"], default="normal")
     a.add_argument("--targets", default="q,k,v", help="subset of q,k,v to perturb")

@@ -158,6 +158,7 @@ def _settings(run: dict[str, Any]) -> dict[str, Any]:
         for derived in ("n_examples_used", "per_cell"):  # follow from the task and n_examples
             params.pop(derived, None)
         params["splits"] = recorded_splits(params.get("splits"))
+        params.setdefault("rows", "all")  # what a record from before `rows` counted
         out |= {f"analysis {k}": v for k, v in params.items()}
     return out
 

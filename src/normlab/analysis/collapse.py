@@ -50,6 +50,7 @@ from normlab.analysis.data import (
     collect,
     evaluating,
     group_seed,
+    last_block_sites,
     resolve_sites,
     sweep_groups,
 )
@@ -85,6 +86,9 @@ MODES = ("token", "vector")
 TARGETS = ("q", "k", "v")
 NOISES = ("normal", "uniform")
 THRESHOLDS = (0.5, 0.8, 0.9, 0.99)
+ROWS = ("all", "loss")
+"""Which query rows may count as sparse rows: every real one, or only those whose output reaches
+a position the training loss scores (`EvalData.loss_rows`)."""
 DEFAULT_SIGMAS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
 DEFAULT_MAX_TOKENS = 1 << 13
 """Positions per forward in the batched sweep; bounds memory (MLP activations dominate). On
@@ -267,16 +271,21 @@ def find_sparse_rows(
     threshold: float = 0.9,
     sites: Sequence[str] | None = None,
     heads: Sequence[int] | None = None,
+    rows: str = "all",
 ) -> SparseRows:
     """Rows with max weight >= threshold at real query positions of the chosen sites/heads.
 
     Rows with fewer than two attendable keys (the first token under a causal mask) are left
     out everywhere: they are trivially "sparse" and can never collapse, so counting them
-    would only dilute the collapse rate.
+    would only dilute the collapse rate. `rows="loss"` also leaves out rows whose output no
+    scored position reads (`EvalData.loss_rows`): a decoder's final E, and its question in
+    the last block, whose attention training never shaped.
     """
     check_on_cpu(model)
     threshold = check_threshold(threshold)
+    _check_choice(rows, ROWS, "rows")
     chosen, head_sel = resolve_sites(model, sites, heads)
+    last = last_block_sites(model)
     names = [f"{s.name}.hook_{k}" for s in chosen for k in ("attn_scores", "pattern")]
     cache = collect(model, data, {n: torch.Tensor.detach for n in names})
     thetas = sorted(set(THRESHOLDS) | {threshold})
@@ -287,7 +296,9 @@ def find_sparse_rows(
         pattern = cache[f"{site.name}.hook_pattern"]  # [B, H, Q, K]
         scores = cache[f"{site.name}.hook_attn_scores"]
         hs = list(range(site.n_heads)) if head_sel is None else head_sel
-        qvalid = data.valid[site.q_stream][:, None, :].expand(-1, site.n_heads, -1).clone()
+        real = (data.valid[site.q_stream] if rows == "all"
+                else data.loss_rows(site.q_stream, site.name in last))
+        qvalid = real[:, None, :].expand(-1, site.n_heads, -1).clone()
         keep = torch.zeros(site.n_heads, dtype=torch.bool)
         keep[hs] = True
         qvalid &= keep[None, :, None]
@@ -453,6 +464,7 @@ def measure_collapse(
     theory_draws: int = 256,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     bucket: bool = True,
+    rows: str = "all",
 ) -> dict[str, Any]:
     """Measured collapse rate per sigma with a 95% CI, per head, and the theory beside it.
 
@@ -470,7 +482,8 @@ def measure_collapse(
     `max_tokens` and data, not across them (the rates agree statistically; `analyze_run`
     keeps the default, and the result records it). Returns a JSON-ready dict; `rows` holds
     the per-row columns as tensors (pop it before writing JSON), with `rate` [R, n_sigmas]
-    the per-row measured collapse frequency.
+    the per-row measured collapse frequency. `rows` picks the query rows that may be sparse
+    (`find_sparse_rows`).
     """
     check_on_cpu(model)
     sigmas = check_sigmas(sigmas)
@@ -481,7 +494,8 @@ def measure_collapse(
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
     if any(sigmas):
         _check_noise_fits(pert, data, n_draws)
-    rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads)
+    rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads,
+                            rows=rows)
     B, R = data.n_examples, len(rows)
     by_site = {name: (rows.site == i).nonzero().squeeze(1) for i, name in enumerate(rows.sites)}
     flips = torch.zeros(R, len(sigmas), dtype=torch.float64)

@@ -22,7 +22,7 @@ from normlab.checks import check_int, is_int
 from normlab.model import DecoderLM, EncoderDecoderLM, Model
 from normlab.model.attention import Attention
 from normlab.model.transformer import evaluating
-from normlab.tasks.addition import PAD, Cell, ResolvedTask, encode, make_batch
+from normlab.tasks.addition import IGNORE_INDEX, PAD, Cell, ResolvedTask, encode, make_batch
 
 DECODER_CLASSES = ("question", "answer")
 ENC_DEC_CLASSES = ("encoder", "decoder")
@@ -40,7 +40,10 @@ class EvalData:
 
     `inputs`: decoder `{"tokens"}`; encoder-decoder `{"src", "src_mask", "tgt_in"}`.
     `valid[stream]` [B, T] bool marks real tokens; `classes[stream]` [B, T] long indexes
-    `class_names` (-1 on pads). `problems`/`cells` say where each example came from.
+    `class_names` (-1 on pads). `scored[stream]` [B, T] bool marks the positions whose output
+    the training loss scores (a stream without an entry, an encoder's or hand-built data's, has
+    no output of its own scored; `loss_rows`). `problems`/`cells` say where each example came
+    from.
     """
 
     arch: str
@@ -50,6 +53,7 @@ class EvalData:
     class_names: tuple[str, ...]
     problems: list[tuple[str, str]] = field(default_factory=list)
     cells: list[str] = field(default_factory=list)
+    scored: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def n_examples(self) -> int:
@@ -68,6 +72,25 @@ class EvalData:
     def repeated(self, copies: int) -> dict[str, torch.Tensor]:
         """Inputs repeated `copies` times along the batch: row `c * B + b` is example b."""
         return {k: v.repeat(copies, *([1] * (v.dim() - 1))) for k, v in self.inputs.items()}
+
+    def loss_rows(self, stream: str, last_block: bool) -> torch.Tensor:
+        """[B, T] real positions of `stream` whose attention rows reach an output the training
+        loss scores: in the stream's last block a row feeds only its own position's output, so
+        the scored positions; in an earlier one, every position up to an example's last scored
+        one (a later scored position reads it, the stream being causal). A decoder-only
+        model's rows at the final E (its target is ignored) and, in the last block, at the
+        question feed nothing trained. A stream without scored outputs (an encoder's) feeds
+        the loss through all of its rows."""
+        valid = self.valid[stream]
+        scored = self.scored.get(stream)
+        if scored is None:
+            return valid
+        if last_block:
+            return valid & scored
+        pos = torch.arange(valid.shape[1])
+        last = torch.where(scored.any(1), valid.shape[1] - 1 - scored.flip(1).long().argmax(1),
+                           -1)
+        return valid & (pos[None, :] <= last[:, None])
 
     def widths(self) -> torch.Tensor:
         """[B, streams] real length of every example in each stream (batches are right-padded)."""
@@ -95,6 +118,7 @@ class EvalData:
             self.class_names,
             [self.problems[i] for i in idx.tolist()] if self.problems else [],
             [self.cells[i] for i in idx.tolist()] if self.cells else [],
+            {s: cut(v, s) for s, v in self.scored.items()},
         )
 
     def forward(self, model: Model, copies: int = 1) -> torch.Tensor:
@@ -128,7 +152,8 @@ class EvalData:
             pos = torch.arange(tokens.shape[1])[None, :]
             classes = torch.where(pos < q_len[:, None], 0, 1).masked_fill(~valid, -1)
             return cls(arch, {"tokens": tokens, **aux}, {"tokens": valid}, {"tokens": classes},
-                       DECODER_CLASSES, list(problems), list(cells))
+                       DECODER_CLASSES, list(problems), list(cells),
+                       {"tokens": batch["targets"] != IGNORE_INDEX})
         src_valid = batch["src_mask"].bool()
         tgt_valid = batch["tgt_in"] != PAD
         return cls(
@@ -138,6 +163,7 @@ class EvalData:
             {"src": torch.zeros_like(batch["src"]).masked_fill(~src_valid, -1),
              "tgt": torch.ones_like(batch["tgt_in"]).masked_fill(~tgt_valid, -1)},
             ENC_DEC_CLASSES, list(problems), list(cells),
+            {"tgt": batch["tgt_out"] != IGNORE_INDEX},
         )
 
     @classmethod
@@ -222,6 +248,17 @@ class Site:
     @property
     def n_kv_heads(self) -> int:
         return self.module.n_kv_heads
+
+
+def last_block_sites(model: Model) -> set[str]:
+    """The attention sites in the last block of their stack (`blocks.{L-1}.attn`; an
+    encoder-decoder's last encoder block and last decoder block's self- and cross-attention):
+    their rows feed only their own positions' outputs (`EvalData.loss_rows`)."""
+    stacks: dict[str, list[tuple[int, str]]] = {}
+    for name in attention_sites(model):
+        stack, _, rest = name.rpartition("blocks.")
+        stacks.setdefault(stack, []).append((int(rest.split(".")[0]), name))
+    return {n for found in stacks.values() for i, n in found if i == max(j for j, _ in found)}
 
 
 def stream_of(name: str) -> str:

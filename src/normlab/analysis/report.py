@@ -33,6 +33,7 @@ from normlab.analysis.collapse import (
     DEFAULT_SIGMAS,
     MODES,
     NOISES,
+    ROWS,
     _check_choice,
     check_targets,
     check_threshold,
@@ -63,12 +64,13 @@ if TYPE_CHECKING:
 
 def _checked(
     sigmas: Sequence[float], threshold: float, targets: Sequence[str] | str, mode: str,
-    noise: str, n_draws: int, n_examples: int, seed: int, alpha: float,
+    noise: str, n_draws: int, n_examples: int, seed: int, alpha: float, rows: str = "all",
 ) -> tuple[list[float], float, tuple[str, ...], int]:
     """`analyze_run`'s checks before any work (sites and heads wait for the model): a bad
     value is one line naming it, not an error after the sweep it would have spoiled."""
     _check_choice(mode, MODES, "mode")
     _check_choice(noise, NOISES, "noise")
+    _check_choice(rows, ROWS, "rows")
     n_draws = check_int(n_draws, "n_draws", low=1)
     n_examples = check_int(n_examples, "n_examples", low=1)
     check_alpha(alpha)
@@ -79,13 +81,13 @@ def _checked(
 def _recorded(sigmas: Sequence[float], n_draws: int, threshold: float, mode: str,
               targets: Sequence[str] | str, noise: str, n_examples: int,
               splits: Sequence[str] | str | None, sites: Sequence[str] | None,
-              heads: Sequence[int] | None, alpha: float) -> dict[str, Any]:
+              heads: Sequence[int] | None, alpha: float, rows: str = "all") -> dict[str, Any]:
     """The settings as the result files record them (`params`), from checked values."""
     splits, sites, heads = (_one_as_list(v) for v in (splits, sites, heads))
     return {"sigmas": list(sigmas), "n_draws": n_draws, "threshold": threshold, "mode": mode,
             "targets": list(targets), "noise": noise, "n_examples": n_examples,
             "splits": None if splits is None else list(splits), "sites": sites, "heads": heads,
-            "alpha": alpha}
+            "alpha": alpha, "rows": rows}
 
 
 def _one_as_list(value: Any) -> Any:
@@ -116,11 +118,12 @@ def check_same_analysis(folder: Path, args: dict[str, Any]) -> None:
     a = ANALYSIS_DEFAULTS | args
     sigmas, threshold, targets, seed = _checked(a["sigmas"], a["threshold"], a["targets"],
                                                 a["mode"], a["noise"], a["n_draws"],
-                                                a["n_examples"], a["seed"], a["alpha"])
+                                                a["n_examples"], a["seed"], a["alpha"], a["rows"])
     want = _recorded(sigmas, a["n_draws"], threshold, a["mode"], targets, a["noise"],
-                     a["n_examples"], a["splits"], a["sites"], a["heads"], a["alpha"])
+                     a["n_examples"], a["splits"], a["sites"], a["heads"], a["alpha"], a["rows"])
     want = json.loads(json.dumps(want | {"seed": seed}))
-    have = doc["params"] | {"seed": doc.get("seed")}
+    # a record from before `rows` was kept counted every row
+    have = {"rows": "all"} | doc["params"] | {"seed": doc.get("seed")}
     # `want` comes normalised from `_recorded`; records written before it may hold one name
     # (or head) alone, or one split name as its letters (`recorded_splits`)
     for key in ("sites", "heads"):
@@ -153,7 +156,7 @@ def check_analysis_args(args: dict[str, Any], where: str = "analysis") -> None:
                              f"got {v!r}")
     try:
         _checked(a["sigmas"], a["threshold"], a["targets"], a["mode"], a["noise"], a["n_draws"],
-                 a["n_examples"], a["seed"], a["alpha"])
+                 a["n_examples"], a["seed"], a["alpha"], a["rows"])
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 
@@ -256,6 +259,7 @@ def analyze_run(
     heads: Sequence[int] | None = None,
     alpha: float = 0.5,
     figures: bool = True,
+    rows: str = "all",
 ) -> dict[str, Any]:
     """Run norm spread, collapse (+ accuracy and theory) and interference on one run folder.
 
@@ -263,6 +267,8 @@ def analyze_run(
     (None: all); `sites`/`heads` restrict the perturbed and measured attention sites and heads
     (collapse only; the norm spread and probe cover the whole model unless `sites`/`heads` are
     given, which then also restrict the probe). `alpha` is the probe's injected norm fraction.
+    `rows` picks the query rows that may count as sparse (`collapse.ROWS`; the collapse sweep
+    and its theory only: the norm spread and the probe read every real position).
     Returns the three JSON documents plus `files` and `seconds`.
     """
     from normlab.tasks.addition import eval_sets
@@ -270,7 +276,7 @@ def analyze_run(
 
     # the seed comes back an int for the result files, whatever integer was given
     sigmas, threshold, targets, seed = _checked(sigmas, threshold, targets, mode, noise,
-                                                n_draws, n_examples, seed, alpha)
+                                                n_draws, n_examples, seed, alpha, rows)
     run_dir = Path(run_dir)
     out = run_dir / "analysis" if out is None else Path(out)
     check_run_folder(run_dir)  # before the lock, which makes the analysis folder
@@ -284,15 +290,15 @@ def analyze_run(
         sets, per_cell = select_problems(task, eval_sets(task), n_examples, splits)
         data = data_from_sets(sets, cfg.model.arch, task.answer_format, task.digit_positions)
         params = _recorded(sigmas, n_draws, threshold, mode, targets, noise, n_examples, splits,
-                           sites, heads, alpha) | {"n_examples_used": data.n_examples,
-                                                   "per_cell": per_cell}
+                           sites, heads, alpha, rows) | {"n_examples_used": data.n_examples,
+                                                         "per_cell": per_cell}
         common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
                   "params": params, "config": cfg.to_dict()}
         seconds: dict[str, float] = {}
         norms, collapse, rows = measure_norms_and_collapse(
             model, data, common, seconds, "collapse_sweep", sigmas=sigmas, n_draws=n_draws,
             threshold=threshold, mode=mode, targets=targets, noise=noise, sites=sites,
-            heads=heads, seed=seed)
+            heads=heads, seed=seed, rows=rows)
         t0 = time.perf_counter()
         collapse |= perturbed_accuracy(model, task, sets, sigmas=sigmas, limit=per_cell,
                                        mode=mode, targets=targets, noise=noise, sites=sites,
