@@ -98,23 +98,24 @@ TIMINGS_EXPECTED = "expected an object of step name -> seconds"
 NOT_JSON = "not valid JSON (Expecting value: line 1 column 1 (char 0))"
 
 
+NO_CHECKPOINT = "no checkpoint to make it again from: restore it from a copy"
+
+
 @pytest.mark.parametrize(("file", "text", "message"), [
-    ("train_done.json", "", f"{DONE_EXPECTED}; {NOT_JSON}"),
-    ("train_done.json", "{}", f"{DONE_EXPECTED}; got {{}}"),
-    ("train_done.json", '{"step": "7"}', f"{DONE_EXPECTED}; got {{'step': '7'}}"),
-    ("timings.json", "", f"{TIMINGS_EXPECTED}; {NOT_JSON}"),
-    ("timings.json", '{"train": "1s"}', f"{TIMINGS_EXPECTED}; got {{'train': '1s'}}"),
+    ("train_done.json", "", f"{DONE_EXPECTED}; {NOT_JSON}; {NO_CHECKPOINT}"),
+    ("train_done.json", "{}", f"{DONE_EXPECTED}; got {{}}; {NO_CHECKPOINT}"),
+    ("train_done.json", '{"step": "7"}', f"{DONE_EXPECTED}; got {{'step': '7'}}; {NO_CHECKPOINT}"),
 ])
 def test_a_runs_bad_state_file_fails_that_run_naming_the_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, text: str,
         message: str) -> None:
     """Reported as any failed run is (the sweep goes on), with the file and what it should
-    hold. A train_done.json makes the run count as trained, so no training runs here."""
+    hold, where no checkpoint can make it again (a copied result folder: a resume would train
+    the run anew)."""
     f = tmp_path / "s.toml"
     f.write_text(GRID)
     (spec,) = load_sweep(f, tmp_path / "out")
     Path(spec.out).mkdir(parents=True)
-    (Path(spec.out) / "train_done.json").write_text('{"step": 7}')
     (Path(spec.out) / file).write_text(text)
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: True)
     res = sweep._safe_run(spec, "cpu")
@@ -355,3 +356,45 @@ def test_rays_start_leaves_the_commands_sigterm_handler(monkeypatch) -> None:
         assert signal.getsignal(signal.SIGTERM) is ours
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_finished_runs_damaged_records_are_made_again_not_failed_each_rerun(
+        tmp_path: Path) -> None:
+    """A damaged train_done.json or timings.json failed the run on every rerun of the sweep
+    (and of `reproduce`, whose error said "rerun to retry"), and `train --resume` refused it.
+    The record is made again from the last checkpoint (nothing retrained: the results made
+    from that step are kept); the timings, bookkeeping, start again empty; each with a
+    warning in the run's log."""
+    import json
+
+    from normlab.config import RunConfig
+    from normlab.sweep import execute
+    from normlab.train import train
+    from test_report import TINY_SET
+
+    f = tmp_path / "s.toml"
+    f.write_text('name = "r{seed}"\n[grid]\n"train.seed" = [0]\n' + TINY_SET)
+    specs = load_sweep(f, tmp_path / "out")
+    out = Path(specs[0].out)
+    assert [r["did"] for r in execute(specs, jobs=1, progress=False)] == [["train", "eval"]]
+    record = json.loads((out / "train_done.json").read_text())
+    results = (out / "eval.json").read_bytes()
+    (out / "train_done.json").write_text('{"step": 6, "elapsed')
+    (out / "timings.json").write_text('{"train": "1s"}')
+    (res,) = execute(specs, jobs=1, progress=False)
+    assert res["ok"] and res["did"] == ["train"], res
+    again = json.loads((out / "train_done.json").read_text())
+    assert {k: again[k] for k in ("step", "config")} == {k: record[k] for k in ("step", "config")}
+    assert (out / "eval.json").read_bytes() == results  # made from the same step: kept
+    assert set(json.loads((out / "timings.json").read_text())) == {"train"}  # this rerun's
+    log = (tmp_path / "out" / "r0.log").read_text()
+    assert f"warning: {str(out / 'train_done.json')!r}: expected" in log
+    assert "made again from the last checkpoint" in log
+    assert f"warning: {str(out / 'timings.json')!r}: {TIMINGS_EXPECTED}" in log
+    # train --resume, as the sweep: the record back, with the same warning
+    (out / "train_done.json").write_text("")
+    said: list[str] = []
+    done = train(RunConfig.from_dict(specs[0].config), out, resume=True, progress=False,
+                 log=said.append)
+    assert done["step"] == 6 and json.loads((out / "train_done.json").read_text())["step"] == 6
+    assert any("made again from the last checkpoint" in s for s in said)

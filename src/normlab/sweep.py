@@ -216,7 +216,7 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
     from normlab.cli import eval_run
     from normlab.config import RunConfig
     from normlab.report import RESULT_FILES, read_result
-    from normlab.train import DONE, DONE_RECORD, check_saved_config, train
+    from normlab.train import DONE, DONE_RECORD, check_saved_config, finished_record, train
 
     t0 = time.time()
     out = Path(spec.out)
@@ -236,7 +236,12 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
         timings_path = out / "timings.json"
         timings: dict[str, float] = {}
         if timings_path.is_file():
-            timings = read_json(timings_path, *RESULT_FILES["timings.json"])
+            try:  # bookkeeping (the report's seconds columns): a damaged one failed the run
+                timings = read_json(timings_path, *RESULT_FILES["timings.json"])
+            except ValueError as err:  # replaced now, so the report reads "no seconds"
+                write_json(timings_path, timings)
+                say(f"warning: {first_line(err)}; replaced by an empty record (the report "
+                    "shows no seconds for the steps it timed)")
 
         def step(name: str, fn: Callable[[], Any]) -> None:
             t = time.time()
@@ -248,7 +253,7 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
         # a run folder of this name, made as another run (the sweep file changed since), is
         # neither resumed nor taken as done: said here in the sweep's words, not train's
         check_saved_config(out, cfg, tuple(spec.remedy))
-        if not (out / DONE).is_file():
+        if finished_record(out, say) is None:  # none, or a damaged one the resume makes again
             step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
         # Results count as done only if made from the checkpoint training finished with: a
         # run stopped, evaluated or analysed by hand, then resumed by the sweep kept the

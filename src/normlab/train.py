@@ -363,10 +363,11 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)
-        done = read_json(out / DONE, *DONE_RECORD)  # as the sweep and the report read it
-        if isinstance(done.get("config"), dict):  # checked against what trained, not a file
-            _rewrite_edited_config(out, cfg, log, lock)
-        return {k: v for k, v in done.items() if k not in ("config", "provenance")}
+        done = finished_record(out, log)  # None: damaged, written again by the resume below
+        if done is not None:
+            if isinstance(done.get("config"), dict):  # checked against what trained, not a file
+                _rewrite_edited_config(out, cfg, log, lock)
+            return {k: v for k, v in done.items() if k not in ("config", "provenance")}
     # a checkpoint's sidecar, not any JSON file: a stray notes.json made a run killed before
     # its first checkpoint fail with "no checkpoint" rather than start again
     resuming = resume and (out / "checkpoints").is_dir() and bool(list_checkpoints(
@@ -607,6 +608,25 @@ RUNS_ON = ("device", "compile")
 RESUME_REMEDY = ("--resume", "use the same config, or start over in another folder "
                  "(normlab train: --force)")
 """Who finds a changed config, and what to do about it, as `normlab train --resume` says it."""
+
+
+def finished_record(out: Path, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """`out`'s train_done.json as the sweep and the report read it; None where it has none, or
+    where it is damaged and a checkpoint can make it again (a resume from the last checkpoint
+    writes it, the training's own steps done: said as a warning). A damaged record was refused
+    on every rerun, whose error advised the rerun. With no checkpoint (a copied result folder)
+    a resume would train the run anew: one line naming the file instead."""
+    path = Path(out) / DONE
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path, *DONE_RECORD)
+    except ValueError as err:
+        if not list_checkpoints(Path(out) / "checkpoints"):
+            raise ValueError(f"{first_line(err)}; no checkpoint to make it again from: restore "
+                             "it from a copy") from None
+        log(f"warning: {first_line(err)}; made again from the last checkpoint")
+        return None
 
 
 def check_saved_config(out: Path, cfg: RunConfig,
