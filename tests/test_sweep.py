@@ -350,9 +350,10 @@ def test_rays_start_leaves_the_commands_sigterm_handler(monkeypatch) -> None:
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {})
+    monkeypatch.setattr(ray, "nodes", lambda: [])
     previous = signal.signal(signal.SIGTERM, ours)
     try:
-        sweep._ray_backend(None, None)
+        sweep._ray_backend(None, None, [])
         assert signal.getsignal(signal.SIGTERM) is ours
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -398,3 +399,161 @@ def test_a_finished_runs_damaged_records_are_made_again_not_failed_each_rerun(
                  log=said.append)
     assert done["step"] == 6 and json.loads((out / "train_done.json").read_text())["step"] == 6
     assert any("made again from the last checkpoint" in s for s in said)
+
+
+# --------------------------------------------------------------------------- pool, Ray, failures
+
+
+def _specs(tmp_path: Path, threads: list[int]) -> list:
+    f = tmp_path / "s.toml"
+    f.write_text(f'name = "r{{seed}}"\n[grid]\n"train.seed" = {list(range(len(threads)))}\n')
+    specs = load_sweep(f, tmp_path / "out")
+    for spec, t in zip(specs, threads, strict=True):
+        spec.config["train"]["threads"] = t
+    return specs
+
+
+@pytest.mark.parametrize(("cpus", "threads", "jobs"), [
+    ({0, 1}, [1, 1, 1], 2), ({0, 1}, [1, 2, 2, 2], 1), ({0, 1}, [2, 2, 2, 2, 1], 1),
+    ({0}, [1, 1, 1, 1], 1), (set(range(8)), [2, 1], 4), ({0, 1}, [4], 1),
+])
+def test_the_default_pool_holds_the_most_threads_on_the_usable_cpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: set, threads: list[int],
+        jobs: int) -> None:
+    """The pool was sized by the fewest threads a run takes and by os.cpu_count(): runs of 1
+    and 2 threads on 2 CPUs ran 4 threads at once, and under taskset (or a Slurm cpuset) the
+    machine's count was taken for the job's. Worked out by hand: usable CPUs // most threads,
+    at least 1, at most the runs."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    specs = _specs(tmp_path, threads)
+    assert sweep.default_jobs(specs) == jobs
+    seen: list[int] = []
+
+    def backend(n: int, device: object) -> tuple:
+        seen.append(n)
+        raise KeyboardInterrupt  # past the sizing: nothing is run
+
+    monkeypatch.setattr(sweep, "_local_backend", backend)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.execute(specs, progress=False)
+    assert seen == [min(jobs, len(specs))]
+
+
+@pytest.mark.parametrize(("error", "pointer"), [(KeyError("d_head"), True),
+                                               (ValueError("train.lr: expected > 0"), False)])
+def test_a_failed_runs_traceback_goes_to_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                error: Exception, pointer: bool) -> None:
+    """The traceback was collected and dropped: a bug's `KeyError: 'd_head'` came with no file
+    or line anywhere. It is in the run's log now, and the one line points there unless it is
+    one of normlab's own one-line errors (a ValueError naming its field)."""
+    (spec,) = _specs(tmp_path, [1])
+    Path(spec.out).parent.mkdir(parents=True)
+
+    def fails(*args: object) -> None:
+        raise error
+
+    monkeypatch.setattr(sweep, "run_one", fails)
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: True)
+    res = sweep._safe_run(spec, None)
+    log = Path(spec.out).parent / "r0.log"
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "in fails" in text
+    assert text.rstrip().endswith(f"{type(error).__name__}: {error}")
+    said = f"{type(error).__name__}: {error}"
+    assert res["error"] == (said + f" (traceback in {str(log)!r})" if pointer else said)
+
+
+def test_only_running_runs_get_a_progress_bar(tmp_path: Path) -> None:
+    """Queued runs had bars beside the running ones (--jobs 1 and four runs: four bars)."""
+    import concurrent.futures as cf
+
+    (spec,) = _specs(tmp_path, [1])
+    queued, running = cf.Future(), cf.Future()
+    running.set_running_or_notify_cancel()
+    assert not sweep._started(queued, spec) and sweep._started(running, spec)
+    ref = object()  # a Ray reference says nothing: a run counts from its first metrics line
+    assert not sweep._started(ref, spec)
+    Path(spec.out).mkdir(parents=True)
+    (Path(spec.out) / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert sweep._started(ref, spec)
+
+
+class _FakeRay:
+    """What `_ray_backend` and `execute` call of Ray: nodes with the given resources, tasks
+    that record what they were asked for and finish at once."""
+
+    def __init__(self, nodes: list[dict]) -> None:
+        self._nodes, self.asked = nodes, []
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def cluster_resources(self) -> dict:
+        return {"CPU": sum(n.get("CPU", 0) for n in self._nodes),
+                "GPU": sum(n.get("GPU", 0) for n in self._nodes)}
+
+    def nodes(self) -> list[dict]:
+        return [{"Alive": True, "Resources": r} for r in self._nodes]
+
+    def remote(self, fn: object) -> object:
+        ray = self
+
+        class Task:
+            def options(self, **kw: object) -> object:
+                class Call:
+                    def remote(self, spec: object, device: object) -> object:
+                        ray.asked.append((spec, kw))
+                        ref = type("Ref", (), {})()  # hashable, as Ray's references are
+                        ref.payload = {"ok": True, "name": spec.name, "did": [], "seconds": 0.0}
+                        return ref
+                return Call()
+        return Task()
+
+    def wait(self, refs: list, num_returns: int, timeout: float) -> tuple[list, list]:
+        return refs[:1], refs[1:]
+
+    def get(self, ref: object) -> dict:
+        return ref.payload
+
+    def cancel(self, ref: object, force: bool) -> None:
+        pass
+
+
+def test_a_ray_run_no_node_can_hold_is_refused_not_left_waiting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`train.threads` past every node's CPUs, or cuda on a cluster without a GPU, waited
+    forever without a word (Ray's own warning is not shown): refused before any run starts on
+    the Ray the sweep starts; a warning on a cluster's, whose autoscaler may add the node."""
+    fake = _FakeRay([{"CPU": 2}, {"CPU": 4}])
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    with pytest.raises(ValueError, match=r"^run r1: asks for train\.threads = 8 CPUs, and no "
+                                         r"Ray node has more than 4; Ray would wait for one "
+                                         r"forever$"):
+        sweep.execute(_specs(tmp_path, [4, 8]), backend="ray", progress=False)
+    with pytest.raises(ValueError, match=r"^run r0: asks for --device cuda, and no Ray node "
+                                         r"has a GPU"):
+        sweep.execute(_specs(tmp_path, [1]), backend="ray", device="cuda", progress=False)
+    assert fake.asked == []  # nothing submitted
+    res = sweep.execute(_specs(tmp_path, [8]), backend="ray", address="auto", progress=False)
+    assert [r["ok"] for r in res] == [True] and len(fake.asked) == 1
+    assert capsys.readouterr().err.strip() == (
+        "normlab: warning: run r0: asks for train.threads = 8 CPUs, and no Ray node has more "
+        "than 4; Ray would wait for one forever unless the cluster adds one")
+    ok = sweep.execute(_specs(tmp_path, [4, 2]), backend="ray", progress=False)
+    assert all(r["ok"] for r in ok)
+    assert [kw["num_cpus"] for _, kw in fake.asked[1:]] == [4, 2]
+
+
+def test_a_ray_sweep_gives_its_runs_absolute_folders(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative --out reached each Ray task as it was, resolved in the worker's own folder
+    (a cluster head's): the runs went there, the sweep's --out stayed empty, and the command
+    reported every run done."""
+    fake = _FakeRay([{"CPU": 2}])
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.toml").write_text('[grid]\n"train.seed" = [0]\n')
+    assert sweep.run_sweep(Path("s.toml"), Path("rel"), backend="ray") == []
+    ((spec, _),) = fake.asked
+    assert spec.out == str(tmp_path / "rel" / "0")

@@ -299,8 +299,18 @@ def _safe_run(spec: RunSpec, device: str | None) -> dict[str, Any]:
         allocator.keep_freed_memory()  # a worker is normlab's own process, as the command is
         return {"ok": True, **run_one(spec, device)}
     except Exception as err:  # reported, and the sweep goes on
-        return {"ok": False, "name": spec.name, "error": f"{type(err).__name__}: {err}",
-                "traceback": traceback.format_exc()}
+        tb = traceback.format_exc()
+        error = f"{type(err).__name__}: {err}"
+        out = Path(spec.out)
+        log = out.parent / f"{out.name}.log"
+        try:  # where the one-line report cannot tell (a bug's KeyError), the log can
+            with log.open("a") as f:
+                f.write(tb)
+            if not isinstance(err, ValueError):  # normlab's own errors say it in their line
+                error += f" (traceback in {str(log)!r})"
+        except OSError:
+            pass
+        return {"ok": False, "name": spec.name, "error": error, "traceback": tb}
 
 
 def _current_step(spec: RunSpec) -> int:
@@ -366,11 +376,10 @@ def execute(
     rather than dropped unseen."""
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
     if backend == "ray":
-        submit, wait, stop = _ray_backend(device, address)
+        submit, wait, stop = _ray_backend(device, address, specs)
     else:
-        threads = max(1, min(_threads(s) for s in specs)) if specs else 1
-        want = jobs or max(1, (os.cpu_count() or 1) // threads)
-        submit, wait, stop = _local_backend(max(1, min(want, len(specs))), device)
+        submit, wait, stop = _local_backend(max(1, min(jobs or default_jobs(specs), len(specs))),
+                                            device)
     pending = {submit(s): s for s in specs}
     results: list[dict[str, Any]] = []
     try:
@@ -383,7 +392,7 @@ def execute(
                     watch.finished(spec, res)
                     if on_result:
                         on_result(res)
-                watch.tick([pending[f] for f in pending])
+                watch.tick([s for f, s in pending.items() if _started(f, s)])
     except BaseException:  # Ctrl-C (or SIGTERM, which the command reads as one): the queued
         # runs were all trained to the end before the process exited
         stop(list(pending))
@@ -408,6 +417,29 @@ def _result(fut: Any, spec: RunSpec) -> dict[str, Any]:
 
 def _threads(spec: RunSpec) -> int:
     return int(spec.config["train"].get("threads", 1))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a Slurm or cgroup cpuset), not
+    the machine's count, which gave a job of 4 cores out of 64 a pool of 64 workers."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
+
+
+def default_jobs(specs: list[RunSpec]) -> int:
+    """Runs at once without --jobs: as many as the usable CPUs hold the most threads a run
+    takes (the fewest was read: runs of 1 and 2 threads on 2 CPUs ran 4 threads at once)."""
+    return max(1, usable_cpus() // max((_threads(s) for s in specs), default=1))
+
+
+def _started(fut: Any, spec: RunSpec) -> bool:
+    """Whether a run is under way, for its progress bar (queued runs had bars too): the pool's
+    future says so; Ray's does not, so a run counts from its first metrics line."""
+    if hasattr(fut, "running"):
+        return bool(fut.running())
+    return (Path(spec.out) / "metrics.jsonl").is_file()
 
 
 def _local_backend(jobs: int, device: str | None) -> tuple[Callable, Callable]:
@@ -456,11 +488,14 @@ def _end_with(parent: int) -> None:
         os._exit(1)
 
 
-def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Callable]:
+def _ray_backend(device: str | None, address: str | None,
+                 specs: list[RunSpec]) -> tuple[Callable, Callable]:
     """One Ray task a run, asking for that run's own `train.threads` CPUs, and a GPU where it
     trains on CUDA (`--device`, else its `train.device`): "cuda", or "auto" on a cluster with
     GPUs (Ray does not hide GPUs from a task that asked for none: "auto" runs would all train
-    on the first one, none reserving it)."""
+    on the first one, none reserving it). A run no node can hold waited forever without a
+    word: refused first on the Ray the sweep starts, said on a cluster's (whose autoscaler
+    may still add the node)."""
     try:
         import ray
     except ImportError:
@@ -476,9 +511,25 @@ def _ray_backend(device: str | None, address: str | None) -> tuple[Callable, Cal
     remote = ray.remote(_safe_run)
     cuda = ("cuda", "auto") if ray.cluster_resources().get("GPU", 0) > 0 else ("cuda",)
 
+    def gpus(spec: RunSpec) -> int:
+        return 1 if (device or spec.config["train"].get("device", "auto")) in cuda else 0
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
+    most_cpus = max((r.get("CPU", 0) for r in nodes), default=0)
+    most_gpus = max((r.get("GPU", 0) for r in nodes), default=0)
+    for spec in specs:
+        if _threads(spec) > most_cpus or gpus(spec) > most_gpus:
+            what = (f"train.threads = {_threads(spec)} CPUs, and no Ray node has more than "
+                    f"{most_cpus:g}" if _threads(spec) > most_cpus else
+                    f"{'--device' if device else 'train.device'} cuda, and no Ray node has a GPU")
+            msg = f"run {spec.name}: asks for {what}; Ray would wait for one forever"
+            if address is None:
+                raise ValueError(msg)
+            print(f"normlab: warning: {msg} unless the cluster adds one", file=sys.stderr)
+            break
+
     def submit(spec: RunSpec) -> Any:
-        gpus = 1 if (device or spec.config["train"].get("device", "auto")) in cuda else 0
-        return remote.options(num_cpus=_threads(spec), num_gpus=gpus).remote(spec, device)
+        return remote.options(num_cpus=_threads(spec), num_gpus=gpus(spec)).remote(spec, device)
 
     def wait(refs: list[Any]) -> list[Any]:
         done, _ = ray.wait(refs, num_returns=1, timeout=2.0)
@@ -547,7 +598,10 @@ class _Watch:
 def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str | None = None,
               jobs: int | None = None, device: str | None = None) -> list[dict[str, Any]]:
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
-    specs = load_sweep(config, check_out_folder(out))
+    # absolute: a Ray worker resolves a relative path in its own working folder (a cluster
+    # head's), which left the sweep's --out empty and reported every run done
+    specs = load_sweep(config, check_out_folder(out).resolve() if backend == "ray" else
+                       check_out_folder(out))
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
     with FolderLock(SWEEPING) as lock:
         lock.take(Path(out))
