@@ -1131,3 +1131,39 @@ def test_a_report_pools_no_run_counted_over_other_rows(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'.*loss' was made with analysis rows = 'loss', "
                                          r"'.*old' with 'all'"):
         _check_comparable([old, run("loss", {"threshold": 0.9, "rows": "loss"})])
+
+
+def test_the_report_names_the_commit_each_run_trained_at(tmp_path: Path) -> None:
+    """A run trained at one commit and evaluated again at another (reproduce does, where an
+    eval.json is missing or stale) was reported under the evaluation's commit alone; the
+    training's, in train_done.json, was read and dropped. Both are given now; the HTML's
+    headings render their code spans (they kept the Markdown backticks)."""
+    from normlab.report import write_report
+
+    dirs = _quick_copy(tmp_path)
+    done = json.loads((dirs[0] / "train_done.json").read_text())
+    done["provenance"] = dict(done.get("provenance") or {}, git_commit="0" * 36 + "0a11",
+                              torch="2.4.0+cpu")
+    (dirs[0] / "train_done.json").write_text(json.dumps(done))
+    summary = write_report(tmp_path / "report", dirs, "quick")
+    run = next(r for r in summary["runs"] if r["run"] == dirs[0].name)
+    assert run["trained_provenance"]["git_commit"] == "0" * 36 + "0a11"
+    assert run["trained_provenance"]["torch"] == "2.4.0+cpu"
+    evaluated = json.loads((dirs[0] / "eval.json").read_text())["provenance"]["git_commit"]
+    assert run["provenance"]["git_commit"] == evaluated
+    md = (tmp_path / "report" / "report.md").read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith(f"| {dirs[0].name} |"))
+    assert row.endswith(f"| {'0' * 36}0a11 | {evaluated} |")
+    assert "| trained at | evaluated at |" in md
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<h1>normlab reproduction — profile <code>quick</code></h1>" in page
+
+
+def test_a_report_of_failed_runs_draws_no_empty_legend(tmp_path: Path, recwarn) -> None:
+    """With every run failed, matplotlib warned "No artists with labels found" twice, with
+    its source lines, before `reproduce`'s one-line error."""
+    from normlab.report import write_report
+
+    write_report(tmp_path / "report", [], "quick", failed={"pre-s0": "ValueError: x"})
+    assert (tmp_path / "report" / "report.md").is_file()
+    assert not [w for w in recwarn if "No artists" in str(w.message)]

@@ -87,7 +87,9 @@ def test_another_profile_into_the_same_folder_is_refused(
 
 
 def test_a_foreign_manifest_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for text in ("[1, 2]", "{not json", '{"runs": []}'):
+    # a profile that is not a name said "holds the ['smoke'] profile's runs; give the 'smoke'
+    # profile a folder of its own"
+    for text in ("[1, 2]", "{not json", '{"runs": []}', '{"profile": ["smoke"]}'):
         (tmp_path / "manifest.json").write_text(text)
         assert main(["reproduce", "--profile", "smoke", "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip()

@@ -371,10 +371,10 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     ax1.set_xlabel("σ (relative norm noise)")
     theta = f" (max weight ≥ {thetas.pop():g})" if len(thetas) == 1 else ""
     ax1.set_ylabel(f"collapse rate of sparse rows{theta}", fontsize=8)
-    ax1.legend(fontsize=7)
+    _legend(ax1)
     ax2.set_xlabel("σ")
     ax2.set_ylabel(f"exact-match accuracy ({' + '.join(sorted(splits)) or 'all splits'})")
-    ax2.legend(fontsize=7)
+    _legend(ax2)
     fig.tight_layout()
     out["collapse"] = folder / "collapse_vs_sigma.png"
     save_figure(fig, out["collapse"])
@@ -391,7 +391,7 @@ def figures(runs: dict[str, dict[int, dict[str, Any]]], folder: Path) -> dict[st
     ax.set_xticks(range(len(runs)), list(runs))
     ax.set_ylabel("h90 of norm-input ratios")  # the whisker in the title: the label was cut
     ax.set_title("bar: mean over seeds; whisker: their range", fontsize=8)
-    ax.legend(fontsize=7)
+    _legend(ax)
     fig.tight_layout()
     out["norms"] = folder / "norm_spread.png"
     save_figure(fig, out["norms"])
@@ -429,6 +429,9 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
                 "train_s": (r["done"] or {}).get("elapsed_s"),
                 "wall_s": r["timings"], "checkpoint": r["eval"]["checkpoint"],
                 "provenance": r["eval"].get("provenance"), "config": r["eval"]["config"],
+                # the versions and commit training ran at (the evaluation's may be later:
+                # `reproduce` evaluates again a run whose eval.json is missing or stale)
+                "trained_provenance": (r["done"] or {}).get("provenance"),
             })
     # the analysis settings every pooled run shares (checked by `collect`): H2's rate means
     # little without its threshold, draws and questions (smoke's θ = 0.5, quick's 0.9)
@@ -470,17 +473,26 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
     for name, path in heatmaps.items():
         md.append(f"![{name}]({_rel(path, out)})")
     md += ["", "## Runs", "", "| run | placement | seed | steps | train s | eval s | analysis s |"
-           " commit |", "|---|---|---|---|---|---|---|---|"]
+           " trained at | evaluated at |", "|---|---|---|---|---|---|---|---|---|"]
     for r in run_info:
         t = r["wall_s"]
         md.append(f"| {r['run']} | {r['placement']} | {r['seed']} | {r['steps']} | "
                   f"{_num(r['train_s'])} | {_num(t.get('eval'))} | {_num(t.get('analyze'))} | "
+                  f"{(r['trained_provenance'] or {}).get('git_commit', '—')} | "
                   f"{(r['provenance'] or {}).get('git_commit')} |")
-    md += ["", "Each run's full config, versions and machine are in `summary.json` and in the "
-           "run folder's `eval.json`."]
+    md += ["", "Each run's full config, versions and machine are in `summary.json` (training's "
+           "under `trained_provenance`) and in the run folder's `eval.json` and "
+           "`train_done.json`."]
     atomic_write_text(out / "report.md", "\n".join(md) + "\n")
     atomic_write_text(out / "report.html", _html("\n".join(md), out))
     return summary
+
+
+def _legend(ax: Any) -> None:
+    """A legend where a line was drawn: with none (every run failed) matplotlib warned twice,
+    with its source lines, before the report's one-line error."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def _num(v: float | None) -> str:
@@ -512,7 +524,7 @@ def _html(md: str, base: Path) -> str:
             in_table = False
         if line.startswith("#"):
             level = len(line) - len(line.lstrip("#"))
-            body.append(f"<h{level}>{html.escape(line[level:].strip())}</h{level}>")
+            body.append(f"<h{level}>{_inline(line[level:].strip())}</h{level}>")
         elif line.startswith("!["):
             alt, src = line[2:].split("](", 1)
             path = Path(src.rstrip(")"))

@@ -87,7 +87,7 @@ def reproduce(profile: str, out: Path, *, jobs: int | None = None, device: str |
             before = json.loads(manifest.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             before = None
-        if not isinstance(before, dict) or "profile" not in before:
+        if not isinstance(before, dict) or not isinstance(before.get("profile"), str):
             raise ValueError(f"{str(manifest)!r} is not a normlab reproduce manifest; give "
                              "--out a folder of its own")
         before = before["profile"]
