@@ -1084,6 +1084,10 @@ def test_analyze_help_states_the_librarys_defaults(capsys) -> None:
     assert run["n_draws"].default == hf["n_draws"].default
     assert (f"(default {run['n_examples'].default}; with --hf, {hf['n_examples'].default} rows)"
             in text)
+    # every option with a default says it (threshold, mode, noise, targets, seed did not)
+    for flag in ("threshold", "mode", "noise", "seed"):
+        assert f"(default {run[flag].default})" in text, flag
+    assert "(default all)" in text and run["targets"].default == ("q", "k", "v")
     assert cli.main(["analyze", "some-run", "--targets", "q,x"]) == 2
     assert capsys.readouterr().err.strip() == ("normlab: error: --targets: unknown target 'x'; "
                                                "expected a subset of q, k, v")

@@ -33,8 +33,15 @@ NOT_ONE_FOLDER = "is not a single folder name (no path separators, not '.' or '.
                     "positional args tuple); expected fields named by grid keys, as {seed}"),
     ('name = "{seed"', "sweep.name: invalid template '{seed' (expected '}' before end of "
                        "string); expected fields named by grid keys, as {seed}"),
-    ('name = "{seed.x}"', "sweep.name: invalid template '{seed.x}' ('int' object has no "
-                          "attribute 'x'); expected fields named by grid keys, as {seed}"),
+    ('name = "{seed.x}"', "sweep.name: invalid template '{seed.x}' (the field {seed.x} reads "
+                          "an attribute or item); expected fields named by grid keys, as {seed}"),
+    # an attribute that exists named folders after a method's address, another every process
+    ('name = "{seed.real}"', "sweep.name: invalid template '{seed.real}' (the field "
+                             "{seed.real} reads an attribute or item); expected fields named by "
+                             "grid keys, as {seed}"),
+    ('name = "{seed[0]}"', "sweep.name: invalid template '{seed[0]}' (the field {seed[0]} "
+                           "reads an attribute or item); expected fields named by grid keys, "
+                           "as {seed}"),
 ])
 def test_a_wrong_typed_top_level_key_is_named(tmp_path: Path, top: str, message: str) -> None:
     f, said = _refusal(tmp_path, top + "\n" + ("" if top.startswith("grid") else GRID))

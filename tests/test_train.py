@@ -2210,3 +2210,58 @@ def test_a_stop_condition_first_met_at_the_last_step_is_no_early_stop(tmp_path: 
     last = train(cfg("train.steps=4", "train.eval_every=2", "train.early_stop_accuracy=0"),
                  tmp_path / "run2", progress=False)
     assert last["step"] == 2 and last["early_stopped"]
+
+
+def test_a_run_folder_holding_another_runs_checkpoints_is_refused_when_read(
+        tmp_path: Path) -> None:
+    """`eval` and `analyze` built the model from the newest checkpoint's own config and never
+    compared it with the run's: a qkv run's checkpoints copied into a pre run were evaluated
+    as that run, whose config.toml and train_done.json still said pre."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(cfg("train.steps=2", "model.norm_placement='pre'"), a, progress=False)
+    train(cfg("train.steps=2", "model.norm_placement='qkv'"), b, progress=False)
+    tr.load_run(a)  # its own checkpoints: read
+    shutil.rmtree(a / "checkpoints")
+    shutil.copytree(b / "checkpoints", a / "checkpoints")
+    with pytest.raises(CheckpointError) as err:
+        tr.load_run(a)
+    assert str(err.value) == (
+        f"checkpoint step 2 in {str(a / 'checkpoints')!r} was made under another config than the "
+        "run folder records (model.norm_placement: the run's 'pre', its checkpoint's 'qkv'); "
+        "expected the run's own checkpoints")
+    # where and how it ran may differ (a resume may change them): read
+    shutil.rmtree(a / "checkpoints")
+    assert tr.load_run(b)[0].train.device != "cpu"
+    train(cfg("train.steps=2", "model.norm_placement='pre'", "train.device='cpu'"), b,
+          force=True, progress=False)
+    shutil.copytree(b / "checkpoints", a / "checkpoints")
+    assert tr.load_run(a)[0].train.device == "cpu"
+
+
+def test_cli_advice_that_works_when_followed(tmp_path: Path, capsys) -> None:
+    """Advice that failed when followed: `train --out` on a folder of the user's own files
+    offered --resume and --force, both then refused; a d_model too large for memory was
+    blamed on the task and batch size alone; `compare` on a folder named with a space said to
+    run `normlab eval my run`; `eval` on a plain file said "no checkpoints/"."""
+    mine = tmp_path / "thesis"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    config = tmp_path / "tiny.toml"
+    config.write_text(dump_toml(cfg("train.steps=2").to_dict()))
+    code, err = _cli(capsys, "train", "--config", str(config), "--out", str(mine))
+    assert code == 2 and "holds files but is not a normlab run folder" in err
+    assert "--resume" not in err.split(";")[0]
+    big = tr._check_batch_fits
+    c = cfg("model.d_model=100000000")
+    with pytest.raises(ValueError, match=r"at model\.d_model 100,000,000; expected shorter "
+                                         r"problems \(the task's cells\), a smaller "
+                                         r"train\.batch_size or a smaller model\.d_model$"):
+        big(c, c.validate())
+    spaced = tmp_path / "my run"
+    spaced.mkdir()
+    code, err = _cli(capsys, "compare", str(spaced))
+    assert err.endswith(f"run `normlab eval '{spaced}'` first")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, err = _cli(capsys, "eval", str(afile))
+    assert code == 2 and err == f"normlab: error: {str(afile)!r} is a file; expected a run folder"

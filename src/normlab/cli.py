@@ -1,10 +1,12 @@
-"""`normlab` command line: a thin layer over the library; every error is one line, exit 2."""
+"""`normlab` command line: a thin layer over the library; every error is one line, exit 2 (a
+sweep whose runs failed, each named, exits 1)."""
 
 from __future__ import annotations
 
 import argparse
 import glob
 import json
+import shlex
 import signal
 import sys
 import threading
@@ -39,7 +41,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             made = _recorded_step(path, *keys)
             if made is not None and made != last.get("step"):
                 print(f"normlab: {str(path)!r} is from step {made}, training now ended at step "
-                      f"{last.get('step')}; rerun `normlab {cmd} {out} --force`", file=sys.stderr)
+                      f"{last.get('step')}; rerun `normlab {cmd} {shlex.quote(str(out))} "
+                      "--force`", file=sys.stderr)
     print(json.dumps(last))
     return 0
 
@@ -202,7 +205,9 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
             raise ValueError(f"{str(path)!r}: expected the file `normlab eval` writes; "
                              "got a folder")
         if not path.is_file():
-            raise ValueError(f"{str(path)!r} not found; run `normlab eval {d}` first")
+            # quoted: a folder "my run" was suggested as `normlab eval my run`, which fails
+            raise ValueError(f"{str(path)!r} not found; run `normlab eval "
+                             f"{shlex.quote(str(d))}` first")
         r = read_json(path, EVAL_RESULT, is_eval_result)
         results.append((Path(d), r))
     _check_same_cells(results)
@@ -213,9 +218,9 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
         step = _recorded_step(d / "eval.json", "checkpoint", "step")  # None: not recorded
         why = None if step is None else stale(d, step, r.get("limit"))
         if why:  # marked in the table and said once, with the remedy where there is one
-            fix = (f"`normlab eval {d} --force` evaluates the newest checkpoint on every "
-                   "question" if (d / "checkpoints").is_dir() else "a copied result: nothing "
-                   "here to evaluate again")
+            fix = (f"`normlab eval {shlex.quote(str(d))} --force` evaluates the newest "
+                   "checkpoint on every question" if (d / "checkpoints").is_dir()
+                   else "a copied result: nothing here to evaluate again")
             print(f"normlab: {str(d / 'eval.json')!r}: made from step {step}, {why}; {fix}",
                   file=sys.stderr)
         cells = []
@@ -439,15 +444,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--draws", type=int, help="noise draws per sigma (default 32)")
     a.add_argument("--examples", type=int,
                    help="evaluation sequences to analyse (default 256; with --hf, 32 rows)")
-    a.add_argument("--threshold", type=float, default=0.9, help="sparse-row threshold theta")
+    a.add_argument("--threshold", type=float, default=0.9,
+                   help="sparse-row threshold theta (default 0.9)")
     a.add_argument("--rows", choices=["all", "loss"],
                    help="query rows that may count as sparse: every real one (default), or "
                         "only those whose output reaches a position the training loss scores; "
                         "a run folder's analysis only")
-    a.add_argument("--mode", choices=["token", "vector"], default="token")
-    a.add_argument("--noise", choices=["normal", "uniform"], default="normal")
-    a.add_argument("--targets", default="q,k,v", help="subset of q,k,v to perturb")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--mode", choices=["token", "vector"], default="token",
+                   help="token: one eps per token, shared by its q, k, v; vector: one per q, k, "
+                        "v vector, head and token (default token)")
+    a.add_argument("--noise", choices=["normal", "uniform"], default="normal",
+                   help="N(0, sigma^2) or uniform +-sigma (default normal)")
+    a.add_argument("--targets", default="q,k,v", help="subset of q,k,v to perturb (default all)")
+    a.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
     a.add_argument("--threads", type=int,
                    help="torch threads (default: torch's own, one per core; the run's "
                         "train.threads does not apply here)")
@@ -461,9 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(fn=_cmd_analyze)
 
     r = sub.add_parser("reproduce", help="train, evaluate, analyse and report a whole profile")
-    r.add_argument("--profile", default="quick", help="smoke, quick or paper")
+    r.add_argument("--profile", default="quick", help="smoke, quick or paper (default quick)")
     r.add_argument("--out", required=True)
-    r.add_argument("--jobs", type=int, help="runs at once (default: one per 1-thread core)")
+    r.add_argument("--jobs", type=int, help="runs at once (default: the usable cores over a run's "
+                   "threads)")
     r.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="override every run's train.device")
     r.set_defaults(fn=_cmd_reproduce)
@@ -473,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--backend", choices=["local", "ray"], default="local")
     s.add_argument("--address", help="Ray cluster address (with --backend ray)")
-    s.add_argument("--jobs", type=int)
+    s.add_argument("--jobs", type=int, help="runs at once, local backend (default: the usable "
+                   "cores over the most threads a run takes)")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="override every run's train.device")
     s.set_defaults(fn=_cmd_sweep)

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import signal
+import string
 import sys
 import threading
 import time
@@ -128,6 +129,11 @@ def _run_name(template: str, fields: dict[str, Any]) -> str:
     """A run's folder name, `template` filled in from its grid values: one folder right inside
     the sweep's --out, never a path that leads out of it."""
     try:
+        # a field reads a grid value, not its attributes or items: "{norm_placement.upper}"
+        # named folders after a method's address, another in every process
+        for _, field_name, _, _ in string.Formatter().parse(template):
+            if field_name and any(c in field_name for c in ".["):
+                raise ValueError(f"the field {{{field_name}}} reads an attribute or item")
         run_name = template.format(**fields)
     except KeyError as err:
         raise ValueError(f"sweep.name: {err} is not a grid key") from None

@@ -246,18 +246,19 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
                     log: Callable[[str], None] = lambda s: None) -> None:
     out = check_out_folder(out)
     has_content = out.exists() and any(out.iterdir())
+    ours, marks = _written_here(out) if has_content else ([], False)
+    if has_content and not marks:
+        # --force deletes a run, --resume writes into it: neither in a folder that holds
+        # something else (a mistyped --out, another tool's project); said first, as neither
+        # flag is offered for it (both were, and both then refused)
+        raise ValueError(
+            f"{str(out)!r} holds files but is not a normlab run folder (no run config.toml, "
+            "checkpoint or metrics.jsonl); give --out a new or a run folder"
+        )
     if has_content and not (resume or force):
         raise ValueError(
             f"run folder {str(out)!r} already exists; pass --resume to continue it "
             "or --force to start over"
-        )
-    ours, marks = _written_here(out) if has_content else ([], False)
-    if has_content and not marks:
-        # --force deletes a run, --resume writes into it: neither in a folder that holds
-        # something else (a mistyped --out, another tool's project)
-        raise ValueError(
-            f"{str(out)!r} holds files but is not a normlab run folder (no run config.toml, "
-            "checkpoint or metrics.jsonl); give --out a new or a run folder"
         )
     if has_content and force and not resume:
         if linked := [out / sub for sub in RUN_FILES if sub and (out / sub).is_symlink()]:
@@ -325,8 +326,9 @@ def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
         raise ValueError(
             f"task: its longest sequence, {need:,} tokens, makes one residual stream of a "
             f"batch of {cfg.train.batch_size} ({format_bytes(stream)}) larger than this "
-            f"machine's memory ({format_bytes(limit)}); expected shorter problems (the task's "
-            "cells) or a smaller train.batch_size")
+            f"machine's memory ({format_bytes(limit)}) at model.d_model {cfg.model.d_model:,}; "
+            "expected shorter problems (the task's cells), a smaller train.batch_size or a "
+            "smaller model.d_model")
 
 
 #: what a second `train` of a run folder is told while the first holds it
@@ -706,9 +708,10 @@ def _check_same_config(saved: dict[str, Any], cfg: RunConfig, out: Path,
                          f"({diff}); {what}")
 
 
-def _config_diff(saved: dict[str, Any], cfg: RunConfig) -> str | None:
-    """The fields in which `cfg` differs from `saved`, the first with both values; None if
-    none does (up to where and how it runs)."""
+def _config_diff(saved: dict[str, Any], cfg: RunConfig,
+                 words: tuple[str, str] = ("saved", "given")) -> str | None:
+    """The fields in which `cfg` differs from `saved`, the first with both values (named by
+    `words`); None if none does (up to where and how it runs)."""
     was, now = _comparable(saved), _comparable(cfg.to_dict())
     if was == now:
         return None
@@ -720,7 +723,8 @@ def _config_diff(saved: dict[str, Any], cfg: RunConfig) -> str | None:
     keys.sort(key=lambda tk: tk[0] == "model" and bool(
         changed & set(ModelConfig.DERIVED.get(tk[1], ()))))
     (t, k), more = keys[0], [f"{t}.{k}" for t, k in keys[1:]]
-    diff = f"{t}.{k}: saved {was.get(t, {}).get(k)!r}, given {now.get(t, {}).get(k)!r}"
+    diff = (f"{t}.{k}: {words[0]} {was.get(t, {}).get(k)!r}, "
+            f"{words[1]} {now.get(t, {}).get(k)!r}")
     if more:
         diff += f"; {len(more)} more: {', '.join(more[:3])}{', ...' if more[3:] else ''}"
     return diff
@@ -760,6 +764,14 @@ def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict
     )
     require(meta, ("config",), run_dir / "checkpoints")
     cfg = RunConfig.from_dict(meta["config"])
+    # another run's checkpoints (copied in by hand) were evaluated as this run's, which its
+    # config.toml and train_done.json still named
+    saved = trained_config(run_dir)
+    if saved is not None and (diff := _config_diff(saved, cfg, ("the run's", "its checkpoint's"))):
+        raise CheckpointError(f"checkpoint step {meta.get('step')} in "
+                              f"{str(run_dir / 'checkpoints')!r} was made under another config "
+                              f"than the run folder records ({diff}); expected the run's own "
+                              "checkpoints")
     model = build_model(cfg.model)
     load_weights(model, tensors, meta, run_dir / "checkpoints")
     return cfg, model.to(device).eval(), meta
@@ -774,6 +786,8 @@ def check_run_folder(run_dir: Path) -> Path:
     if run_dir.name == "checkpoints" and (run_dir.parent / "config.toml").is_file():
         raise ValueError(f"{str(run_dir)!r} is a run's checkpoints/ folder; expected the run "
                          f"folder {str(run_dir.parent)!r}")
+    if not run_dir.is_dir():
+        raise ValueError(f"{str(run_dir)!r} is a file; expected a run folder")
     if not (run_dir / "checkpoints").is_dir():
         raise ValueError(f"{str(run_dir)!r} is not a normlab run folder (no checkpoints/)")
     return run_dir
