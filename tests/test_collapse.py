@@ -728,3 +728,7 @@ def test_sparse_rows_of_the_loss_leave_out_rows_training_never_shaped() -> None:
     assert res["n_rows"] == sum(kept.valid_rows.values())
     with pytest.raises(ValueError, match="unknown rows 'trained'; expected one of all, loss"):
         find_sparse_rows(model, data, rows="trained")
+    # hand-built data records no scored outputs: "loss" would count every row, unsaid
+    with pytest.raises(ValueError, match=r"^rows: 'loss' needs data that records which "
+                                         r"outputs the loss scores"):
+        find_sparse_rows(model, EvalData.from_tokens(data.inputs["tokens"]), rows="loss")

@@ -530,7 +530,8 @@ def test_ray_gives_each_run_its_own_threads(tmp_path: Path, monkeypatch) -> None
     fake = types.SimpleNamespace(is_initialized=lambda: True,
                                  cluster_resources=lambda: dict(gpus),
                                  remote=lambda fn: Remote(),  # ray.remote(f), as Ray's
-                                 wait=lambda refs, **kw: (refs[:1], refs[1:]))
+                                 wait=lambda refs, **kw: (refs[:1], refs[1:]),
+                                 nodes=lambda: [{"Alive": True, "Resources": {"CPU": 4}}])
     monkeypatch.setitem(sys.modules, "ray", fake)
     specs = load_sweep(_tiny_sweep(tmp_path), tmp_path / "out")
     specs[1].config["train"]["threads"] = 3

@@ -367,7 +367,7 @@ def test_rays_start_leaves_the_commands_sigterm_handler(monkeypatch) -> None:
 
 
 def test_a_finished_runs_damaged_records_are_made_again_not_failed_each_rerun(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A damaged train_done.json or timings.json failed the run on every rerun of the sweep
     (and of `reproduce`, whose error said "rerun to retry"), and `train --resume` refused it.
     The record is made again from the last checkpoint (nothing retrained: the results made
@@ -375,6 +375,7 @@ def test_a_finished_runs_damaged_records_are_made_again_not_failed_each_rerun(
     warning in the run's log."""
     import json
 
+    import normlab.train
     from normlab.config import RunConfig
     from normlab.sweep import execute
     from normlab.train import train
@@ -397,14 +398,18 @@ def test_a_finished_runs_damaged_records_are_made_again_not_failed_each_rerun(
     assert set(json.loads((out / "timings.json").read_text())) == {"train"}  # this rerun's
     log = (tmp_path / "out" / "r0.log").read_text()
     assert f"warning: {str(out / 'train_done.json')!r}: expected" in log
-    assert "made again from the last checkpoint" in log
+    assert log.count("made again from the last checkpoint") == 1  # said once, by train
     assert f"warning: {str(out / 'timings.json')!r}: {TIMINGS_EXPECTED}" in log
-    # train --resume, as the sweep: the record back, with the same warning
+    # train --resume, as the sweep: the record back, with the same warning; at a later
+    # commit it trains no step, so the record keeps the commit the last step trained at
     (out / "train_done.json").write_text("")
     said: list[str] = []
+    monkeypatch.setattr(normlab.train, "provenance", lambda: {"git_commit": "later"})
     done = train(RunConfig.from_dict(specs[0].config), out, resume=True, progress=False,
                  log=said.append)
-    assert done["step"] == 6 and json.loads((out / "train_done.json").read_text())["step"] == 6
+    again = json.loads((out / "train_done.json").read_text())
+    assert done["step"] == 6 and again["step"] == 6
+    assert again["provenance"] == record["provenance"] != {"git_commit": "later"}
     assert any("made again from the last checkpoint" in s for s in said)
 
 
@@ -488,13 +493,17 @@ def test_only_running_runs_get_a_progress_bar(tmp_path: Path) -> None:
 
 class _FakeRay:
     """What `_ray_backend` and `execute` call of Ray: nodes with the given resources, tasks
-    that record what they were asked for and finish at once."""
+    that record what they were asked for and finish at once; started by `init` unless
+    `running`."""
 
-    def __init__(self, nodes: list[dict]) -> None:
-        self._nodes, self.asked = nodes, []
+    def __init__(self, nodes: list[dict], running: bool = False) -> None:
+        self._nodes, self.asked, self.running = nodes, [], running
 
     def is_initialized(self) -> bool:
-        return True
+        return self.running
+
+    def init(self, **kw: object) -> None:
+        self.running = True
 
     def cluster_resources(self) -> dict:
         return {"CPU": sum(n.get("CPU", 0) for n in self._nodes),
@@ -512,7 +521,8 @@ class _FakeRay:
                     def remote(self, spec: object, device: object) -> object:
                         ray.asked.append((spec, kw))
                         ref = type("Ref", (), {})()  # hashable, as Ray's references are
-                        ref.payload = {"ok": True, "name": spec.name, "did": [], "seconds": 0.0}
+                        ref.payload = {"ok": True, "name": spec.name, "did": [],
+                                       "seconds": 0.0}
                         return ref
                 return Call()
         return Task()
@@ -529,27 +539,46 @@ class _FakeRay:
 
 def test_a_ray_run_no_node_can_hold_is_refused_not_left_waiting(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    """`train.threads` past every node's CPUs, or cuda on a cluster without a GPU, waited
-    forever without a word (Ray's own warning is not shown): refused before any run starts on
-    the Ray the sweep starts; a warning on a cluster's, whose autoscaler may add the node."""
-    fake = _FakeRay([{"CPU": 2}, {"CPU": 4}])
+    """`train.threads` past every node's CPUs, or cuda where no node has a GPU, waited forever
+    without a word (Ray's own warning is not shown): refused before any run starts on a Ray
+    the sweep starts itself; a warning on a cluster's (--address, RAY_ADDRESS, or joined
+    before), whose autoscaler may add the node. One node must hold both CPUs and GPU."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fake = _FakeRay([{"CPU": 4, "GPU": 1}, {"CPU": 6}])
     monkeypatch.setitem(sys.modules, "ray", fake)
-    with pytest.raises(ValueError, match=r"^run r1: asks for train\.threads = 8 CPUs, and no "
-                                         r"Ray node has more than 4; Ray would wait for one "
-                                         r"forever$"):
+    # train.device "auto" asks for a GPU where the cluster has one
+    with pytest.raises(ValueError, match=r"^run r1: asks for 8 CPUs \(train\.threads\) and a GPU "
+                                         r"\(train\.device auto\), which no Ray node has; Ray "
+                                         r"would wait forever$"):
         sweep.execute(_specs(tmp_path, [4, 8]), backend="ray", progress=False)
-    with pytest.raises(ValueError, match=r"^run r0: asks for --device cuda, and no Ray node "
-                                         r"has a GPU"):
-        sweep.execute(_specs(tmp_path, [1]), backend="ray", device="cuda", progress=False)
+    fake.running = False
+    with pytest.raises(ValueError, match=r"^run r0: asks for 6 CPUs \(train\.threads\) and a GPU "
+                                         r"\(--device cuda\), which no Ray node has"):
+        sweep.execute(_specs(tmp_path, [6]), backend="ray", device="cuda", progress=False)
     assert fake.asked == []  # nothing submitted
-    res = sweep.execute(_specs(tmp_path, [8]), backend="ray", address="auto", progress=False)
-    assert [r["ok"] for r in res] == [True] and len(fake.asked) == 1
-    assert capsys.readouterr().err.strip() == (
-        "normlab: warning: run r0: asks for train.threads = 8 CPUs, and no Ray node has more "
-        "than 4; Ray would wait for one forever unless the cluster adds one")
-    ok = sweep.execute(_specs(tmp_path, [4, 2]), backend="ray", progress=False)
-    assert all(r["ok"] for r in ok)
-    assert [kw["num_cpus"] for _, kw in fake.asked[1:]] == [4, 2]
+    # a finished run asks for no GPU: its eval and analysis run on the CPU
+    (done,) = _specs(tmp_path, [6])
+    Path(done.out).mkdir(parents=True)
+    (Path(done.out) / "train_done.json").write_text('{"step": 1}')
+    fake.running = False
+    assert sweep.execute([done], backend="ray", device="cuda", progress=False)[0]["ok"]
+    assert fake.asked[-1][1] == {"num_cpus": 6, "num_gpus": 0}
+    for how in ({"address": "auto"}, {"env": "10.0.0.1:6379"}, {"joined": True}):
+        fake.running = bool(how.get("joined"))
+        if "env" in how:
+            monkeypatch.setenv("RAY_ADDRESS", how["env"])
+        res = sweep.execute(_specs(tmp_path, [8]), backend="ray", device="cpu",
+                            address=how.get("address"), progress=False)
+        assert [r["ok"] for r in res] == [True], how
+        assert capsys.readouterr().err.strip() == (
+            "normlab: warning: run r0: asks for 8 CPUs (train.threads), which no Ray node has; "
+            "Ray would wait forever unless the cluster adds such a node"), how
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fake.running = False  # 4 CPUs and a GPU: the first node holds them (r0 still to train)
+    (tmp_path / "fresh").mkdir()
+    assert sweep.execute(_specs(tmp_path / "fresh", [4]), backend="ray", device="cuda",
+                         progress=False)[0]["ok"]
+    assert fake.asked[-1][1] == {"num_cpus": 4, "num_gpus": 1}
 
 
 def test_a_ray_sweep_gives_its_runs_absolute_folders(tmp_path: Path,
@@ -564,3 +593,32 @@ def test_a_ray_sweep_gives_its_runs_absolute_folders(tmp_path: Path,
     assert sweep.run_sweep(Path("s.toml"), Path("rel"), backend="ray") == []
     ((spec, _),) = fake.asked
     assert spec.out == str(tmp_path / "rel" / "0")
+
+
+def test_no_more_bars_than_the_pool_has_workers(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool hands a worker its next run early, so one future more than it has workers
+    reads as running: with one worker, two runs of four had bars. The first `jobs` that read
+    as running get them."""
+    import concurrent.futures as cf
+
+    specs = _specs(tmp_path, [1, 1, 1, 1])
+    futures = [cf.Future() for _ in specs]
+    for f in futures[:2]:  # one runs, one handed over early
+        f.set_running_or_notify_cancel()
+    calls = iter([[], futures])
+    ticked: list[list[str]] = []
+
+    def backend(jobs: int, device: object) -> tuple:
+        it = iter(futures)
+        return (lambda spec: next(it), lambda futs: next(calls), lambda futs: None)
+
+    def result(fut: object, spec: object) -> dict:
+        return {"ok": True, "name": spec.name, "did": [], "seconds": 0.0}
+
+    monkeypatch.setattr(sweep, "_local_backend", backend)
+    monkeypatch.setattr(sweep, "_result", result)
+    monkeypatch.setattr(sweep._Watch, "tick",
+                        lambda self, running: ticked.append([s.name for s in running]))
+    sweep.execute(specs, jobs=1, progress=False)
+    assert ticked[0] == ["r0"]

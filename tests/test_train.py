@@ -2218,6 +2218,14 @@ def test_a_run_folder_holding_another_runs_checkpoints_is_refused_when_read(
     compared it with the run's: a qkv run's checkpoints copied into a pre run were evaluated
     as that run, whose config.toml and train_done.json still said pre."""
     a, b = tmp_path / "a", tmp_path / "b"
+    # a killed run's config.toml, edited or damaged, says nothing of what trained (a resume
+    # writes it again from the checkpoint): read as before, from the checkpoint
+    killed = tmp_path / "killed"
+    train(cfg("train.steps=4", "train.checkpoint_every=2"), killed, progress=False,
+          stop_after=2)
+    for text in (dump_toml(cfg("train.steps=4", "train.log_every=7").to_dict()), "[[garbage"):
+        (killed / "config.toml").write_text(text)
+        assert tr.load_run(killed)[2]["step"] == 2
     train(cfg("train.steps=2", "model.norm_placement='pre'"), a, progress=False)
     train(cfg("train.steps=2", "model.norm_placement='qkv'"), b, progress=False)
     tr.load_run(a)  # its own checkpoints: read
@@ -2251,12 +2259,12 @@ def test_cli_advice_that_works_when_followed(tmp_path: Path, capsys) -> None:
     code, err = _cli(capsys, "train", "--config", str(config), "--out", str(mine))
     assert code == 2 and "holds files but is not a normlab run folder" in err
     assert "--resume" not in err.split(";")[0]
-    big = tr._check_batch_fits
+    check_fits = tr._check_batch_fits
     c = cfg("model.d_model=100000000")
     with pytest.raises(ValueError, match=r"at model\.d_model 100,000,000; expected shorter "
                                          r"problems \(the task's cells\), a smaller "
                                          r"train\.batch_size or a smaller model\.d_model$"):
-        big(c, c.validate())
+        check_fits(c, c.validate())
     spaced = tmp_path / "my run"
     spaced.mkdir()
     code, err = _cli(capsys, "compare", str(spaced))

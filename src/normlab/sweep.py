@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +239,10 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
             log.write(s + "\n")
             log.flush()
 
+        # a run folder of this name, made as another run (the sweep file changed since), is
+        # neither resumed nor taken as done: said here in the sweep's words, not train's;
+        # before anything in it is written
+        check_saved_config(out, cfg, tuple(spec.remedy))
         timings_path = out / "timings.json"
         timings: dict[str, float] = {}
         if timings_path.is_file():
@@ -256,10 +260,8 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
             write_json(timings_path, timings)
             done.append(name)
 
-        # a run folder of this name, made as another run (the sweep file changed since), is
-        # neither resumed nor taken as done: said here in the sweep's words, not train's
-        check_saved_config(out, cfg, tuple(spec.remedy))
-        if finished_record(out, say) is None:  # none, or a damaged one the resume makes again
+        # none, or a damaged one the resume makes again (and warns of: not said here too)
+        if finished_record(out, lambda s: None) is None:
             step("train", lambda: train(cfg, out, resume=True, progress=False, log=say))
         # Results count as done only if made from the checkpoint training finished with: a
         # run stopped, evaluated or analysed by hand, then resumed by the sweep kept the
@@ -329,8 +331,8 @@ def _current_step(spec: RunSpec) -> int:
 
 
 def check_jobs(jobs: object) -> None:
-    """Runs at once: None (one per core its threads leave) or an int in [1, 65536) (2**31
-    failed in the process pool as "a size in the config too large")."""
+    """Runs at once: None (`default_jobs`) or an int in [1, 65536) (2**31 failed in the process
+    pool as "a size in the config too large")."""
     if jobs is not None:
         check_int(jobs, "--jobs", low=1, high=2**16, what="an int in [1, 65536) runs at once")
 
@@ -382,10 +384,14 @@ def execute(
     rather than dropped unseen."""
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
     if backend == "ray":
+        # absolute: a Ray worker resolves a relative path in its own working folder (a
+        # cluster head's), which left the sweep's --out empty and reported every run done
+        specs = [replace(s, out=str(Path(s.out).resolve())) for s in specs]
         submit, wait, stop = _ray_backend(device, address, specs)
+        workers = None  # Ray says nothing of which tasks run: bars from metrics lines
     else:
-        submit, wait, stop = _local_backend(max(1, min(jobs or default_jobs(specs), len(specs))),
-                                            device)
+        workers = max(1, min(jobs or default_jobs(specs), len(specs)))
+        submit, wait, stop = _local_backend(workers, device)
     pending = {submit(s): s for s in specs}
     results: list[dict[str, Any]] = []
     try:
@@ -398,7 +404,9 @@ def execute(
                     watch.finished(spec, res)
                     if on_result:
                         on_result(res)
-                watch.tick([s for f, s in pending.items() if _started(f, s)])
+                # the pool hands a worker its next run early, so one more future reads as
+                # running than runs: at most `workers` bars, the first submitted
+                watch.tick([s for f, s in pending.items() if _started(f, s)][:workers])
     except BaseException:  # Ctrl-C (or SIGTERM, which the command reads as one): the queued
         # runs were all trained to the end before the process exited
         stop(list(pending))
@@ -506,6 +514,10 @@ def _ray_backend(device: str | None, address: str | None,
         import ray
     except ImportError:
         raise ValueError("--backend ray needs Ray: pip install 'normlab[ray]'") from None
+    from normlab.train import DONE
+    # a Ray this sweep starts is all there will be; a cluster's (given, in RAY_ADDRESS, or
+    # joined by the caller) may grow
+    own = address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
     if not ray.is_initialized():
         # ray.init takes SIGTERM for its own crash handler: the command's (stop as Ctrl-C
         # does, ending the runs in flight) is put back
@@ -518,21 +530,25 @@ def _ray_backend(device: str | None, address: str | None,
     cuda = ("cuda", "auto") if ray.cluster_resources().get("GPU", 0) > 0 else ("cuda",)
 
     def gpus(spec: RunSpec) -> int:
-        return 1 if (device or spec.config["train"].get("device", "auto")) in cuda else 0
+        """A GPU for a run still to train on CUDA (a finished run's eval and analysis run on
+        the CPU, as the local backend has it)."""
+        trains = not (Path(spec.out) / DONE).is_file()
+        return int(trains and (device or spec.config["train"].get("device", "auto")) in cuda)
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
-    most_cpus = max((r.get("CPU", 0) for r in nodes), default=0)
-    most_gpus = max((r.get("GPU", 0) for r in nodes), default=0)
-    for spec in specs:
-        if _threads(spec) > most_cpus or gpus(spec) > most_gpus:
-            what = (f"train.threads = {_threads(spec)} CPUs, and no Ray node has more than "
-                    f"{most_cpus:g}" if _threads(spec) > most_cpus else
-                    f"{'--device' if device else 'train.device'} cuda, and no Ray node has a GPU")
-            msg = f"run {spec.name}: asks for {what}; Ray would wait for one forever"
-            if address is None:
-                raise ValueError(msg)
-            print(f"normlab: warning: {msg} unless the cluster adds one", file=sys.stderr)
-            break
+    for spec in specs:  # some one node must hold a run's CPUs and GPU together
+        need = {"CPU": _threads(spec), "GPU": gpus(spec)}
+        if any(all(r.get(k, 0) >= v for k, v in need.items()) for r in nodes):
+            continue
+        dev = device or spec.config["train"].get("device", "auto")
+        what = f"{need['CPU']} CPUs (train.threads)" + (
+            f" and a GPU ({'--device' if device else 'train.device'} {dev})" if need["GPU"]
+            else "")
+        msg = f"run {spec.name}: asks for {what}, which no Ray node has; Ray would wait forever"
+        if own:
+            raise ValueError(msg)
+        print(f"normlab: warning: {msg} unless the cluster adds such a node", file=sys.stderr)
+        break
 
     def submit(spec: RunSpec) -> Any:
         return remote.options(num_cpus=_threads(spec), num_gpus=gpus(spec)).remote(spec, device)
@@ -604,10 +620,7 @@ class _Watch:
 def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str | None = None,
               jobs: int | None = None, device: str | None = None) -> list[dict[str, Any]]:
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
-    # absolute: a Ray worker resolves a relative path in its own working folder (a cluster
-    # head's), which left the sweep's --out empty and reported every run done
-    specs = load_sweep(config, check_out_folder(out).resolve() if backend == "ray" else
-                       check_out_folder(out))
+    specs = load_sweep(config, check_out_folder(out))
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
     with FolderLock(SWEEPING) as lock:
         lock.take(Path(out))

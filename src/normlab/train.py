@@ -374,6 +374,7 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     # its first checkpoint fail with "no checkpoint" rather than start again
     resuming = resume and (out / "checkpoints").is_dir() and bool(list_checkpoints(
         out / "checkpoints"))
+    resumed_from: dict[str, Any] = {}  # the checkpoint's sidecar, where one is resumed
     _warn_schedule(tc, log)
     _check_batch_fits(cfg, task)
     torch.set_num_threads(tc.threads)
@@ -437,6 +438,7 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
                 "uninterrupted run's")
         step, elapsed = meta["step"], meta["elapsed_s"]
         best, stale = meta["best"], meta["stale"]
+        resumed_from = meta
         # the last record is the checkpoint's own where one was logged: a run killed after
         # its last checkpoint finishes with its numbers, not with the step alone
         last = _truncate_metrics(metrics_path, step) or {"step": step}
@@ -464,7 +466,11 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     # (killed before its first checkpoint: all of them, since the run starts again)
     writer = _tensorboard(out / "tb", purge_step=step + 1 if resuming else 1 if resume else None)
     # Taken once, now: the code in memory is the code at start, whatever the tree holds later.
+    # A resume with no step left (a damaged train_done.json made again) trains nothing here:
+    # its record keeps the checkpoint's, the commit the last step trained at
     started = provenance()
+    if resuming and (step >= tc.steps or last.get("early_stopped")):
+        started = resumed_from.get("provenance", started)
 
     def checkpoint(early_stopped: bool = False) -> None:
         # a finite loss can come with a step that left weights non-finite: never save those as
@@ -615,9 +621,9 @@ RESUME_REMEDY = ("--resume", "use the same config, or start over in another fold
 def finished_record(out: Path, log: Callable[[str], None]) -> dict[str, Any] | None:
     """`out`'s train_done.json as the sweep and the report read it; None where it has none, or
     where it is damaged and a checkpoint can make it again (a resume from the last checkpoint
-    writes it, the training's own steps done: said as a warning). A damaged record was refused
-    on every rerun, whose error advised the rerun. With no checkpoint (a copied result folder)
-    a resume would train the run anew: one line naming the file instead."""
+    writes it, training no step: said to `log` as a warning). A damaged record was refused on
+    every rerun, whose error advised the rerun. With no checkpoint (a copied result folder) a
+    resume would train the run anew: one line naming the file instead."""
     path = Path(out) / DONE
     if not path.is_file():
         return None
@@ -765,9 +771,12 @@ def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict
     require(meta, ("config",), run_dir / "checkpoints")
     cfg = RunConfig.from_dict(meta["config"])
     # another run's checkpoints (copied in by hand) were evaluated as this run's, which its
-    # config.toml and train_done.json still named
-    saved = trained_config(run_dir)
-    if saved is not None and (diff := _config_diff(saved, cfg, ("the run's", "its checkpoint's"))):
+    # train_done.json still named. Only that record says what trained (a config.toml may be
+    # edited, or damaged, and a resume writes it again from the checkpoint), and its config is
+    # the one the final checkpoint was saved with
+    saved = recorded(run_dir / DONE, "config")
+    if isinstance(saved, dict) and (diff := _config_diff(saved, cfg,
+                                                        ("the run's", "its checkpoint's"))):
         raise CheckpointError(f"checkpoint step {meta.get('step')} in "
                               f"{str(run_dir / 'checkpoints')!r} was made under another config "
                               f"than the run folder records ({diff}); expected the run's own "

@@ -284,8 +284,11 @@ def find_sparse_rows(
     check_on_cpu(model)
     threshold = check_threshold(threshold)
     _check_choice(rows, ROWS, "rows")
+    if rows == "loss" and not data.scored:  # hand-built data: every row would count
+        raise ValueError("rows: 'loss' needs data that records which outputs the loss scores "
+                         "(EvalData.from_problems); this data records none")
     chosen, head_sel = resolve_sites(model, sites, heads)
-    last = last_block_sites(model)
+    last = last_block_sites(model) if rows == "loss" else set()
     names = [f"{s.name}.hook_{k}" for s in chosen for k in ("attn_scores", "pattern")]
     cache = collect(model, data, {n: torch.Tensor.detach for n in names})
     thetas = sorted(set(THRESHOLDS) | {threshold})

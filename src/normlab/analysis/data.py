@@ -41,9 +41,9 @@ class EvalData:
     `inputs`: decoder `{"tokens"}`; encoder-decoder `{"src", "src_mask", "tgt_in"}`.
     `valid[stream]` [B, T] bool marks real tokens; `classes[stream]` [B, T] long indexes
     `class_names` (-1 on pads). `scored[stream]` [B, T] bool marks the positions whose output
-    the training loss scores (a stream without an entry, an encoder's or hand-built data's, has
-    no output of its own scored; `loss_rows`). `problems`/`cells` say where each example came
-    from.
+    the training loss scores, where the data knows it (`from_problems`; `loss_rows`): an
+    encoder's stream has no outputs of its own, hand-built data records none. `problems`/`cells`
+    say where each example came from.
     """
 
     arch: str
@@ -79,8 +79,9 @@ class EvalData:
         the scored positions; in an earlier one, every position up to an example's last scored
         one (a later scored position reads it, the stream being causal). A decoder-only
         model's rows at the final E (its target is ignored) and, in the last block, at the
-        question feed nothing trained. A stream without scored outputs (an encoder's) feeds
-        the loss through all of its rows."""
+        question feed nothing trained. A stream with no `scored` entry counts every real row:
+        an encoder's, every row of which the decoder reads (`find_sparse_rows` refuses data
+        with no entry at all, which cannot tell)."""
         valid = self.valid[stream]
         scored = self.scored.get(stream)
         if scored is None:
@@ -252,8 +253,10 @@ class Site:
 
 def last_block_sites(model: Model) -> set[str]:
     """The attention sites in the last block of their stack (`blocks.{L-1}.attn`; an
-    encoder-decoder's last encoder block and last decoder block's self- and cross-attention):
-    their rows feed only their own positions' outputs (`EvalData.loss_rows`)."""
+    encoder-decoder's last encoder block and last decoder block's self- and cross-attention).
+    A decoder stack's last-block rows feed only their own positions' outputs
+    (`EvalData.loss_rows`); an encoder's feed every decoder position, which its stream having
+    no `scored` entry already says."""
     stacks: dict[str, list[tuple[int, str]]] = {}
     for name in attention_sites(model):
         stack, _, rest = name.rpartition("blocks.")
