@@ -478,8 +478,8 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
         t = r["wall_s"]
         md.append(f"| {r['run']} | {r['placement']} | {r['seed']} | {r['steps']} | "
                   f"{_num(r['train_s'])} | {_num(t.get('eval'))} | {_num(t.get('analyze'))} | "
-                  f"{(r['trained_provenance'] or {}).get('git_commit', '—')} | "
-                  f"{(r['provenance'] or {}).get('git_commit', '—')} |")
+                  f"{(r['trained_provenance'] or {}).get('git_commit') or '—'} | "
+                  f"{(r['provenance'] or {}).get('git_commit') or '—'} |")
     md += ["", "Each run's full config, versions and machine are in `summary.json` (training's "
            "under `trained_provenance`) and in the run folder's `eval.json` and "
            "`train_done.json`."]

@@ -231,7 +231,7 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
         cfg.train.device = device
     torch.set_num_threads(cfg.train.threads)
     done = []
-    log_path = out.parent / f"{out.name}.log"
+    log_path = run_log(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as log:
 
@@ -300,6 +300,12 @@ def _check_made_from(path: Path, keys: tuple[str, ...], final: int) -> None:
                          f"finished at step {final}, whose checkpoint does not verify")
 
 
+def run_log(out: Path) -> Path:
+    """A run's log, beside its folder (NAME.log): what it said while it ran, and its
+    traceback where it failed."""
+    return out.parent / f"{out.name}.log"
+
+
 def _safe_run(spec: RunSpec, device: str | None) -> dict[str, Any]:
     """A sweep worker's job (its own process, spawned or a Ray task): one run, its error
     reported instead of raised."""
@@ -309,8 +315,7 @@ def _safe_run(spec: RunSpec, device: str | None) -> dict[str, Any]:
     except Exception as err:  # reported, and the sweep goes on
         tb = traceback.format_exc()
         error = f"{type(err).__name__}: {err}"
-        out = Path(spec.out)
-        log = out.parent / f"{out.name}.log"
+        log = run_log(Path(spec.out))
         try:  # where the one-line report cannot tell (a bug's KeyError), the log can
             with log.open("a") as f:
                 f.write(tb)
@@ -435,7 +440,8 @@ def _threads(spec: RunSpec) -> int:
 
 def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity (taskset, a Slurm or cgroup cpuset), not
-    the machine's count, which gave a job of 4 cores out of 64 a pool of 64 workers."""
+    the machine's count, which gave a job of 4 cores out of 64 a pool of 64 workers. A cgroup
+    CPU quota without a cpuset (`docker --cpus`) is not seen: give --jobs there."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform (macOS)

@@ -619,7 +619,7 @@ RESUME_REMEDY = ("--resume", "use the same config, or start over in another fold
 
 
 def finished_record(out: Path, log: Callable[[str], None]) -> dict[str, Any] | None:
-    """`out`'s train_done.json as the sweep and the report read it; None where it has none, or
+    """`out`'s train_done.json as the sweep reads it; None where it has none, or
     where it is damaged and a checkpoint can make it again (a resume from the last checkpoint
     writes it, training no step: said to `log` as a warning). A damaged record was refused on
     every rerun, whose error advised the rerun. With no checkpoint (a copied result folder) a

@@ -295,7 +295,7 @@ def analyze_run(
         common = {"run_dir": str(run_dir), "checkpoint_step": meta.get("step"), "seed": seed,
                   "params": params, "config": cfg.to_dict()}
         seconds: dict[str, float] = {}
-        norms, collapse, rows = measure_norms_and_collapse(
+        norms, collapse, row_columns = measure_norms_and_collapse(
             model, data, common, seconds, "collapse_sweep", sigmas=sigmas, n_draws=n_draws,
             threshold=threshold, mode=mode, targets=targets, noise=noise, sites=sites,
             heads=heads, seed=seed, rows=rows)
@@ -315,7 +315,7 @@ def analyze_run(
         seconds["interference"] = time.perf_counter() - t0
 
         names = write_analysis(stage, f"{run_dir.name} ({cfg.model.arch}, "
-                               f"{cfg.model.norm_placement})", norms, collapse, rows,
+                               f"{cfg.model.norm_placement})", norms, collapse, row_columns,
                                interference, figures=figures)
     files = [str(out / n) for n in names]
     return {"out": str(out), "files": files, "seconds": seconds, "norms": norms,
