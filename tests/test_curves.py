@@ -108,6 +108,13 @@ def test_cli_curve_table_and_plot(tmp_path: Path, capsys) -> None:
             "to; it is a folder")
     assert main(["compare", "--curve", "nope", str(a)]) == 2
     assert "no split 'nope'" in capsys.readouterr().err
+    # a name matplotlib cannot write: its "Format 'txt' is not supported" named no flag
+    txt = png.with_suffix(".txt")
+    assert main(["compare", "--curve", "train", "--plot", str(txt), str(a)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"normlab: error: --plot {str(txt)!r}: expected a figure file ending "
+                          "in one of ") and ".png" in err and ".pdf" in err
+    assert not txt.exists()
 
 
 def test_runs_of_the_same_name_from_two_folders_are_told_apart(tmp_path: Path,

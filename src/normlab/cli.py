@@ -271,6 +271,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             if Path(args.plot).is_dir():  # "already exists; pass --force", which then failed
                 raise ValueError(f"--plot {args.plot!r}: expected a file to write the figure "
                                  "to; it is a folder")
+            from matplotlib.figure import Figure
+
+            kinds = Figure().canvas.get_supported_filetypes()  # matplotlib's own said no flag
+            if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
+                raise ValueError(f"--plot {args.plot!r}: expected a figure file ending in one of "
+                                 f"{', '.join('.' + k for k in sorted(kinds))}")
             # the name as it is, not a pattern: "p[1].png" matched "p1.png" and not itself
             refuse_overwrite(Path(args.plot).parent, glob.escape(Path(args.plot).name),
                              args.force)
