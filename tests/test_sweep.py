@@ -622,3 +622,26 @@ def test_no_more_bars_than_the_pool_has_workers(tmp_path: Path,
                         lambda self, running: ticked.append([s.name for s in running]))
     sweep.execute(specs, jobs=1, progress=False)
     assert ticked[0] == ["r0"]
+
+
+def test_a_sweep_that_cannot_start_leaves_no_out_behind(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ray cluster out of reach failed after the lock had made --out: an empty folder was
+    left behind. One the sweep made is removed again while it is empty; one that was there
+    stays."""
+    fake = _FakeRay([{"CPU": 2}])
+
+    def init(**kw: object) -> None:
+        raise ConnectionError("ray client connection timeout")
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    (tmp_path / "s.toml").write_text('[grid]\n"train.seed" = [0]\n')
+    for there in (False, True):
+        out = tmp_path / f"out{there}"
+        if there:
+            out.mkdir()
+        with pytest.raises(ConnectionError):
+            sweep.run_sweep(tmp_path / "s.toml", out, backend="ray",
+                            address="ray://127.0.0.1:1")
+        assert out.exists() is there

@@ -20,6 +20,7 @@ A sweep file (TOML):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -628,9 +629,17 @@ def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str |
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
     specs = load_sweep(config, check_out_folder(out))
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
-    with FolderLock(SWEEPING) as lock:
-        lock.take(Path(out))
-        results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)
+    made = not Path(out).exists()
+    try:
+        with FolderLock(SWEEPING) as lock:
+            lock.take(Path(out))
+            results = execute(specs, backend=backend, jobs=jobs, device=device,
+                              address=address)
+    except BaseException:  # a Ray cluster out of reach left an empty --out behind
+        if made:
+            with contextlib.suppress(OSError):  # removed only while nothing is in it
+                Path(out).rmdir()
+        raise
     failed = [r for r in results if not r["ok"]]
     for r in failed:
         print(f"normlab: run {r['name']} failed: {r['error']}", file=sys.stderr)
