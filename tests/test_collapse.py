@@ -379,6 +379,12 @@ def test_analyze_run_writes_schema(tmp_path) -> None:
     assert {"git_commit", "torch"} <= set(meta["provenance"])
     assert meta["collapse_json_sha256"] == hashlib.sha256(
         (out / "collapse.json").read_bytes()).hexdigest()
+    # rows="loss" reaches the sweep and the record: fewer valid rows (a decoder's final E and
+    # last-layer question left out), the same sweep otherwise
+    loss = analyze_run(run, tmp_path / "loss", n_examples=16, n_draws=4, sigmas=[0.0, 0.2],
+                       seed=3, splits="train", rows="loss", figures=False)["collapse"]
+    assert loss["params"]["rows"] == "loss"
+    assert 0 < loss["n_rows"] < c["n_rows"] and loss["n_sparse_rows"] <= c["n_sparse_rows"]
 
 
 def test_collect_equals_the_full_forward_and_stops_after_the_last_name() -> None:

@@ -115,6 +115,9 @@ def test_cli_curve_table_and_plot(tmp_path: Path, capsys) -> None:
     assert err.startswith(f"normlab: error: --plot {str(txt)!r}: expected a figure file ending "
                           "in one of ") and ".png" in err and ".pdf" in err
     assert not txt.exists()
+    upper = png.with_name("curves.PNG")  # an ending in capitals is the same format
+    assert main(["compare", "--curve", "train", "--plot", str(upper), str(a)]) == 0
+    assert upper.read_bytes().startswith(b"\x89PNG")
 
 
 def test_runs_of_the_same_name_from_two_folders_are_told_apart(tmp_path: Path,

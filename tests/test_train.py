@@ -2004,8 +2004,11 @@ def test_without_locks_training_goes_on_and_leaves_temp_files_alone(
 
 def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys) -> None:
     """A run evaluated at step 5, then resumed to the end: compare showed step 5's accuracy as
-    the run's, unmarked, and `eval` refused to redo it without saying why."""
-    run = tmp_path / "run"
+    the run's, unmarked, and `eval` refused to redo it without saying why. The folder's name
+    has a space: the commands suggested are quoted, so they work when pasted."""
+    import shlex
+
+    run = tmp_path / "my run"
     config = tmp_path / "c.toml"
     train(cfg("train.steps=10", "train.checkpoint_every=5", "train.eval_every=5"), run,
           progress=False, stop_after=5)  # as a kill after step 5's checkpoint leaves it
@@ -2021,11 +2024,11 @@ def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys
     assert err.strip() == (
         f"normlab: {str(run / 'eval.json')!r}: made from step 5, before training finished (no "
         "train_done.json); on at most 2 questions a cell (--limit); `normlab eval "
-        f"{run} --force` evaluates the newest checkpoint on every question")
+        f"{shlex.quote(str(run))} --force` evaluates the newest checkpoint on every question")
     assert main(["train", "--config", str(config), "--out", str(run), "--resume",
                  "--quiet"]) == 0
     assert (f"normlab: {str(run / 'eval.json')!r} is from step 5, training now ended at step 10;"
-            f" rerun `normlab eval {run} --force`") in capsys.readouterr().err
+            f" rerun `normlab eval {shlex.quote(str(run))} --force`") in capsys.readouterr().err
     code, err = _cli(capsys, "eval", str(run))
     assert code == 2 and err == (
         f"normlab: error: {str(run / 'eval.json')!r} already exists, made from step 5, but "
@@ -2282,3 +2285,14 @@ def test_cli_advice_that_works_when_followed(tmp_path: Path, capsys) -> None:
     afile.write_text("x")
     code, err = _cli(capsys, "eval", str(afile))
     assert code == 2 and err == f"normlab: error: {str(afile)!r} is a file; expected a run folder"
+
+
+def test_a_resume_that_trains_records_its_own_commit(tmp_path: Path, monkeypatch) -> None:
+    """A record made again with no step left keeps the checkpoint's commit (the sweep's test);
+    a resume that trains the rest records the commit it trained at, its own."""
+    c = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4")
+    train(c, tmp_path / "run", progress=False, stop_after=2)
+    monkeypatch.setattr(tr, "provenance", lambda: {"git_commit": "later"})
+    train(c, tmp_path / "run", progress=False, resume=True)
+    done = json.loads((tmp_path / "run" / "train_done.json").read_text())
+    assert done["step"] == 4 and done["provenance"] == {"git_commit": "later"}
