@@ -396,6 +396,10 @@ def test_a_finished_runs_damaged_records_are_made_again_not_failed_each_rerun(
     assert {k: again[k] for k in ("step", "config")} == {k: record[k] for k in ("step", "config")}
     assert (out / "eval.json").read_bytes() == results  # made from the same step: kept
     assert set(json.loads((out / "timings.json").read_text())) == {"train"}  # this rerun's
+    # damaged alone, with nothing to redo: replaced at once, so the report reads no seconds
+    (out / "timings.json").write_text("[")
+    assert [r["did"] for r in execute(specs, jobs=1, progress=False)] == [[]]
+    assert json.loads((out / "timings.json").read_text()) == {}
     log = (tmp_path / "out" / "r0.log").read_text()
     assert f"warning: {str(out / 'train_done.json')!r}: expected" in log
     assert log.count("made again from the last checkpoint") == 1  # said once, by train
@@ -567,9 +571,9 @@ def test_a_ray_run_no_node_can_hold_is_refused_not_left_waiting(
         fake.running = bool(how.get("joined"))
         if "env" in how:
             monkeypatch.setenv("RAY_ADDRESS", how["env"])
-        res = sweep.execute(_specs(tmp_path, [8]), backend="ray", device="cpu",
+        res = sweep.execute(_specs(tmp_path, [8, 8]), backend="ray", device="cpu",
                             address=how.get("address"), progress=False)
-        assert [r["ok"] for r in res] == [True], how
+        assert [r["ok"] for r in res] == [True, True], how  # said once, for the first
         assert capsys.readouterr().err.strip() == (
             "normlab: warning: run r0: asks for 8 CPUs (train.threads), which no Ray node has; "
             "Ray would wait forever unless the cluster adds such a node"), how
