@@ -203,6 +203,9 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
                                           r"'analyze'\?\)"),
                        ('analysis = {sigmas = [-0.1]}', r"sweep\.run\.analysis: sigmas\[0\]: "),
                        ('analysis = {alpha = 0}', r"sweep\.run\.analysis: alpha: "),
+                       ('analysis = {rows = "trained"}',
+                        r"sweep\.run\.analysis: unknown rows 'trained'; expected one of all, "
+                        r"loss"),
                        ('analysis = {alpha = inf}', r"sweep\.run\.analysis: alpha: "),
                        ('analysis = 3', r"sweep\.run\.analysis: expected a table"),
                        ('analysis = {figures = "no"}', r"sweep\.run\.analysis\.figures: "),

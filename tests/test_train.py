@@ -2296,3 +2296,20 @@ def test_a_resume_that_trains_records_its_own_commit(tmp_path: Path, monkeypatch
     train(c, tmp_path / "run", progress=False, resume=True)
     done = json.loads((tmp_path / "run" / "train_done.json").read_text())
     assert done["step"] == 4 and done["provenance"] == {"git_commit": "later"}
+
+
+def test_a_damaged_record_with_no_checkpoint_is_refused_not_trained_again(
+        tmp_path: Path) -> None:
+    """A finished run's damaged train_done.json is made again from its last checkpoint; with
+    none (a result folder copied without them) a resume would train the run anew over its
+    results: refused in one line naming the file."""
+    run = tmp_path / "run"
+    c = cfg("train.steps=2")
+    train(c, run, progress=False)
+    (run / "train_done.json").write_text("{damaged")
+    shutil.rmtree(run / "checkpoints")
+    results = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match=r"^'.*train_done\.json': expected .*; no checkpoint "
+                                         r"to make it again from: restore it from a copy$"):
+        train(c, run, resume=True, progress=False, log=lambda s: None)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == results
