@@ -2313,3 +2313,16 @@ def test_a_damaged_record_with_no_checkpoint_is_refused_not_trained_again(
                                          r"to make it again from: restore it from a copy$"):
         train(c, run, resume=True, progress=False, log=lambda s: None)
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == results
+
+
+def test_train_names_its_device_flag(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`train --device cuda` without CUDA named `train.device`, which the user never wrote;
+    sweep and reproduce name the flag. Nothing is made."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = tmp_path / "tiny.toml"
+    config.write_text(dump_toml(cfg("train.steps=2").to_dict()))
+    code, err = _cli(capsys, "train", "--config", str(config), "--out", str(tmp_path / "run"),
+                     "--device", "cuda")
+    assert code == 2 and err == ("normlab: error: --device cuda: requested but no CUDA device "
+                                 "is available")
+    assert not (tmp_path / "run").exists()
