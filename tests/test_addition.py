@@ -676,3 +676,23 @@ def test_a_cell_label_parses_only_as_it_is_written(label: str) -> None:
         Cell.parse(label)
     for cell in (Cell(3, 2), Cell(3, (1, 2, 3)), Cell(3, (1, 4))):
         assert Cell.parse(cell.label) == cell
+
+
+def test_the_python_api_names_a_task_built_wrongly() -> None:
+    """Exported calls failed late with a bare error: `TrainStream` given config pairs at its
+    first batch (AttributeError), `eval_sets` given a dict (AttributeError), `parse_answer`
+    given a batch of rows (TypeError). Config pairs are taken, as everywhere else; the rest is
+    one line naming the argument."""
+    stream = A.TrainStream([(1, 1), [2, 1]], seed=0, batch_size=4, arch="decoder")
+    assert stream.cells == [A.Cell(1, 1), A.Cell(2, 1)] and next(stream)["tokens"].shape[0] == 4
+    with pytest.raises(ValueError, match=r"^cells\[1\]: expected \[n, d\], got \(1,\)$"):
+        A.TrainStream([(1, 1), (1,)], seed=0, batch_size=4, arch="decoder")
+    with pytest.raises(ValueError, match=r"^task: expected a TaskConfig or its resolve\(\); got "
+                                         r"\{'grid': 'quick'\}$"):
+        A.eval_sets({"grid": "quick"})
+    for ids in (torch.zeros(2, 3, dtype=torch.long), np.zeros((2, 3), dtype=int)):
+        with pytest.raises(ValueError, match=r"^ids: expected one row of token ids; got shape "
+                                             r"\(2, 3\)$"):
+            A.parse_answer(ids)
+    row = torch.tensor([*A.encode("12"), A.EOS])
+    assert A.parse_answer(row) == A.parse_answer(row.numpy()) == "12"

@@ -840,6 +840,9 @@ def parse_answer(
     target row, which starts with the ``B`` it was fed, and skips that ``B``.
     """
     if isinstance(ids, torch.Tensor | np.ndarray):
+        if ids.ndim != 1:  # a batch's rows: one row at a time (its .tolist() was a TypeError)
+            raise ValueError(f"ids: expected one row of token ids; got shape "
+                             f"{tuple(ids.shape)}")
         ids = ids.tolist()
     ids = list(ids)
     if after_bos:
@@ -894,7 +897,8 @@ class TrainStream(Iterator[dict[str, torch.Tensor]]):
         _check_arch(arch)
         _check_digit_positions(answer_format, digit_positions)
         batch_size = check_int(batch_size, "batch_size", low=1)
-        self.cells = list(cells)
+        # config pairs as `Cell.from_pair` takes them elsewhere (they failed at the first batch)
+        self.cells = [Cell.from_pair(c, f"cells[{i}]") for i, c in enumerate(cells)]
         if len(set(self.cells)) < len(self.cells):  # weights skewed toward the repeated one
             raise ValueError(f"cells: expected each cell once; got {[str(c) for c in cells]}")
         self.probabilities = cell_weights(self.cells, weights)
@@ -952,6 +956,8 @@ def eval_sets(task: ResolvedTask | TaskConfig) -> dict[str, dict[Cell, list[tupl
     """
     if isinstance(task, TaskConfig):
         task = task.resolve()
+    if not isinstance(task, ResolvedTask):  # a dict failed as an AttributeError
+        raise ValueError(f"task: expected a TaskConfig or its resolve(); got {task!r:.60}")
 
     def draw(cell: Cell) -> list[tuple[str, str]]:
         rng = _cell_rng(task.eval_seed, cell)
