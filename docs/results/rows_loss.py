@@ -20,6 +20,8 @@ DERIVED = ("n_examples_used", "per_cell", "rows")
 
 
 def main(runs: Path, out: Path, sigma: float) -> None:
+    if not runs.is_dir():
+        raise SystemExit(f"{str(runs)!r}: expected a folder of run folders")
     found = [p for p in sorted(runs.iterdir()) if (p / "checkpoints").is_dir()
              and (p / "analysis" / "collapse.json").is_file()]
     if not found:

@@ -24,15 +24,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set or [], seed=args.seed)
     if args.device:
-        from normlab.train import pick_device
+        from normlab.train import check_device_flag
 
+        check_device_flag(args.device)
         cfg.train.device = args.device
-        try:  # named by the flag the user typed, not the config field, as sweep does
-            pick_device(args.device)
-        except ValueError as err:
-            raise ValueError(f"--device {args.device}: "
-                             f"{str(err).removeprefix(f'train.device: {args.device!r} ')}"
-                             ) from None
     if args.compile:
         cfg.train.compile = True
     # a mistyped --out: said, not refused, since a job script may pass --resume on its first

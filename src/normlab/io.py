@@ -196,6 +196,20 @@ def clear_stages(folder: Path) -> None:
 
 
 @contextlib.contextmanager
+def removed_if_left_empty(out: Path) -> Iterator[None]:
+    """An `out` the block makes is removed again where the block fails with nothing in it (a
+    failed analysis, or a sweep whose Ray cluster was out of reach, left an empty folder)."""
+    made = not Path(out).exists()
+    try:
+        yield
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):  # kept where it holds anything
+                Path(out).rmdir()
+        raise
+
+
+@contextlib.contextmanager
 def written_together(out: Path, last: str, busy: str = ANALYSING,
                      name: str = "--out") -> Iterator[Path]:
     """A folder to write a set of result files into: they land in `out` only once the block
@@ -207,8 +221,7 @@ def written_together(out: Path, last: str, busy: str = ANALYSING,
     `out` the block made is removed again where it fails with nothing in it. `name` leads the
     error where `out` is no folder to write into."""
     out = check_out_folder(out, name)
-    made = not out.exists()
-    with FolderLock(busy) as lock:
+    with removed_if_left_empty(out), FolderLock(busy) as lock:
         lock.take(out)
         if lock.fd is not None:
             clear_stages(out)
@@ -223,13 +236,8 @@ def written_together(out: Path, last: str, busy: str = ANALYSING,
             for f in files:
                 os.replace(stage / f, out / f)
             _fsync_dir(out)
-        except BaseException:
+        finally:
             shutil.rmtree(stage, ignore_errors=True)
-            if made:
-                with contextlib.suppress(OSError):  # kept where it holds anything
-                    out.rmdir()
-            raise
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:

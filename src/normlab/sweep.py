@@ -20,7 +20,6 @@ A sweep file (TOML):
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import json
@@ -41,7 +40,14 @@ from typing import Any
 from normlab import allocator
 from normlab.checks import check_int, did_you_mean, first_line
 from normlab.config import config_key, load_config, read_toml
-from normlab.io import FolderLock, check_out_folder, read_json, recorded, write_json
+from normlab.io import (
+    FolderLock,
+    check_out_folder,
+    read_json,
+    recorded,
+    removed_if_left_empty,
+    write_json,
+)
 
 SWEEP_KEYS = ("base", "name", "grid", "set", "run")
 #: the most runs one sweep file may make: each is a folder, a config and a training
@@ -358,20 +364,22 @@ def check_execute(specs: list[RunSpec], *, backend: str = "local", jobs: int | N
         raise ValueError("--jobs: only with --backend local; Ray runs as many runs at once as "
                          "its CPUs fit, each taking its train.threads")
     if backend == "local":
-        from normlab.train import DONE, pick_device
+        from normlab.train import check_device_flag, pick_device
 
         # a GPU this machine lacks, for runs still to train: one line now, where every run
-        # failed with it in turn (a finished run's eval and analysis run on the CPU)
-        for name in sorted({device or s.config.get("train", {}).get("device", "auto")
-                            for s in specs if not (Path(s.out) / DONE).is_file()}):
-            try:
-                pick_device(name)
-            except ValueError as err:  # the flag the user typed, where it set the device
-                if device is None:
-                    raise
-                raise ValueError(f"--device {device}: "
-                                 f"{str(err).removeprefix(f'train.device: {device!r} ')}"
-                                 ) from None
+        # failed with it in turn (named by the flag the user typed, where it set the device)
+        for name in sorted({d for s in specs if (d := _training_device(s, device))}):
+            (pick_device if device is None else check_device_flag)(name)
+
+
+def _training_device(spec: RunSpec, device: str | None) -> str | None:
+    """The device a run still to train trains on (`--device`, else its train.device); None
+    for a finished run, whose eval and analysis run on the CPU."""
+    from normlab.train import DONE
+
+    if (Path(spec.out) / DONE).is_file():
+        return None
+    return device or spec.config.get("train", {}).get("device", "auto")
 
 
 def execute(
@@ -521,7 +529,6 @@ def _ray_backend(device: str | None, address: str | None,
         import ray
     except ImportError:
         raise ValueError("--backend ray needs Ray: pip install 'normlab[ray]'") from None
-    from normlab.train import DONE
     # a Ray this sweep starts is all there will be; a cluster's (given, in RAY_ADDRESS, or
     # joined by the caller) may grow
     own = address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
@@ -537,20 +544,17 @@ def _ray_backend(device: str | None, address: str | None,
     cuda = ("cuda", "auto") if ray.cluster_resources().get("GPU", 0) > 0 else ("cuda",)
 
     def gpus(spec: RunSpec) -> int:
-        """A GPU for a run still to train on CUDA (a finished run's eval and analysis run on
-        the CPU, as the local backend has it)."""
-        trains = not (Path(spec.out) / DONE).is_file()
-        return int(trains and (device or spec.config["train"].get("device", "auto")) in cuda)
+        """A GPU for a run still to train on CUDA."""
+        return int(_training_device(spec, device) in cuda)
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
     for spec in specs:  # some one node must hold a run's CPUs and GPU together
         need = {"CPU": _threads(spec), "GPU": gpus(spec)}
         if any(all(r.get(k, 0) >= v for k, v in need.items()) for r in nodes):
             continue
-        dev = device or spec.config["train"].get("device", "auto")
         what = f"{need['CPU']} CPUs (train.threads)" + (
-            f" and a GPU ({'--device' if device else 'train.device'} {dev})" if need["GPU"]
-            else "")
+            f" and a GPU ({'--device' if device else 'train.device'} "
+            f"{_training_device(spec, device)})" if need["GPU"] else "")
         msg = f"run {spec.name}: asks for {what}, which no Ray node has; Ray would wait forever"
         if own:
             raise ValueError(msg)
@@ -629,17 +633,9 @@ def run_sweep(config: Path, out: Path, *, backend: str = "local", address: str |
     """`normlab sweep`: returns the failed runs (empty when all succeeded)."""
     specs = load_sweep(config, check_out_folder(out))
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
-    made = not Path(out).exists()
-    try:
-        with FolderLock(SWEEPING) as lock:
-            lock.take(Path(out))
-            results = execute(specs, backend=backend, jobs=jobs, device=device,
-                              address=address)
-    except BaseException:  # a Ray cluster out of reach left an empty --out behind
-        if made:
-            with contextlib.suppress(OSError):  # removed only while nothing is in it
-                Path(out).rmdir()
-        raise
+    with removed_if_left_empty(Path(out)), FolderLock(SWEEPING) as lock:
+        lock.take(Path(out))
+        results = execute(specs, backend=backend, jobs=jobs, device=device, address=address)
     failed = [r for r in results if not r["ok"]]
     for r in failed:
         print(f"normlab: run {r['name']} failed: {r['error']}", file=sys.stderr)

@@ -69,6 +69,16 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_device_flag(device: str) -> None:
+    """`--device` (of train, sweep, reproduce) on this machine, refused in one line named by
+    the flag the user typed, not the config field it sets."""
+    try:
+        pick_device(device)
+    except ValueError as err:
+        raise ValueError(f"--device {device}: "
+                         f"{str(err).removeprefix(f'train.device: {device!r} ')}") from None
+
+
 def lr_at(step: int, cfg: Any) -> float:
     """Linear warm-up, then linear/cosine decay to min_lr_ratio * lr (or constant).
 
