@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -421,10 +422,76 @@ def test_hook_point_misuse_is_not_silent() -> None:
     with pytest.raises(ValueError, match=r"^unknown hook 'blocks\.0\.attn\.hook_patern'"):
         model.run_with_cache(tokens, names_filter=["blocks.0.attn.hook_z",
                                                    "blocks.0.attn.hook_patern"])
-    point = model.blocks[0].attn.hook_pattern
-    for register in (point.register_forward_hook, point.register_forward_pre_hook):
-        with pytest.warns(UserWarning, match=r"module hooks never run on a normlab HookPoint"):
+    point, other = model.blocks[0].attn.hook_pattern, model.blocks[0].attn.hook_z
+    # (torch allows a module the old or the full backward hooks, not both: two points)
+    for register in (point.register_forward_hook, point.register_forward_pre_hook,
+                     point.register_full_backward_hook, point.register_full_backward_pre_hook,
+                     other.register_backward_hook):
+        with pytest.warns(UserWarning, match=r"module hooks never run on a normlab HookPoint"
+                          r".*run_with_cache\(detach=False\)"):
             register(lambda *a: None).remove()
+
+
+def test_a_hook_point_given_for_its_name_is_refused() -> None:
+    """A HookPoint is a module, so callable: taken as a filter it matched every name, and its
+    fn ran at all the model's points (a full cache for `names_filter`)."""
+    model = build_model(cfg())
+    tokens = torch.randint(0, 16, (1, 4))
+    point = model.blocks[0].attn.hook_k
+    ran: list[str] = []
+    with pytest.raises(ValueError, match=r"^fwd_hooks\[0\]: expected a hook name or a function"
+                       r" of a name; got the module HookPoint \(use its name, "
+                       r"'blocks\.0\.attn\.hook_k'\)$"):
+        model.run_with_hooks(tokens, fwd_hooks=[(point, lambda x, hook: ran.append(hook.name))])
+    with pytest.raises(ValueError, match=r"^names_filter: .*got the module HookPoint"):
+        model.run_with_cache(tokens, names_filter=point)
+    assert ran == [] and not any(hp.fns for hp in model.hook_points().values())
+
+
+def test_a_hook_returning_no_tensor_of_its_shape_is_named() -> None:
+    """A hook's return replaces the tensor only as a tensor of its shape: a scalar or a slice
+    broadcast into the residual silently, and a list failed deep in the forward."""
+    model = build_model(cfg())
+    tokens = torch.randint(0, 16, (2, 5))
+    want = model(tokens)
+
+    def halve(x: torch.Tensor, hook) -> torch.Tensor:
+        return x / 2
+
+    for name, ret, got in (("blocks.0.hook_attn_out", lambda x: x.mean(), r"shape \(\)"),
+                           ("ln_final.hook_scale", lambda x: x[:, :1], r"shape \(2, 1, 1\)"),
+                           ("blocks.1.hook_resid_pre", lambda x: x.tolist(), "list")):
+        def bad(x: torch.Tensor, hook, ret=ret):
+            return ret(x)
+
+        with pytest.raises(ValueError, match=rf"^hook 'bad' at '{re.escape(name)}': expected "
+                           rf"None or a tensor of shape \(2, 5, .*\); got {got}$"):
+            model.run_with_hooks(tokens, fwd_hooks=[(name, bad)])
+    torch.testing.assert_close(model(tokens), want)  # nothing left attached
+    out = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_attn_out", halve)])
+    assert not torch.equal(out, want)  # a tensor of the shape still replaces
+
+
+def test_leaving_a_nested_hooks_block_keeps_the_outer_order() -> None:
+    """An inner block attaching a fn the outer one attached removes its own copy on exit (the
+    last), not the outer's (the first): the hooks left run in the order attached."""
+    model = build_model(cfg())
+    tokens = torch.randint(0, 16, (2, 5))
+    name = "blocks.0.hook_resid_mid"
+
+    def add_one(x: torch.Tensor, hook) -> torch.Tensor:
+        return x + 1
+
+    def double(x: torch.Tensor, hook) -> torch.Tensor:
+        return x * 2
+
+    with model.hooks([(name, add_one)]), model.hooks([(name, double)]):
+        want = model(tokens)
+        with model.hooks([(name, add_one)]):
+            assert model.hook_points()[name].fns == [add_one, double, add_one]
+        assert model.hook_points()[name].fns == [add_one, double]
+        torch.testing.assert_close(model(tokens), want, rtol=0, atol=0)
+    assert model.hook_points()[name].fns == []
 
 
 def test_a_copied_kv_cache_extended_twice_keeps_both_continuations() -> None:

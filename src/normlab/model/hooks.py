@@ -34,6 +34,14 @@ class HookPoint(nn.Module):
         for fn in self.fns:
             out = fn(x, self)
             if out is not None:
+                # checked here, where the hook is known: a list failed deep in the forward,
+                # and a scalar or a slice broadcast into the residual without a word
+                if not (isinstance(out, torch.Tensor) and out.shape == x.shape):
+                    got = (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                           else type(out).__name__)
+                    raise ValueError(f"hook {getattr(fn, '__name__', fn)!r} at {self.name!r}: "
+                                     f"expected None or a tensor of shape {tuple(x.shape)}; "
+                                     f"got {got}")
                 x = out
         return x
 
@@ -51,10 +59,25 @@ class HookPoint(nn.Module):
         self._warn_module_hook()
         return super().register_forward_pre_hook(*args, **kwargs)
 
+    # the backward ones too: with no `bwd_hooks` here, a TransformerLens user wanting a
+    # point's gradient tries these first, and they registered without a word
+    def register_full_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        self._warn_module_hook()
+        return super().register_full_backward_hook(*args, **kwargs)
+
+    def register_full_backward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        self._warn_module_hook()
+        return super().register_full_backward_pre_hook(*args, **kwargs)
+
+    def register_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        self._warn_module_hook()
+        return super().register_backward_hook(*args, **kwargs)
+
     def _warn_module_hook(self) -> None:
         warnings.warn(  # one text for every point: a tool hooking them all warns once
             "PyTorch's module hooks never run on a normlab HookPoint; attach fn(tensor, hook) "
-            "with model.hooks, run_with_hooks or run_with_cache",
+            "with model.hooks, run_with_hooks or run_with_cache (for gradients: "
+            "run_with_cache(detach=False), or tensor.register_hook inside a hook)",
             stacklevel=3,
         )
 
@@ -70,7 +93,17 @@ def torch_hooked(module: nn.Module) -> bool:
                 or m._global_backward_pre_hooks)
 
 
+def _refuse_point(value: object, where: str) -> None:
+    """A HookPoint is a module, so callable: taken as a filter it returned every name (truthy)
+    and matched every point, its function attached to all of them."""
+    if isinstance(value, nn.Module):
+        named = f" (use its name, {value.name!r})" if isinstance(value, HookPoint) else ""
+        raise ValueError(f"{where}: expected a hook name or a function of a name; got the "
+                         f"module {type(value).__name__}{named}")
+
+
 def _matcher(names_filter: NameFilter) -> Callable[[str], bool]:
+    _refuse_point(names_filter, "names_filter")
     if names_filter is None:
         return lambda name: True
     if isinstance(names_filter, str):
@@ -94,6 +127,8 @@ def _hook_pairs(fwd_hooks: object) -> list[tuple[str | Callable[[str], bool], Ho
                          f"{_shown(fwd_hooks)}")
     pairs = list(fwd_hooks)
     for i, pair in enumerate(pairs):
+        if isinstance(pair, tuple | list) and pair:
+            _refuse_point(pair[0], f"fwd_hooks[{i}]")
         if not (isinstance(pair, tuple | list) and len(pair) == 2
                 and (isinstance(pair[0], str) or callable(pair[0])) and callable(pair[1])):
             one = " (one pair: put it in a list)" if isinstance(pair, str) else ""
@@ -182,9 +217,13 @@ class HookedModule(nn.Module):
                     attached.append((hp, fn))
             yield self
         finally:
-            for hp, fn in attached:
-                if fn in hp.fns:  # `reset_hooks` in the block removed it already
-                    hp.fns.remove(fn)
+            for hp, fn in reversed(attached):
+                # this block's own entry, the last one of fn (`reset_hooks` in the block may
+                # have removed it): `remove` took the first, an outer block's copy of the same
+                # fn, and the hooks left ran in another order
+                at = [i for i, f in enumerate(hp.fns) if f is fn]
+                if at:
+                    del hp.fns[at[-1]]
 
     def reset_hooks(self) -> None:
         for hp in self.hook_points().values():
