@@ -497,10 +497,10 @@ def measure_collapse(
     pert = Perturbation(model, mode=mode, targets=targets, noise=noise, sites=sites, heads=heads)
     if any(sigmas):
         _check_noise_fits(pert, data, n_draws)
-    rows = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads,
-                            rows=rows)
-    B, R = data.n_examples, len(rows)
-    by_site = {name: (rows.site == i).nonzero().squeeze(1) for i, name in enumerate(rows.sites)}
+    sparse = find_sparse_rows(model, data, threshold=threshold, sites=sites, heads=heads,
+                              rows=rows)
+    B, R = data.n_examples, len(sparse)
+    by_site = {name: (sparse.site == i).nonzero().squeeze(1) for i, name in enumerate(sparse.sites)}
     flips = torch.zeros(R, len(sigmas), dtype=torch.float64)
     draws_used = []
     sweep_s, row_draws = 0.0, 0
@@ -508,16 +508,16 @@ def measure_collapse(
     # one group: the batch as it is, no copy
     groups = sweep_groups(data, max_tokens, n_draws) if bucket else [torch.arange(B)]
     sites = {s.name: s for s in pert.all_sites}
-    attendable = {name: torch.isfinite(t) for name, t in rows.logits.items()}  # [R_site, K]
+    attendable = {name: torch.isfinite(t) for name, t in sparse.logits.items()}  # [R_site, K]
     parts = []  # (examples, their batch, {site: (row indices, their readers)}, copies)
     for g in groups:
         local = torch.full((B,), -1, dtype=torch.long)
         local[g] = torch.arange(len(g))
-        sel = {name: idx[local[rows.example[idx]] >= 0] for name, idx in by_site.items()}
+        sel = {name: idx[local[sparse.example[idx]] >= 0] for name, idx in by_site.items()}
         part = data if len(groups) == 1 else data.subset(g)
         # a site's rows are contiguous, so idx - its first row indexes its logits' rows
-        sel = {name: (idx, _winners(sites[name], part, local[rows.example[idx]],
-                                    rows.head[idx], rows.qpos[idx],
+        sel = {name: (idx, _winners(sites[name], part, local[sparse.example[idx]],
+                                    sparse.head[idx], sparse.qpos[idx],
                                     attendable[name][idx - by_site[name][0]]))
                for name, idx in sel.items() if idx.numel()}
         if sel:  # a short group fits more copies in one forward: fewer, fuller forwards
@@ -543,14 +543,14 @@ def measure_collapse(
                 take = {k: fn for _, w in sel.values() for k, fn in w.take(c).items()}
                 grabbed = collect(model, part, take, hooks=pert.hooks(sub), copies=c)
                 for idx, w in sel.values():
-                    flips[idx, si] += (w.winners(grabbed) != rows.key[idx]).sum(0).double()
+                    flips[idx, si] += (w.winners(grabbed) != sparse.key[idx]).sum(0).double()
         if sigma > 0:
             sweep_s += time.perf_counter() - t0
             row_draws += R * total
     draws = torch.tensor(draws_used, dtype=torch.float64)
     rate_rows = flips / draws
     resamples = _resamples(B, seed)
-    ex = rows.example.numpy()
+    ex = sparse.example.numpy()
     rows_per_example = np.bincount(ex, minlength=B).astype(np.float64)
     collapse_rate, ci = [], []
     for si in range(len(sigmas)):
@@ -558,17 +558,17 @@ def measure_collapse(
         c_ex = rows_per_example * draws_used[si]
         collapse_rate.append(float(f_ex.sum() / c_ex.sum()) if R else None)
         ci.append(_cluster_ci(f_ex, c_ex, resamples, noisy=sigmas[si] > 0))
-    theory = _theory(rows, [s.name for s in pert.all_sites], sigmas, noise, theory_draws, seed)
+    theory = _theory(sparse, [s.name for s in pert.all_sites], sigmas, noise, theory_draws, seed)
     per_head = []
-    for (site_name, h), n_valid in rows.valid_rows.items():
-        sel = (rows.site == rows.sites.index(site_name)) & (rows.head == h)
+    for (site_name, h), n_valid in sparse.valid_rows.items():
+        sel = (sparse.site == sparse.sites.index(site_name)) & (sparse.head == h)
         n_sparse = int(sel.sum())
         entry = {
             "site": site_name, "head": h, "n_rows": n_valid, "n_sparse": n_sparse,
             "sparse_fraction": n_sparse / n_valid if n_valid else None,
             "mostly_sparse": bool(n_valid and n_sparse / n_valid >= 0.5),
             "sparse_counts_by_threshold": {str(t): v for t, v in
-                                           rows.counts[(site_name, h)].items()},
+                                           sparse.counts[(site_name, h)].items()},
             "collapse_rate": ([float(v) for v in rate_rows[sel].mean(0)] if n_sparse
                               else [None] * len(sigmas)),
         }
@@ -577,20 +577,20 @@ def measure_collapse(
             "predicted_pair_max": [None] * len(sigmas)})
         per_head.append(entry)
     per_site = []
-    for si, name in enumerate(rows.sites):
-        sel = rows.site == si
-        n_valid = sum(v for (s, _), v in rows.valid_rows.items() if s == name)
+    for si, name in enumerate(sparse.sites):
+        sel = sparse.site == si
+        n_valid = sum(v for (s, _), v in sparse.valid_rows.items() if s == name)
         per_site.append({"site": name, "n_rows": n_valid, "n_sparse": int(sel.sum()),
                          "collapse_rate": ([float(v) for v in rate_rows[sel].mean(0)]
                                            if bool(sel.any()) else [None] * len(sigmas))})
-    thetas = sorted({t for c in rows.counts.values() for t in c})
-    n_valid_total = sum(rows.valid_rows.values())
+    thetas = sorted({t for c in sparse.counts.values() for t in c})
+    n_valid_total = sum(sparse.valid_rows.values())
     return {
-        "threshold": rows.threshold,
+        "threshold": sparse.threshold,
         "noise": pert.noise,
         "mode": pert.mode,
         "targets": list(pert.targets),
-        "sites": rows.sites,
+        "sites": sparse.sites,
         "heads": pert.heads,
         "sigmas": sigmas,
         "collapse_rate": collapse_rate,
@@ -609,7 +609,7 @@ def measure_collapse(
         "max_tokens": max_tokens,  # with the seed, it fixes the noise (see the docstring)
         "n_examples": B,
         "sparse_counts_by_threshold": {
-            str(t): sum(c[t] for c in rows.counts.values()) for t in thetas},
+            str(t): sum(c[t] for c in sparse.counts.values()) for t in thetas},
         "mostly_sparse_heads": sum(e["mostly_sparse"] for e in per_head),
         "per_head": per_head,
         "per_site": per_site,
@@ -617,8 +617,9 @@ def measure_collapse(
         "sweep_seconds": sweep_s,
         "seed": seed,
         "theory_note": THEORY_NOTE,
-        "rows": {"site": rows.site, "head": rows.head, "example": rows.example,
-                 "qpos": rows.qpos, "key": rows.key, "weight": rows.weight, "rate": rate_rows},
+        "rows": {"site": sparse.site, "head": sparse.head, "example": sparse.example,
+                 "qpos": sparse.qpos, "key": sparse.key, "weight": sparse.weight,
+                 "rate": rate_rows},
     }
 
 
