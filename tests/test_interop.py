@@ -107,14 +107,26 @@ def test_gpt2_parity(tied: bool, sdpa_past: SdpaPast) -> None:
     assert model.cfg.tie_embeddings is tied
 
 
+@pytest.mark.parametrize("act", ["gelu", "relu", "silu"])
+def test_gpt2_parity_other_activations_eps_and_width(act: str, sdpa_past: SdpaPast) -> None:
+    """`gelu` is erf's GELU, not gelu_new's tanh one (2e-3 apart in the logits, 20x the
+    tolerance); a large eps and n_inner are read, not defaulted."""
+    hf = _gpt2(activation_function=act, layer_norm_epsilon=0.05, n_inner=96)
+    model = from_hf(hf)
+    assert (model.cfg.norm_eps, model.cfg.d_mlp) == (0.05, 96)
+    _check_parity(hf, model, sdpa_past)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         {"rope_theta": 500000.0},  # GQA, untied
         {"tie_word_embeddings": True, "attention_bias": True, "num_key_value_heads": 4,
          "head_dim": 24},
+        # a large eps (logits ~10 off if the default were used) and erf's GELU in the gate
+        {"rms_norm_eps": 0.05, "hidden_act": "gelu"},
     ],
-    ids=["gqa-untied", "tied-bias-headdim"],
+    ids=["gqa-untied", "tied-bias-headdim", "eps-gelu"],
 )
 def test_llama_parity(overrides: dict[str, Any], sdpa_past: SdpaPast) -> None:
     hf = _llama(**overrides)
@@ -131,8 +143,9 @@ def test_llama_parity(overrides: dict[str, Any], sdpa_past: SdpaPast) -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True}],
-    ids=["headdim24-untied", "tied-bias"],
+    [{}, {"head_dim": 16, "tie_word_embeddings": True, "attention_bias": True},
+     {"rms_norm_eps": 0.05}],
+    ids=["headdim24-untied", "tied-bias", "eps"],
 )
 def test_qwen3_parity(overrides: dict[str, Any], sdpa_past: SdpaPast) -> None:
     hf = _qwen3(**overrides)
@@ -143,7 +156,8 @@ def test_qwen3_parity(overrides: dict[str, Any], sdpa_past: SdpaPast) -> None:
     scale = cache["blocks.0.attn.q_norm.hook_scale"]  # RMS of each head's q, before RoPE
     assert scale.shape == (2, 24, 4, 1)
     pre = cache["blocks.0.attn.hook_q_pre_norm"]
-    torch.testing.assert_close(scale, (pre.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt())
+    eps = overrides.get("rms_norm_eps", 1e-6)
+    torch.testing.assert_close(scale, (pre.pow(2).mean(-1, keepdim=True) + eps).sqrt())
     assert "blocks.0.attn.k_norm.hook_scale" in cache and "blocks.0.attn.hook_rot_q" in cache
 
 
@@ -228,8 +242,69 @@ def test_missing_or_empty_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", ["linear", "dynamic"])
 def test_rope_scaling_refused(kind: str) -> None:
     hf = _llama(rope_scaling={"rope_type": kind, "factor": 2.0})
-    with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported"):
+    with pytest.raises(ValueError, match=r"rope_parameters\.rope_type \(rope_scaling in "
+                       rf"transformers 4\) '{kind}' is not supported"):
         from_hf(hf)
+
+
+def _per_layer_rope() -> Any:
+    c = transformers.LlamaConfig(**SMALL)
+    c.rope_parameters = {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return c
+
+
+@pytest.mark.parametrize(("name", "config", "error"), [
+    ("LlamaForCausalLM", lambda: transformers.LlamaConfig(**SMALL, mlp_bias=True),
+     r"mlp_bias=True is not supported"),
+    ("LlamaForCausalLM", lambda: transformers.LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     r"partial_rotary_factor=0\.5 is not supported"),
+    ("LlamaForCausalLM", _per_layer_rope, r"per-layer-type rope_parameters are not supported"),
+    ("Qwen3ForCausalLM", lambda: transformers.Qwen3Config(
+        **SMALL, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+     r"sliding-window"),
+    ("GPT2LMHeadModel", lambda: transformers.GPT2Config(scale_attn_by_inverse_layer_idx=True),
+     r"scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False is not supported"),
+    ("GPT2LMHeadModel", lambda: transformers.GPT2Config(scale_attn_weights=False),
+     r"scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False is not supported"),
+], ids=["mlp_bias", "partial_rotary", "per_layer_rope", "qwen3_layer_types",
+        "gpt2_inverse_layer_idx", "gpt2_unscaled"])
+def test_a_feature_normlab_lacks_is_refused_from_the_config(name: str, config: Callable[[], Any],
+                                                            error: str) -> None:
+    """Each of these changes the model's math; converted without it, the model would be
+    silently wrong (a gate bias dropped, a window ignored). Qwen3's sliding layers named only
+    in layer_types, with use_sliding_window off, are refused too."""
+    from normlab.interop.hf import hf_model_config
+
+    with pytest.raises(ValueError, match=rf"^{name}: .*{error}"):
+        hf_model_config(config(), name)
+
+
+def test_weights_on_the_meta_device_are_refused() -> None:
+    """An empty-initialised or offloaded model has no data to copy: one line, not torch's
+    "Cannot copy out of meta tensor" traceback."""
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM: model\.embed_tokens\.weight "
+                       r"\(\d+ tensors in all\) is on the meta device; expected a model with "
+                       r"its weights loaded"):
+        from_hf(hf)
+
+
+def test_loading_leaves_transformers_logging_as_it_was(tmp_path: Path) -> None:
+    """Its log lines are held back while a folder loads, and its handler then restored as the
+    caller had it: one turned off was turned back on."""
+    from transformers.utils import logging as tlog
+
+    _gpt2().save_pretrained(tmp_path / "g")
+    root = tlog.get_logger()
+    try:
+        for on in (False, True):
+            (tlog.enable_default_handler if on else tlog.disable_default_handler)()
+            from_hf_pretrained(tmp_path / "g")
+            assert (tlog._default_handler in root.handlers) is on
+    finally:
+        tlog.enable_default_handler()
 
 
 def test_sliding_window_refused() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from normlab.cli import main  # noqa: E402
-from normlab.interop.analyze import _rows  # noqa: E402
+from normlab.interop.analyze import _rows, loaded_weight_files  # noqa: E402
 
 VOCAB = 50
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
@@ -55,6 +56,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {k: root / k for k in ("gpt2", "qwen3", "gpt2_tok", "qwen2")}
     out["tokens"] = root / "tokens.txt"
     _gpt2().save_pretrained(out["gpt2"])
+    (out["gpt2"] / "training_args.bin").write_bytes(b"a Trainer's, not weights")
     _qwen3().save_pretrained(out["qwen3"])
     _gpt2().save_pretrained(out["gpt2_tok"])
     _tokenizer().save_pretrained(out["gpt2_tok"])
@@ -68,6 +70,30 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 FAST = ["--sigmas", "0,0.2", "--draws", "4", "--examples", "3"]
+
+
+def test_the_weight_files_recorded_are_those_transformers_reads(tmp_path: Path) -> None:
+    """model.safetensors, else its index and shards, else the same for pytorch_model.bin (the
+    order `from_pretrained` looks in); never a training_args.bin or a stale .bin beside them."""
+    def names(*files: str, index: str | None = None) -> list[str]:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        for f in files:
+            (folder / f).write_bytes(b"")
+        if index:
+            (folder / index).write_text(json.dumps({"weight_map": {
+                "a": "m-00002.x", "b": "m-00001.x", "c": "m-00002.x"}}))
+        return [p.name for p in loaded_weight_files(folder)]
+
+    assert names("model.safetensors", "pytorch_model.bin", "training_args.bin") == [
+        "model.safetensors"]
+    assert names("pytorch_model.bin", "training_args.bin") == ["pytorch_model.bin"]
+    assert names("m-00001.x", "m-00002.x", "pytorch_model.bin",
+                 index="model.safetensors.index.json") == [
+        "model.safetensors.index.json", "m-00001.x", "m-00002.x"]
+    assert names("m-00001.x", "m-00002.x", index="pytorch_model.bin.index.json") == [
+        "pytorch_model.bin.index.json", "m-00001.x", "m-00002.x"]
+    assert names("training_args.bin") == []
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen3"])
@@ -86,6 +112,8 @@ def test_tokens_file(family: str, folders: dict[str, Path], tmp_path: Path,
     for doc in (norms, collapse):
         assert doc["hf"]["class"] == cls and doc["hf"]["config"]["vocab_size"] == VOCAB
         assert doc["hf"]["weights"][0]["sha256"] and doc["provenance"]["torch"]
+        # the file transformers read, not the training_args.bin beside it
+        assert [w["file"] for w in doc["hf"]["weights"]] == ["model.safetensors"]
         assert doc["seed"] == 0 and doc["config"]["vocab_size"] == VOCAB
     # 300 ids in rows of 128: 128 + 128 + 44 real tokens; the 84 pads are never counted
     assert norms["input"] | {"sha256": None} == {
@@ -406,8 +434,10 @@ def test_a_model_it_cannot_convert_is_refused_before_its_weights_load(
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
-    said = "LlamaForCausalLM: rope_scaling type 'llama3' is not supported"
-    with pytest.raises(ValueError, match=f"^from_hf_pretrained: folder .*: config.json: {said}"):
+    said = ("LlamaForCausalLM: rope_parameters.rope_type (rope_scaling in transformers 4) "
+            "'llama3' is not supported")
+    with pytest.raises(ValueError, match=f"^from_hf_pretrained: folder .*: config.json: "
+                                         f"{re.escape(said)}"):
         from_hf_pretrained(folder)
     text = tmp_path / "t.txt"
     text.write_text("the cat\n")
@@ -418,7 +448,7 @@ def test_a_model_it_cannot_convert_is_refused_before_its_weights_load(
     monkeypatch.undo()
     live = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(folder))
     monkeypatch.setattr(live, "state_dict", never)  # from_hf copied every weight first
-    with pytest.raises(ValueError, match=f"^{said}"):
+    with pytest.raises(ValueError, match=f"^{re.escape(said)}"):
         from_hf(live)
 
 

@@ -176,11 +176,32 @@ def analyze_hf(
 # --------------------------------------------------------------------------- model
 
 
+def loaded_weight_files(folder: Path) -> list[Path]:
+    """The weight files `from_pretrained` reads from `folder`, in transformers' order: one
+    safetensors file, else its index's shards, else the same for pytorch_model.bin. Listing
+    every .bin and .safetensors named a Trainer's training_args.bin or a stale
+    pytorch_model.bin as weights, and could not say which had loaded."""
+    from transformers.utils import (
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    for single, index in ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME),
+                          (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        if (folder / single).is_file():
+            return [folder / single]
+        if (folder / index).is_file():  # it loaded, so the index reads and its shards exist
+            shards = json.loads((folder / index).read_text())["weight_map"].values()
+            return [folder / index, *sorted(folder / f for f in set(shards))]
+    return []
+
+
 def _hf_meta(folder: Path, config: Any, hf_class: str) -> dict[str, Any]:
     import transformers
 
-    weights = sorted(p for p in folder.iterdir()
-                     if p.suffix in (".safetensors", ".bin") and p.is_file())
+    weights = loaded_weight_files(folder)
     return {"class": hf_class, "model_type": config.model_type,
             "config": json.loads(config.to_json_string()),
             "weights": [{"file": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)}

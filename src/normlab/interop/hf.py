@@ -123,9 +123,9 @@ def _rope_theta(c: Any) -> float:
         raise ValueError("per-layer-type rope_parameters are not supported")
     kind = params.get("rope_type", params.get("type")) or "default"
     if kind != "default":
-        raise ValueError(
-            f"rope_scaling type {kind!r} is not supported; only plain RoPE "
-            "(rope_type 'default') is implemented"
+        raise ValueError(  # both names: transformers 5 saves rope_parameters, 4.x rope_scaling
+            f"rope_parameters.rope_type (rope_scaling in transformers 4) {kind!r} is not "
+            "supported; only plain RoPE (rope_type 'default') is implemented"
         )
     partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -248,7 +248,14 @@ def from_hf(hf_model: Any) -> DecoderLM:
     """
     name = type(hf_model).__name__
     cfg = hf_model_config(hf_model.config, name)  # refused before any weight is copied
-    sd = {k: v.detach().to("cpu", torch.float32) for k, v in hf_model.state_dict().items()}
+    state = hf_model.state_dict()
+    # on the meta device (empty initialisation, offloading) there is nothing to copy: torch's
+    # "Cannot copy out of meta tensor" traceback before
+    if empty := [k for k, v in state.items() if v.is_meta]:
+        raise ValueError(f"{name}: {empty[0]} ({len(empty)} tensors in all) is on the meta "
+                         "device; expected a model with its weights loaded (not offloaded or "
+                         "empty-initialised)")
+    sd = {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
     conv = CONVERTERS[name]
     _check_tied(cfg, sd, conv.embed)
     model = build_model(cfg)
@@ -309,6 +316,10 @@ def held_logs() -> Iterator[_Kept]:
 
     report = _Kept()
     bar = logging.is_progress_bar_enabled()
+    # restored as found: a caller who had turned transformers' handler off got it back on
+    root = logging.get_logger()
+    handler = getattr(logging, "_default_handler", None)
+    shown = handler is None or handler in root.handlers
     logging.disable_default_handler()
     logging.add_handler(report)
     logging.disable_progress_bar()
@@ -316,7 +327,8 @@ def held_logs() -> Iterator[_Kept]:
         yield report
     finally:
         logging.remove_handler(report)
-        logging.enable_default_handler()
+        if shown:
+            logging.enable_default_handler()
         if bar:
             logging.enable_progress_bar()
 
