@@ -1,7 +1,8 @@
-"""A checkpoint sidecar's contents are checked, not only its keys: the SHA-256 covers the
-tensor file alone, so a damaged or hand-edited sidecar (a null config, a step that is not its
-file's, an RNG state that does not decode...) is a one-line error naming the file and the
-field, and the newest good checkpoint is used instead, as for bad tensors."""
+"""A checkpoint sidecar's contents are checked: its own hash (`sidecar_sha256`) catches a
+flipped bit, and behind it the types of its fields catch a sidecar edited past the hash, or
+one from before it (a null config, a step that is not its file's, an RNG state that does not
+decode...): a one-line error naming the file and the field, and the newest good checkpoint is
+used instead, as for bad tensors."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import TINY_RUN
-from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from normlab.checkpoint import (
+    SELF_HASH,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    sidecar_hash,
+)
 from normlab.cli import main
 from normlab.config import load_config
 from normlab.train import load_run, train
@@ -72,10 +81,12 @@ def run(trained: Path, tmp_path: Path) -> Path:
 
 
 def _damage(run: Path, how: Any) -> Path:
-    """Damage the newest sidecar (step 20's) and return it."""
+    """Damage the newest sidecar (step 20's) and return it; its own hash is made again (an
+    edit by hand, or by a tool, past the hash), so these reach the type checks behind it."""
     newest = list_checkpoints(run / "checkpoints")[-1]
     meta = json.loads(newest.read_text())
     how(meta)
+    meta[SELF_HASH] = sidecar_hash(meta)
     newest.write_text(json.dumps(meta))
     return newest
 
@@ -84,6 +95,59 @@ def _only_newest(run: Path) -> None:
     older = list_checkpoints(run / "checkpoints")[0]
     older.with_suffix(".safetensors").unlink()
     older.unlink()
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ('"weight_decay": 0.02', '"weight_decay": 0.06'),  # one bit of "2" -> "6"
+    ('"eps": 1e-08', '"eps": 1e-09'),
+])
+def test_a_flipped_bit_in_a_sidecar_is_caught_by_its_own_hash(run: Path, old: str,
+                                                               new: str) -> None:
+    """The resume reads the optimiser's groups, the data stream and the RNG from the sidecar,
+    outside the tensor file's SHA-256: a one-bit change trained on with no word, weights
+    5e-3 off an uninterrupted run's (and the edited weight decay passed on to later
+    checkpoints, the config still saying 0.02)."""
+    newest = list_checkpoints(run / "checkpoints")[-1]
+    text = newest.read_text()
+    assert text.index(old) < text.index('"config"')  # the optimizer's group, not the config
+    newest.write_text(text.replace(old, new, 1))
+    warnings: list[str] = []
+    _, meta = latest_checkpoint(run / "checkpoints", warn=warnings.append)
+    assert meta["step"] == 10
+    assert len(warnings) == 1 and newest.name in warnings[0]
+    assert "is corrupted or was edited (sidecar_sha256 does not match its fields)" in warnings[0]
+
+
+def test_a_sidecar_from_before_its_hash_still_loads(run: Path) -> None:
+    """Sidecars written before `sidecar_sha256` existed are checked by their fields' types."""
+    newest = list_checkpoints(run / "checkpoints")[-1]
+    meta = json.loads(newest.read_text())
+    assert meta.pop(SELF_HASH) == sidecar_hash(meta)
+    newest.write_text(json.dumps(meta))
+    assert load_checkpoint(newest)[1]["step"] == 20
+
+
+def test_the_config_decides_the_optimizer_settings_on_resume(tmp_path: Path) -> None:
+    """An edited sidecar's optimiser settings (weight decay, betas, gradient ascent) are not
+    taken over the config the resume checked: the run ends bitwise as an uninterrupted one."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    cfg = load_config(None, TINY)
+    train(cfg, whole, progress=False)
+    train(cfg, part, progress=False, stop_after=12)
+    newest = list_checkpoints(part / "checkpoints")[-1]
+
+    def edit(m: dict[str, Any]) -> None:
+        m["optimizer"]["param_groups"][0].update(weight_decay=0.5, betas=[0.5, 0.5],
+                                                 maximize=True)
+
+    _damage(part, edit)
+    train(cfg, part, progress=False, resume=True)
+    saved = json.loads(list_checkpoints(part / "checkpoints")[-1].read_text())
+    assert saved["optimizer"]["param_groups"][0]["weight_decay"] == cfg.train.weight_decay
+    assert newest.name == "step_0000010.json"
+    a, _ = latest_checkpoint(whole / "checkpoints")
+    b, _ = latest_checkpoint(part / "checkpoints")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_undamaged_checkpoints_load(run: Path) -> None:

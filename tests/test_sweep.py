@@ -48,6 +48,18 @@ def test_a_wrong_typed_top_level_key_is_named(tmp_path: Path, top: str, message:
     assert said == f"sweep file {str(f)!r}: {message}"
 
 
+def test_a_bad_key_in_the_base_config_names_that_file(tmp_path: Path) -> None:
+    """It named the sweep file alone, whose keys were all right; a grid value's error names no
+    flag (the sweep sets it, not --set)."""
+    (tmp_path / "base.toml").write_text("[train]\nlrr = 1\n")
+    f, said = _refusal(tmp_path, 'base = "base.toml"\n' + GRID)
+    assert said.startswith(f"sweep file {str(f)!r}: config file "
+                           f"{str(tmp_path / 'base.toml')!r}: train.lrr: unknown key")
+    (tmp_path / "base.toml").write_text("[train]\nlr = 1e-3\n")
+    f, said = _refusal(tmp_path, 'base = "base.toml"\n[grid]\n"train.steps" = [1.5]\n')
+    assert said == f"sweep file {str(f)!r}: train.steps: expected int; got float 1.5"
+
+
 def _refusal(tmp_path: Path, content: str | bytes) -> tuple[Path, str]:
     """A sweep file of `content`, and what reading it is refused with."""
     f = tmp_path / "s.toml"

@@ -15,7 +15,13 @@ import normlab.train as tr
 from conftest import TINY_RUN as TINY
 from normlab import allocator, build_model
 from normlab.analysis.report import analyze_run
-from normlab.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from normlab.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    sidecar_hash,
+)
 from normlab.cli import eval_run, main
 from normlab.config import dump_toml, load_config
 from normlab.train import TrainingError, _written_here, loss_on, lr_at, train
@@ -141,6 +147,7 @@ def test_resume_accepts_a_checkpoint_from_before_an_option_existed(tmp_path: Pat
     for side in (tmp_path / "run/checkpoints").glob("*.json"):
         meta = json.loads(side.read_text())
         del meta["config"]["task"]["complement_answer"]
+        del meta["sidecar_sha256"]  # nor its own hash (newer still)
         side.write_text(json.dumps(meta))
     train(c, tmp_path / "run", progress=False, resume=True)
     train(c, tmp_path / "straight", progress=False)
@@ -449,10 +456,14 @@ def test_cli_bad_input(tmp_path: Path, capsys) -> None:
     assert code == 2 and "model.d_modle: unknown key" in err and "\n" not in err
     bad.write_text("[train]\nlr = 'fast'\n")
     code, err = _cli(capsys, "train", "--config", str(bad), "--out", out)
-    assert code == 2 and "train.lr: expected float" in err
+    assert code == 2 and f"config file {str(bad)!r}: train.lr: expected float" in err
     bad.write_text("[model]\nnorm_placement = 'sandwich'\n")
     code, err = _cli(capsys, "train", "--config", str(bad), "--out", out)
-    assert code == 2 and "ModelConfig.norm_placement" in err
+    # the file leads its own fields' errors, named as its tables name them
+    assert code == 2 and f"config file {str(bad)!r}: model.norm_placement: expected" in err
+    code, err = _cli(capsys, "train", "--config", str(bad), "--out", out,
+                     "--set", "model.norm_placement=sandwich")
+    assert code == 2 and "error: --set model.norm_placement: expected one of" in err
     good = tmp_path / "good.toml"
     good.write_text(
         "[task]\ngrid = 'smoke'\n[train]\nsteps = 2\n[model]\nd_model = 16\nn_layers = 1\n"
@@ -1098,7 +1109,7 @@ def test_evaluations_between_log_steps_are_run(tmp_path: Path) -> None:
 def test_training_settings_are_named_when_refused(sets: list[str], field: str) -> None:
     """A typo in early_stop_split scored -1 at every evaluation; NaN or out-of-range optimizer
     values were torch's errors, naming no field, or a NaN loss later."""
-    with pytest.raises(ValueError, match=rf"^{field}: expected"):
+    with pytest.raises(ValueError, match=rf"^--set {field}: expected"):  # the flag's value
         cfg(*sets).validate()
 
 
@@ -1226,6 +1237,41 @@ def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path: Path) -> None:
             assert warned[0].endswith("to 0.8 x train.lr at the last step")
 
 
+def test_a_run_config_toml_derives_the_sizes_its_source_derived(tmp_path: Path) -> None:
+    """A run folder's config.toml pinned d_head, d_mlp and n_kv_heads where they were derived:
+    `--set model.n_heads=4` on it built grouped-query attention with d_head 16 (on the recipe,
+    4 heads of 8). Sizes set to other values than derived stay."""
+    c = cfg("train.steps=1", "train.eval_every=1", "train.checkpoint_every=1")
+    assert (c.model.d_model, c.model.n_heads) == (32, 2)
+    train(c, tmp_path / "run", progress=False)
+    saved = tmp_path / "run/config.toml"
+    written = load_toml_table(saved, "model")
+    assert not {"d_head", "n_kv_heads"} & set(written) and written["d_mlp"] == 64  # (not 4 x 32)
+    assert load_config(saved) == c  # the same run, so a resume takes it as its own
+    again = load_config(saved, ["model.n_heads=4"]).model
+    assert (again.d_head, again.n_kv_heads, again.d_mlp) == (8, 4, 64)
+    assert "d_mlp" not in cfg("model.d_mlp=128").to_toml()
+    own = cfg("model.d_head=8", "model.n_kv_heads=1", "model.d_mlp=40")
+    kept = load_config_text(tmp_path / "own.toml", own.to_toml()).model
+    assert (kept.d_head, kept.n_kv_heads, kept.d_mlp) == (8, 1, 40)
+
+
+def load_toml_table(path: Path, table: str) -> dict:
+    import tomllib
+
+    return tomllib.loads(path.read_text())[table]
+
+
+def load_config_text(path: Path, text: str):
+    path.write_text(text)
+    return load_config(path)
+
+
+def test_a_bare_word_override_is_read_without_its_spaces() -> None:
+    """`--set "model.norm_placement = qkv"` was refused, the value read as ' qkv'."""
+    assert load_config(None, ["model.norm_placement = qkv "]).model.norm_placement == "qkv"
+
+
 def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Path) -> None:
     """A config that is not UTF-8, a table given a value, a sidecar of another program (or
     cut short), and weights of another model: one line naming the file or the field."""
@@ -1234,9 +1280,9 @@ def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Pa
     with pytest.raises(ValueError, match=r"latin1\.toml.?: not UTF-8 text, as TOML is"):
         load_config(bad)
     bad.write_text("model = 5\ntrain = 3\n")
-    with pytest.raises(ValueError, match=r"^model: expected a table"):
+    with pytest.raises(ValueError, match=r"^config file '.*latin1\.toml': model: expected a table"):
         load_config(bad, ["model.d_model=32"])
-    with pytest.raises(ValueError, match=r"^train: expected a table"):
+    with pytest.raises(ValueError, match=r"^config file '.*latin1\.toml': train: expected a table"):
         load_config(bad, seed=1)
     c = cfg("train.steps=20", "train.checkpoint_every=10", "train.eval_every=20")
     train(c, tmp_path / "run", progress=False)
@@ -1254,6 +1300,7 @@ def test_config_files_and_checkpoints_that_cannot_be_read_are_named(tmp_path: Pa
                 "model.d_mlp=32")
     side = json.loads(prev.read_text())
     side["config"] = other.to_dict()  # weights of d_mlp 64 under a d_mlp 32 config
+    side["sidecar_sha256"] = sidecar_hash(side)  # edited past its own hash
     prev.write_text(json.dumps(side))
     newest.unlink()
     # the run's record names the config it trained: a sidecar saying another is refused so

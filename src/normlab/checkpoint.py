@@ -1,10 +1,12 @@
 """Checkpoints: tensors in safetensors (never pickle), everything else in a JSON sidecar.
 
 `step_0001000.safetensors` holds model weights (`model/...`) and optimiser moments
-(`optim/...`); `step_0001000.json` holds config, step, RNG and stream state, versions and
-the SHA-256 of the tensor file. A checkpoint exists once its sidecar does (written last,
-atomically), and is only trusted if the hash matches and the sidecar's fields are of the
-types their readers take (`check_sidecar`: the hash does not cover them). The two newest are
+(`optim/...`); `step_0001000.json` holds config, step, RNG and stream state, versions, the
+SHA-256 of the tensor file and one of its own fields (`sidecar_sha256`: a resume reads the data
+stream, the RNG and the optimiser's groups from it, and one flipped bit there trained on
+silently). A checkpoint exists once its sidecar does (written last, atomically), and is only
+trusted if both hashes match and the sidecar's fields are of the types their readers take
+(`check_sidecar`; a sidecar from before its hash is checked by type alone). The two newest are
 kept.
 """
 
@@ -23,9 +25,10 @@ from safetensors.torch import load, save
 
 from normlab.checks import is_fraction, is_int, is_real, is_seconds
 from normlab.config import RunConfig
-from normlab.io import atomic_write_bytes, provenance, write_json
+from normlab.io import atomic_write_bytes, jsonable, provenance, write_json
 
 KEEP = 2
+SELF_HASH = "sidecar_sha256"
 SIDECAR_KEYS = ("step", "sha256", "torch_rng")  # what every reader needs (load_checkpoint)
 CPU_RNG_BYTES = torch.get_rng_state().numel()  # what `torch.set_rng_state` takes back
 STREAM_KEYS = ("cells", "weights", "bit_generator")  # what `TrainStream.load_state_dict` reads
@@ -85,6 +88,9 @@ def save_checkpoint(
         "provenance": meta["provenance"] if "provenance" in meta else provenance(),
         **meta,
     }
+    # hashed as it will read back (tuples as lists, keys as strings)
+    sidecar = json.loads(json.dumps(sidecar, default=jsonable))
+    sidecar[SELF_HASH] = sidecar_hash(sidecar)
     path = folder / f"{_stem(step)}.json"
     write_json(path, sidecar)
     others = [c for c in list_checkpoints(folder) if c != path]
@@ -116,6 +122,11 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             f"object with {', '.join(SIDECAR_KEYS)}"
             + (f"; {', '.join(missing)} missing" if missing else "")
         )
+    if SELF_HASH in meta and sidecar_hash(meta) != meta[SELF_HASH]:
+        raise CheckpointError(
+            f"checkpoint sidecar {str(side)!r} is corrupted or was edited "
+            f"({SELF_HASH} does not match its fields)"
+        )
     blob = tens.read_bytes()
     if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
         raise CheckpointError(
@@ -128,6 +139,13 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         raise CheckpointError(f"checkpoint {str(tens)!r} cannot be read ({err})") from None
     check_sidecar(meta, side, tensors)
     return tensors, meta
+
+
+def sidecar_hash(meta: dict[str, Any]) -> str:
+    """SHA-256 of a sidecar's fields but its own hash, as canonical JSON (sorted keys)."""
+    body = {k: v for k, v in meta.items() if k != SELF_HASH}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_sidecar(meta: dict[str, Any], side: Path, tensors: dict[str, torch.Tensor]) -> None:

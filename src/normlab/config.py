@@ -237,6 +237,18 @@ class RunConfig:
             "train": dataclasses.asdict(self.train),
         }
 
+    def to_toml(self) -> str:
+        """The config as a run folder's config.toml: a size `ModelConfig` derives (`DERIVED`)
+        is left out where it equals what its sources derive. Pinned, `--set model.n_heads=4` on
+        a run's file kept its d_head and n_kv_heads (grouped-query attention, where the same
+        override on the recipe gave 4 heads of d_model / 4): a file reruns as its source."""
+        data = self.to_dict()
+        for name in ModelConfig.DERIVED:
+            derived = getattr(dataclasses.replace(self.model, **{name: None}), name)
+            if derived == data["model"][name]:
+                del data["model"][name]
+        return dump_toml(data)
+
 
 def config_key(key: str, where: str) -> list[str]:
     """`model.d_model` -> ['model', 'd_model']; anything else is one line naming `where` (the
@@ -256,7 +268,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         doc = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
-        return path, raw  # a bare word is a string: --set model.norm_placement=qkv
+        # a bare word is a string: --set model.norm_placement=qkv (or "= qkv", spaced)
+        return path, raw.strip()
     except RecursionError:  # tomllib's, past ~900 nested levels: "maximum recursion depth"
         raise ValueError(f"--set {key!r}: expected a TOML value; this one is nested too "
                          "deeply to read") from None
@@ -284,21 +297,40 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] = (), seed: int | None = None
+    path: str | Path | None, overrides: list[str] = (), seed: int | None = None,
+    set_by: str | None = "--set",
 ) -> RunConfig:
-    """Read a TOML run config (None: all defaults), apply overrides and an optional seed."""
+    """Read a TOML run config (None: all defaults), apply overrides and an optional seed.
+
+    An error is one line led by where the bad field came from: the file (`config file PATH:`),
+    or `set_by` (the flag; None where the caller names the source, as a sweep does) for a field
+    an override set, so `train.steps: expected int` says whether the file or the flag is wrong.
+    """
     data: dict[str, Any] = read_toml(Path(path), "config file") if path is not None else {}
+    where = f"config file {str(path)!r}: " if path is not None else ""
+
     def table(name: str) -> dict[str, Any]:
         if not isinstance(data.setdefault(name, {}), dict):  # `model = 5` in the file
-            raise ValueError(f"{name}: expected a table; got {data[name]!r}")
+            raise ValueError(f"{where}{name}: expected a table; got {data[name]!r}")
         return data[name]
 
+    given: set[str] = set()
     for item in overrides:
         (name, key), value = parse_override(item)
         table(name)[key] = value
+        given.add(f"{name}.{key}")
     if seed is not None:
         table("train")["seed"] = seed
-    return RunConfig.from_dict(data)
+    try:
+        return RunConfig.from_dict(data)
+    except ValueError as err:
+        msg = str(err)
+        for cls, name in (("ModelConfig.", "model."), ("TaskConfig.", "task."),
+                          ("TrainConfig.", "train.")):  # the dataclasses' own checks
+            msg = name + msg.removeprefix(cls) if msg.startswith(cls) else msg
+        field = msg.split(":", 1)[0].removeprefix("config.")
+        lead = (f"{set_by} " if set_by else "") if field in given else where
+        raise ValueError(f"{lead}{msg}") from None
 
 
 def dump_toml(data: dict[str, Any]) -> str:

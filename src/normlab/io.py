@@ -274,7 +274,7 @@ def read_json(path: Path, what: str = "JSON",
 
 
 def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2, default=jsonable) + "\n")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -310,7 +310,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """`json.dumps`'s `default`: numpy scalars, tensors and paths as JSON values."""
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, torch.Tensor):

@@ -110,7 +110,7 @@ def expand(
     for combo in itertools.product(*(grid[k] for k in keys)):
         chosen = dict(zip(keys, combo, strict=True))
         sets = [f"{k}={_toml(v)}" for k, v in {**fixed, **chosen}.items()]
-        cfg = load_config(base, sets)
+        cfg = load_config(base, sets, set_by=None)  # the sweep file leads its errors
         short = {k.split(".")[-1]: v for k, v in chosen.items()}
         run_name = _run_name(name or "-".join("{" + k + "}" for k in short), short)
         model_task = json.dumps([cfg.to_dict()[k] for k in ("model", "task")], sort_keys=True)

@@ -31,7 +31,7 @@ from normlab.checkpoint import (
     save_checkpoint,
 )
 from normlab.checks import first_line, format_bytes, is_int, is_seconds, memory_bytes
-from normlab.config import RunConfig, dump_toml, load_config, read_toml
+from normlab.config import RunConfig, load_config, read_toml
 from normlab.evaluate import evaluate, forward_batch
 from normlab.io import (
     ANALYSING,
@@ -414,7 +414,7 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     # the folder is touched (with --force: emptied) only now, after everything that can refuse
     # the config (the device, the optimizer's settings, a batch or the evaluation sets too
     # large for memory): a refusal leaves the old run as it was
-    config_text = dump_toml(cfg.to_dict())  # a value TOML cannot write: refused by now
+    config_text = cfg.to_toml()  # a value TOML cannot write: refused by now
     lock.take(out)
     prepare_run_dir(out, resume=resume, force=force, log=log)
     if resume and lock.fd is not None:
@@ -432,6 +432,7 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
         require(meta, ("config", "stream", "elapsed_s", "best", "stale", "optimizer"), ckpt_dir)
         _check_same_config(meta["config"], cfg, out)
         load_weights(model, tensors, meta, ckpt_dir)
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         try:
             opt.load_state_dict(optimizer_state(tensors, meta))
         except ValueError:  # torch's "... doesn't match the size of optimizer's group"
@@ -442,6 +443,10 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
                 f"not), this model's are {now} (with attn_bias, checkpoints saved before the "
                 "attention biases left weight decay); it cannot resume exactly: start again "
                 "with --force") from None
+        # the config decides weight decay, betas, eps and the flags, as checked above, not the
+        # sidecar's copy (an edited one trained on with its own, and passed it on)
+        for group, own in zip(opt.param_groups, settings, strict=True):
+            group.update(own)
         stream.load_state_dict(meta["stream"])
         if not restore_rng(meta, device) and cfg.model.dropout > 0:
             log("the checkpoint holds no CUDA random state: dropout masks will differ from an "
@@ -689,7 +694,7 @@ def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None]
         return
     try:  # only to write: a finished run on a read-only disk still reads as done
         lock.take(out)
-        atomic_write_text(path, dump_toml(cfg.to_dict()))
+        atomic_write_text(path, cfg.to_toml())
         failed = None
     except (ValueError, OSError) as err:
         failed = first_line(err)
