@@ -740,6 +740,12 @@ def test_a_source_row_without_tokens_is_refused() -> None:
     mask[1] = False
     with pytest.raises(ValueError, match=r"^src_mask: row 1 has no real source token"):
         model(src, src[:, :2], mask)
+    # `decode` called alone (a memory kept, another mask) checks it too: NaN logits up to 64
+    # source positions, and past them SDPA's finite ones, meaning nothing
+    memory = model.encode(src, torch.ones(2, 5, dtype=torch.bool))
+    for cache in (None, model.new_cache(capacity=4)):
+        with pytest.raises(ValueError, match=r"^src_mask: row 1 has no real source token"):
+            model.decode(src[:, :2], memory, mask, cache=cache)
 
 
 def test_the_source_row_check_keeps_one_graph_under_compile() -> None:

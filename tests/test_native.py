@@ -1908,6 +1908,24 @@ def test_attention_every_key_masked_is_nan_as_torch(uniform: bool) -> None:
     assert z[rows, :, 2].isnan().all() and want[rows, :, 2].isnan().all()
     z[rows, :, 2], want[rows, :, 2] = 0.0, 0.0
     torch.testing.assert_close(z, want, atol=2e-6, rtol=1e-5)
+    # backward, the NaN output left out of the loss: q, k and the scale get torch's finite
+    # gradients (the masked_fill backward passes none to the row's scores; the kernel's NaN
+    # reached dq, dk and every head's scale under a mask per row), dv is NaN where torch's is
+    # or finite (under one mask the query's keys are never read)
+    w = torch.randn(3, 2, 4, 16, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fn in (native.attention, lambda *a: native.torch_attention(*a).transpose(1, 2)):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v, scale)]
+        out = fn(*x, m)
+        (torch.where(out.isnan(), 0.0, out) * w).sum().backward()
+        grads.append([t.grad for t in x])
+    for name, got, ref in zip("qkvs", *grads, strict=True):
+        if name == "v":  # compared where torch's is finite: the kernel's NaN only there too
+            assert not (got.isnan() & ~ref.isnan()).any()
+            got, ref = got[~ref.isnan()], ref[~ref.isnan()]
+        assert got.isfinite().all() and ref.isfinite().all(), name
+        top = float(ref.abs().max()) if ref.numel() else 0.0
+        torch.testing.assert_close(got, ref, atol=2e-5 * top, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])

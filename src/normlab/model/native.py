@@ -1001,8 +1001,10 @@ def attention(
     scale (to any order: a second-order gradient goes through torch's ops). Equal to torch's to
     float32 rounding for finite inputs (tests against float64: within twice torch's own float32
     error up to 64 keys; past them, its sums over a row's keys running in one chain, within four
-    times). A query whose keys are all masked is NaN, as torch's softmax makes it (its gradients
-    are NaN too, though not in every entry torch's are). Where the mask is the same for every
+    times). A query whose keys are all masked is NaN, as torch's softmax makes it; it passes no
+    gradient to q, k or the scale (as torch's `masked_fill` backward), and NaN to v's only where
+    torch's is NaN too (under one mask for every row, none: its keys are never read). Where the
+    mask is the same for every
     (b, h), keys past a query's last visible one (a causal mask's upper triangle) are never
     read, so an inf or NaN in their values, which torch's `0 * v` would spread, stays out; under
     a mask per row, so are keys that none of a group of eight (b, h) rows may see (padding they

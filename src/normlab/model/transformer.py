@@ -276,6 +276,17 @@ class DecoderLM(Stack, HookedModule):
         return KVCache.empty(len(self.blocks), capacity)
 
 
+def _check_src_mask(src_mask: torch.Tensor | None) -> None:
+    """Every source row has a real token: else the decoder's cross-attention attends to
+    nothing, NaN on one path and 0 on another (SDPA, past 64 keys on CPU), so an answer that
+    depends on the source's length and the batch it is in."""
+    if (src_mask is not None and src_mask.numel() and not torch.compiler.is_compiling()
+            and not bool(src_mask.bool().any(-1).all())):  # (a graph break under compile)
+        row = int((~src_mask.bool().any(-1)).nonzero()[0, 0])
+        raise ValueError(f"src_mask: row {row} has no real source token; expected at least "
+                         "one per row")
+
+
 class EncoderDecoderLM(HookedModule):
     """Encoder (bidirectional) + decoder (causal, cross-attending): `model(src, tgt)`."""
 
@@ -297,13 +308,7 @@ class EncoderDecoderLM(HookedModule):
         if isinstance(src, torch.Tensor) and src.ndim == 2 and src.shape[1] == 0:
             # cross-attention over no keys gave exactly 0, and logits that looked normal
             raise ValueError("src: expected at least one source position; got none")
-        if (src_mask is not None and src_mask.numel() and not torch.compiler.is_compiling()
-                and not bool(src_mask.bool().any(-1).all())):  # (a graph break under compile)
-            # the decoder's cross-attention would attend to nothing: NaN on one path, 0 on
-            # another (SDPA), so an answer that depends on the batch it is in
-            row = int((~src_mask.bool().any(-1)).nonzero()[0, 0])
-            raise ValueError(f"src_mask: row {row} has no real source token; expected at least "
-                             "one per row")
+        _check_src_mask(src_mask)
         return self.encoder.run(src, key_mask=src_mask, aux=aux)
 
     def decode(
@@ -314,6 +319,15 @@ class EncoderDecoderLM(HookedModule):
         cache: KVCache | None = None,
         aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits of `tgt` cross-attending to `memory` (`encode`'s output). `src_mask` is
+        checked as `encode` checks it on a first call (no cache, or an empty one), not at every
+        cached step: a memory kept from another batch may be given another mask."""
+        if cache is None or cache.length == 0:
+            _check_src_mask(src_mask)
+        return self._decode(tgt, memory, src_mask, cache, aux)
+
+    def _decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None,
+                cache: KVCache | None, aux: torch.Tensor | None) -> torch.Tensor:
         x = self.decoder.run(tgt, memory=memory, memory_mask=src_mask, cache=cache, aux=aux)
         return x @ (self.decoder.embed.W_E.T if self.W_U is None else self.W_U)
 
@@ -325,7 +339,8 @@ class EncoderDecoderLM(HookedModule):
         src_aux: torch.Tensor | None = None,
         tgt_aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.decode(tgt, self.encode(src, src_mask, src_aux), src_mask, aux=tgt_aux)
+        # `encode` checked src_mask: checked again, a GPU waited on the encoder to launch more
+        return self._decode(tgt, self.encode(src, src_mask, src_aux), src_mask, None, tgt_aux)
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty decoder cache; `capacity` positions reserved in each block (see `KVCache`)."""
