@@ -265,6 +265,12 @@ def test_rescaling_hook_k_acts_as_a_rescaled_key(placement: str) -> None:
     expect = s0 * c[None, None, None, :]
     torch.testing.assert_close(s1, expect)
     torch.testing.assert_close(moved[names[1]], expect.softmax(-1))
+    # by a power of two, exactly (docs/architecture.md): a scaled key's products are exact
+    pow2 = torch.tensor([1.0, 2.0, 0.5, 1.0, 4.0, 0.25])
+    with model.hooks([("blocks.0.attn.hook_k", lambda k, hook: k * pow2[None, :, None, None])]):
+        _, exact = model.run_with_cache(tokens, names_filter=names)
+    finite = s0.isfinite()
+    assert torch.equal(exact[names[0]][finite], (s0 * pow2[None, None, None, :])[finite])
 
 
 @pytest.mark.parametrize("placement", ["none", "post", "pre", "qk", "qkv"])

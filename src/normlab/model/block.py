@@ -12,8 +12,8 @@ RMSNorm, f the attention or MLP sub-layer, and W_Q/W_K/W_V a head's projections:
 | qkv       | x + f(x), q, k, v = N(W_Q x), N(W_K x), N(W_V x) | x + f(N(x)) (pre) | yes   |
 | pre_qk    | x + f(N(x)), and q = N(W_Q .), k = N(W_K .) | x + f(N(x))        | yes        |
 
-`pre_qk` is not in the paper: it is Pre-Norm plus QK-Norm, as in Qwen3, Gemma 3 and OLMo 2,
-so that those models can be loaded (`normlab.interop`) and compared.
+`pre_qk` is not in the paper: it is Pre-Norm plus QK-Norm, as in Qwen3, so that Qwen3 models
+can be loaded (`normlab.interop`) and compared.
 
 Cross-attention (encoder-decoder) follows its sub-layer's row: under `pre` the decoder
 side is N(x) and the memory side is the encoder output (already through the encoder's

@@ -1004,9 +1004,9 @@ def attention(
     times). A query whose keys are all masked is NaN, as torch's softmax makes it; it passes no
     gradient to q, k or the scale (as torch's `masked_fill` backward), and NaN to v's only where
     torch's is NaN too (under one mask for every row, none: its keys are never read). Where the
-    mask is the same for every
-    (b, h), keys past a query's last visible one (a causal mask's upper triangle) are never
-    read, so an inf or NaN in their values, which torch's `0 * v` would spread, stays out; under
+    mask is the same for every (b, h), keys past a query's last visible one (a causal mask's
+    upper triangle) are never read, so an inf or NaN in their values, which torch's `0 * v`
+    would spread, stays out; under
     a mask per row, so are keys that none of a group of eight (b, h) rows may see (padding they
     share). Made for short rows: each thread's scratch is about 8 (2 T S + 4 (T + S) D) floats,
     and 8 T S bytes under a mask per row. Callers check `attention_applies` (`Attention` does,
