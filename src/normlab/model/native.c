@@ -1031,10 +1031,16 @@ static inline v8 tattn_bwd_group(const float *restrict Q, const float *restrict 
     for (int64_t s = 0; s < lim; ++s) ds[s] = pt[s] * (ds[s] - dot);
     if (M) { /* a lane that sees no key (its p NaN) passes no gradient to its scores, as torch's
                 masked_fill backward: its NaN reached dq, dk and every head's dscale (under a
-                uniform mask such a query has lim 0, and no score at all) */
-      v8i seen = {0};
-      for (int64_t s = 0; s < lim; ++s) seen |= MASK_LANES(M, S, t, s);
-      for (int64_t s = 0; s < lim; ++s) ds[s] = SEL(seen, ds[s], SPLAT(0.f));
+                uniform mask such a query has lim 0, and no score at all). Its dot is NaN: the
+                keys are looked at only then, one compare a query otherwise */
+      const v8i odd = dot != dot;
+      int any = 0;
+      for (int u = 0; u < 8; ++u) any |= odd[u];
+      if (any) {
+        v8i seen = {0};
+        for (int64_t s = 0; s < lim; ++s) seen |= MASK_LANES(M, S, t, s);
+        for (int64_t s = 0; s < lim; ++s) ds[s] = SEL(seen, ds[s], SPLAT(0.f));
+      }
     }
     if (M) /* keys no row sees: ds 0, k never read */
       tattn_acc(dq, ds, K, M, S, t, lim, D, 1);
