@@ -64,7 +64,7 @@ def recipe(path: str | None) -> tuple[str, RunConfig, ResolvedTask]:
     try:
         run_cfg = load_config(p)
         task = run_cfg.validate()
-    except ValueError as err:  # load_config names the file only when it cannot read it
+    except ValueError as err:  # load_config's name the file; the task's `validate` does not
         raise ValueError(err if str(p) in str(err) else f"--config {name}: {err}") from None
     if run_cfg.model.arch != "decoder":
         raise ValueError(f"--config {name}: model.arch must be 'decoder' (the benchmark "

@@ -69,8 +69,9 @@ def test_custom_splits_are_recorded_as_custom(tmp_path: Path,
     ("[model\n", "config file '{path}': invalid TOML"),
     ("[task]\nsplits = { interpolation = [[3, 1]] }\n",
      "--config {path}: the task has no 'extrapolation' cells to decode"),
-    ("[base]\n", "--config {path}: config.base: unknown table"),  # a sweep file, not a recipe
-    ("[model]\nd_model = -1\n", "--config {path}: ModelConfig.d_model: expected a positive"),
+    # a sweep file, not a recipe
+    ("[base]\n", "config file '{path}': config.base: unknown table"),
+    ("[model]\nd_model = -1\n", "config file '{path}': model.d_model: expected a positive"),
 ])
 def test_bad_recipe_is_one_line_before_any_work(
     text: str | None, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -464,14 +464,17 @@ def test_a_hook_returning_no_tensor_of_its_shape_is_named() -> None:
     def halve(x: torch.Tensor, hook) -> torch.Tensor:
         return x / 2
 
-    for name, ret, got in (("blocks.0.hook_attn_out", lambda x: x.mean(), r"shape \(\)"),
-                           ("ln_final.hook_scale", lambda x: x[:, :1], r"shape \(2, 1, 1\)"),
-                           ("blocks.1.hook_resid_pre", lambda x: x.tolist(), "list")):
+    for name, ret, got in (
+            ("blocks.0.hook_attn_out", lambda x: x.mean(), r"\(\) torch\.float32 on cpu"),
+            ("ln_final.hook_scale", lambda x: x[:, :1], r"\(2, 1, 1\) torch\.float32 on cpu"),
+            ("blocks.1.hook_resid_pre", lambda x: x.tolist(), "list"),
+            ("blocks.1.hook_resid_pre", lambda x: x.double(), r"\(2, 5, 32\) torch\.float64")):
         def bad(x: torch.Tensor, hook, ret=ret):
             return ret(x)
 
         with pytest.raises(ValueError, match=rf"^hook 'bad' at '{re.escape(name)}': expected "
-                           rf"None or a tensor of shape \(2, 5, .*\); got {got}$"):
+                           rf"None or a tensor like its input, \(2, 5, .*\) torch\.float32 on "
+                           rf"cpu; got {got}"):
             model.run_with_hooks(tokens, fwd_hooks=[(name, bad)])
     torch.testing.assert_close(model(tokens), want)  # nothing left attached
     out = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_attn_out", halve)])

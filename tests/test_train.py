@@ -1254,6 +1254,13 @@ def test_a_run_config_toml_derives_the_sizes_its_source_derived(tmp_path: Path) 
     own = cfg("model.d_head=8", "model.n_kv_heads=1", "model.d_mlp=40")
     kept = load_config_text(tmp_path / "own.toml", own.to_toml()).model
     assert (kept.d_head, kept.n_kv_heads, kept.d_mlp) == (8, 1, 40)
+    # a d_head that could not be derived (d_model not a multiple of the heads; an odd one
+    # under RoPE) is kept: deriving it raised, and such a run could not train
+    for sets in (["model.d_model=100", "model.n_heads=3", "model.d_head=32"],
+                 ["model.d_model=96", "model.n_heads=32", "model.d_head=4",
+                  "model.pos_encoding='rope'"]):
+        c = cfg(*sets)
+        assert load_config_text(tmp_path / "odd.toml", c.to_toml()) == c
 
 
 def load_toml_table(path: Path, table: str) -> dict:
@@ -1265,6 +1272,25 @@ def load_toml_table(path: Path, table: str) -> dict:
 def load_config_text(path: Path, text: str):
     path.write_text(text)
     return load_config(path)
+
+
+def test_a_config_error_names_where_its_field_came_from(tmp_path: Path) -> None:
+    """The file, the flag that set the field (a part of it too: task.train[1]), or --seed; an
+    error a file's field makes only with the overrides says both."""
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nsteps = 10\n[model]\nd_model = 48\n")
+    for sets, seed, lead, field in (
+            ([], -1, "--seed ", "train.seed"),
+            (["task.train=[[1, 1], [0, 1]]"], None, "--set ", "task.train[1]"),
+            (["train.steps=1.5"], None, "--set ", "train.steps"),
+            (["model.n_heads=5"], None, f"config file {str(f)!r} with --set: ", "model.d_model"),
+    ):
+        with pytest.raises(ValueError) as err:
+            load_config(f, sets, seed=seed)
+        assert str(err.value).startswith(f"{lead}{field}"), str(err.value)
+    f.write_text("[model]\nd_model = 50\nn_heads = 4\n")
+    with pytest.raises(ValueError, match=rf"^config file {re.escape(repr(str(f)))}: model\."):
+        load_config(f)
 
 
 def test_a_bare_word_override_is_read_without_its_spaces() -> None:

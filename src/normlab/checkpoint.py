@@ -150,8 +150,8 @@ def sidecar_hash(meta: dict[str, Any]) -> str:
 
 def check_sidecar(meta: dict[str, Any], side: Path, tensors: dict[str, torch.Tensor]) -> None:
     """The sidecar's fields are of the types their readers take (a resume, `load_run`,
-    `normlab eval`): the SHA-256 covers the tensor file only, so a damaged or hand-edited
-    sidecar is one line naming it and the field, and `latest_checkpoint` falls back to the
+    `normlab eval`): behind its own hash, for a sidecar edited past it or written before it, a
+    damaged one is one line naming it and the field, and `latest_checkpoint` falls back to the
     previous checkpoint as for bad tensors. Fields absent here are `require`'s to report."""
 
     def expect(field: str, value: Any, ok: bool, what: str) -> None:

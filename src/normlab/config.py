@@ -241,10 +241,14 @@ class RunConfig:
         """The config as a run folder's config.toml: a size `ModelConfig` derives (`DERIVED`)
         is left out where it equals what its sources derive. Pinned, `--set model.n_heads=4` on
         a run's file kept its d_head and n_kv_heads (grouped-query attention, where the same
-        override on the recipe gave 4 heads of d_model / 4): a file reruns as its source."""
+        override on a recipe setting neither gave 4 heads of d_model / 4). A size that cannot
+        be derived (d_model not a multiple of n_heads) is kept."""
         data = self.to_dict()
         for name in ModelConfig.DERIVED:
-            derived = getattr(dataclasses.replace(self.model, **{name: None}), name)
+            try:
+                derived = getattr(dataclasses.replace(self.model, **{name: None}), name)
+            except ValueError:  # set where deriving it would fail: the config needs it
+                continue
             if derived == data["model"][name]:
                 del data["model"][name]
         return dump_toml(data)
@@ -302,9 +306,11 @@ def load_config(
 ) -> RunConfig:
     """Read a TOML run config (None: all defaults), apply overrides and an optional seed.
 
-    An error is one line led by where the bad field came from: the file (`config file PATH:`),
-    or `set_by` (the flag; None where the caller names the source, as a sweep does) for a field
-    an override set, so `train.steps: expected int` says whether the file or the flag is wrong.
+    An error is one line led by where the bad field came from: `set_by` (the flag; None where
+    the caller names the source, as a sweep does) for a field an override set, `--seed` for the
+    seed, else the file (`config file PATH:`, "with --set" where overrides were given, as an
+    error naming two fields may be either's), so `train.steps: expected int` says whether the
+    file or the flag is wrong.
     """
     data: dict[str, Any] = read_toml(Path(path), "config file") if path is not None else {}
     where = f"config file {str(path)!r}: " if path is not None else ""
@@ -314,13 +320,14 @@ def load_config(
             raise ValueError(f"{where}{name}: expected a table; got {data[name]!r}")
         return data[name]
 
-    given: set[str] = set()
+    given: dict[str, str] = {}  # field -> the source that set it last
     for item in overrides:
         (name, key), value = parse_override(item)
         table(name)[key] = value
-        given.add(f"{name}.{key}")
+        given[f"{name}.{key}"] = f"{set_by} " if set_by else ""
     if seed is not None:
         table("train")["seed"] = seed
+        given["train.seed"] = "--seed "
     try:
         return RunConfig.from_dict(data)
     except ValueError as err:
@@ -329,7 +336,12 @@ def load_config(
                           ("TrainConfig.", "train.")):  # the dataclasses' own checks
             msg = name + msg.removeprefix(cls) if msg.startswith(cls) else msg
         field = msg.split(":", 1)[0].removeprefix("config.")
-        lead = (f"{set_by} " if set_by else "") if field in given else where
+        # a part of a field set by an override is the override's too (task.train[1])
+        lead = next((src for g, src in given.items()
+                     if field == g or field.startswith((g + ".", g + "["))), None)
+        if lead is None:
+            lead = where.replace(": ", " with --set: ", 1) if where and set_by and overrides \
+                else where
         raise ValueError(f"{lead}{msg}") from None
 
 

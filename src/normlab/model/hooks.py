@@ -34,14 +34,15 @@ class HookPoint(nn.Module):
         for fn in self.fns:
             out = fn(x, self)
             if out is not None:
-                # checked here, where the hook is known: a list failed deep in the forward,
-                # and a scalar or a slice broadcast into the residual without a word
-                if not (isinstance(out, torch.Tensor) and out.shape == x.shape):
-                    got = (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
-                           else type(out).__name__)
+                # checked here, where the hook is known: a list or another dtype failed deep
+                # in the forward, and a scalar or a slice broadcast into the residual unsaid
+                if not (isinstance(out, torch.Tensor) and out.shape == x.shape
+                        and out.dtype == x.dtype and out.device == x.device):
+                    got = (f"{tuple(out.shape)} {out.dtype} on {out.device}"
+                           if isinstance(out, torch.Tensor) else type(out).__name__)
                     raise ValueError(f"hook {getattr(fn, '__name__', fn)!r} at {self.name!r}: "
-                                     f"expected None or a tensor of shape {tuple(x.shape)}; "
-                                     f"got {got}")
+                                     f"expected None or a tensor like its input, "
+                                     f"{tuple(x.shape)} {x.dtype} on {x.device}; got {got}")
                 x = out
         return x
 
