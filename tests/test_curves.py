@@ -166,6 +166,40 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
     assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
 
 
+def test_runs_whose_split_holds_other_cells_are_refused_side_by_side(tmp_path: Path,
+                                                                    capsys) -> None:
+    """`compare` refused runs of two grids in one column; `compare --curve` drew them as one.
+    A run with no config to read is left out of the check, as of the title's count."""
+    from normlab.config import dump_toml, load_config
+
+    a, b = _logs(tmp_path)
+    for run, grid in ((a, "smoke"), (b, "quick")):
+        (run / "config.toml").write_text(dump_toml(load_config(None, [f"task.grid='{grid}'"])
+                                                   .to_dict()))
+    assert main(["compare", "--curve", "train", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{str(b)!r}: split 'train' holds cells" in err
+    assert "expected one split's runs to share its cells" in err
+    (b / "config.toml").unlink()
+    assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
+    capsys.readouterr()
+
+
+def test_an_imperfect_accuracy_never_reads_100() -> None:
+    """255 right of 256 read "100" on the heatmap and 2559 of 2560 "100.0" in compare."""
+    from normlab.stats import percent
+
+    assert (percent(255 / 256, 0), percent(2559 / 2560, 1)) == ("99", "99.9")
+    assert (percent(1.0, 0), percent(1.0, 1), percent(0.5, 1), percent(0.996, 1)) == (
+        "100", "100.0", "50.0", "99.6")
+
+
+def test_a_curve_point_short_of_every_answer_is_not_shown_as_100(tmp_path: Path) -> None:
+    run = _run(tmp_path / "r", [{"step": 10, "accuracy": {"train": 2559 / 2560}},
+                                {"step": 20, "accuracy": {"train": 1.0}}])
+    assert curve_table([learning_curve(run)])[1] == [["10", "99.9"], ["20", "100.0"]]
+
+
 def test_the_curve_figure_is_in_minutes_and_whole_percent(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The wall-time panel, labelled in minutes, plots minutes, and the accuracy axis spans

@@ -86,6 +86,8 @@ def test_t975_refuses_degrees_of_freedom_below_one(df: object) -> None:
 
 @pytest.mark.parametrize(("values", "within", "match"), [
     ([0.1, math.nan], None, "expected finite values"),  # gave a NaN interval: "inconclusive"
+    ([0.2], [math.nan, 1.0, 2.0], "expected 1 within-seed variances"),  # one value: unread
+    ([0.2], [math.nan], "within-seed variances >= 0"),
     ([0.1, math.inf], None, "expected finite values"),
     ([0.1, 0.2], [0.01, math.nan], "within-seed variances >= 0"),  # max() dropped the NaN
     ([0.1, 0.1], [0.01, -0.02], "within-seed variances >= 0"),

@@ -1833,12 +1833,17 @@ def test_analyze_threads_has_the_train_config_s_ceiling(tmp_path: Path, capsys) 
 def test_compare_refuses_one_split_name_over_other_cells(tmp_path: Path, capsys) -> None:
     """Runs whose `extrapolation` held other cells (another grid) sat in one column, exit 0;
     runs that share the cells, evaluated on more or fewer examples, still compare."""
-    good = {"accuracy": 0.5, "count": 8, "ci95": [0.2, 0.8]}
+    from normlab.stats import wilson_ci
+
+    def of(right: int, count: int) -> dict:
+        return {"accuracy": right / count, "count": count, "ci95": list(wilson_ci(right, count))}
+
+    good = of(4, 8)
     cfg = {"model": {"norm_placement": "pre"}, "train": {"seed": 0}}
 
-    def run(name: str, cells: list[str], **split: int) -> Path:
+    def run(name: str, cells: list[str], count: int = 8) -> Path:
         (tmp_path / name).mkdir()
-        doc = {"splits": {"train": good, "extrapolation": good | split}, "config": cfg,
+        doc = {"splits": {"train": good, "extrapolation": of(count // 2, count)}, "config": cfg,
                "cells": [{"cell": c, "split": "extrapolation", "accuracy": 0.5} for c in cells]}
         (tmp_path / name / "eval.json").write_text(json.dumps(doc))
         return tmp_path / name
@@ -1853,20 +1858,22 @@ def test_compare_refuses_one_split_name_over_other_cells(tmp_path: Path, capsys)
         f"{str(a / 'eval.json')!r}'s n1d2, n4d1; expected one split's runs to share its cells "
         "(compare puts them in one column)")
     # a damaged interval: printed as "50.0 [nan, inf]"; one that misses its own accuracy, as
-    # "10.0 [98.3, 99.4]"; an accuracy no count of questions gives, or no questions
+    # "10.0 [98.3, 99.4]"; one around it but another count's (100 of 6000 printed with 1 of
+    # 60's [0.3, 8.9]); an accuracy no count of questions gives, or no questions
     for bad in ({"ci95": "[NaN, Infinity]"}, {"ci95": "[0.8, 0.2]"}, {"ci95": "[-0.1, 0.5]"},
-                {"ci95": "[0.6, 0.8]"}, {"count": 7}, {"count": 0}, {"count": 7.0}):
+                {"ci95": "[0.6, 0.8]"}, {"ci95": "[0.2, 0.8]"}, {"count": 7}, {"count": 0},
+                {"count": 7.0}, {"count": 16}):
         split = good | {k: v for k, v in bad.items() if k == "count"}
         text = json.dumps({"splits": {"train": split}, "config": cfg})
-        (c / "eval.json").write_text(text.replace("[0.2, 0.8]", bad.get("ci95", "[0.2, 0.8]")))
+        (c / "eval.json").write_text(text.replace(json.dumps(good["ci95"]),
+                                                  bad.get("ci95", json.dumps(good["ci95"]))))
         code, err = _cli(capsys, "compare", str(c))
         assert code == 2 and "expected normlab eval results" in err, (bad, err)
     (c / "eval.json").write_text(json.dumps({"splits": {"x": good}, "config": cfg}))
     code, err = _cli(capsys, "compare", str(c))  # no train split: the report read it unasked
     assert code == 2 and "train among them" in err, err
-    (c / "eval.json").write_text(json.dumps({"splits": {"train": good | {"count": 6}},
-                                             "config": cfg}))
-    assert _cli(capsys, "compare", str(c))[0] == 0  # 3 of 6, inside [0.2, 0.8]
+    (c / "eval.json").write_text(json.dumps({"splits": {"train": of(3, 6)}, "config": cfg}))
+    assert _cli(capsys, "compare", str(c))[0] == 0  # 3 of 6 with its own interval
 
 
 def test_files_named_like_checkpoints_are_not_pruned_or_resumed_from(tmp_path: Path) -> None:

@@ -200,6 +200,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     from normlab.curves import run_labels
     from normlab.evaluate import EVAL_RESULT, is_eval_result
     from normlab.io import read_json
+    from normlab.stats import percent
 
     results = []
     for d in run_dirs:
@@ -232,7 +233,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
             cells.append(
                 "-"
                 if v is None
-                else f"{100 * v['accuracy']:.1f} [{100 * v['ci95'][0]:.1f}, "
+                else f"{percent(v['accuracy'], 1)} [{100 * v['ci95'][0]:.1f}, "
                 f"{100 * v['ci95'][1]:.1f}]"
             )
         rows.append([label, r["config"]["model"]["norm_placement"],
@@ -254,6 +255,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         import dataclasses
 
         from normlab.curves import (
+            check_same_split,
             curve_table,
             learning_curve,
             periodic_questions,
@@ -261,6 +263,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             run_labels,
         )
 
+        check_same_split([Path(d) for d in args.run_dirs], args.curve)
         labels = run_labels(args.run_dirs)
         curves = [dataclasses.replace(learning_curve(Path(d), args.curve), name=label)
                   for d, label in zip(args.run_dirs, labels, strict=True)]
@@ -299,8 +302,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         from rich.table import Table
 
         table = Table(title=title)
-        for h in header:
-            table.add_column(h)
+        for h in header:  # a split's whole name: 80 columns cut it to "interpolati…"
+            table.add_column(h, min_width=len(h))
         for r in rows:
             table.add_row(*r)
         Console().print(table)

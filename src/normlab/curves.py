@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from normlab.io import read_metrics, save_figure
+from normlab.stats import percent
 
 if TYPE_CHECKING:
     from normlab.config import RunConfig
@@ -65,6 +66,28 @@ def _split_names(run_dir: Path) -> list[str] | None:
     return None if cfg is None else list(cfg.task.resolve().eval_splits)
 
 
+def check_same_split(run_dirs: Sequence[Path], split: str) -> None:
+    """Runs side by side on one split's curve hold that split's same cells (as `compare`'s
+    columns must): runs of two grids were drawn as one "train" column. A run whose config does
+    not read, or that has no such split, is left to `learning_curve` to report."""
+    first: tuple[list[str], Path] | None = None
+    for d in run_dirs:
+        cfg = _config(Path(d))
+        try:
+            cells = None if cfg is None else cfg.validate().eval_splits.get(split)
+        except ValueError:
+            cells = None
+        if cells is None:
+            continue
+        names = sorted(str(c) for c in cells)
+        if first is None:
+            first = (names, Path(d))
+        elif names != first[0]:
+            raise ValueError(f"{str(d)!r}: split {split!r} holds cells {', '.join(names)}, "
+                             f"{str(first[1])!r}'s {', '.join(first[0])}; expected one split's "
+                             "runs to share its cells (compare --curve draws them as one)")
+
+
 def periodic_questions(run_dir: Path) -> int | None:
     """Questions a cell in a run's periodic evaluations, its first `train.eval_examples`, where
     those are fewer than `task.eval_size` (a curve's last point can then differ from `normlab
@@ -100,7 +123,7 @@ def curve_table(curves: Sequence[Curve]) -> tuple[list[str], list[list[str]]]:
                 continue
             i = c.steps.index(s)
             t = c.elapsed_s[i]
-            row.append(f"{100 * c.accuracy[i]:.1f}" + ("" if t is None else f" ({t:.0f} s)"))
+            row.append(percent(c.accuracy[i], 1) + ("" if t is None else f" ({t:.0f} s)"))
         rows.append(row)
     return header, rows
 

@@ -32,7 +32,7 @@ from typing import Any
 from normlab.checks import is_fraction, is_int, is_real
 from normlab.evaluate import EVAL_RESULT, is_eval_result
 from normlab.io import atomic_write_text, provenance, read_json, save_figure, write_json
-from normlab.stats import mean_ci, verdict_band, verdict_sign
+from normlab.stats import mean_ci, percent, verdict_band, verdict_sign
 from normlab.train import DONE, DONE_RECORD, RUNS_ON
 
 SIGMA_H2 = 0.1
@@ -290,8 +290,8 @@ def split_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
 
 def _pct(m: float, lo: float, hi: float) -> str:
     if math.isinf(lo):
-        return f"{100 * m:.1f}"
-    return f"{100 * m:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+        return percent(m, 1)
+    return f"{percent(m, 1)} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
 def _fmt(v: float | None, unit: str) -> str:

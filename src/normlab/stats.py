@@ -53,15 +53,16 @@ def mean_ci(
         raise ValueError(f"mean_ci: expected values in [{support[0]}, {support[1]}]; got {vals}")
     n = len(vals)
     m = sum(vals) / n
-    if n == 1:
-        return m, (-math.inf, math.inf)
-    var = sum((v - m) ** 2 for v in vals) / (n - 1)
-    if within_var is not None:
+    if within_var is not None:  # checked for one value too (it returned before, unread)
         if len(within_var) != n:
             raise ValueError(f"mean_ci: expected {n} within-seed variances, got {len(within_var)}")
         if not all(math.isfinite(v) and v >= 0 for v in within_var):  # max() dropped a NaN
             raise ValueError("mean_ci: expected within-seed variances >= 0, got "
                              f"{list(within_var)}")
+    if n == 1:
+        return m, (-math.inf, math.inf)
+    var = sum((v - m) ** 2 for v in vals) / (n - 1)
+    if within_var is not None:
         var = max(var, sum(within_var) / n)
     sd = math.sqrt(var)
     t = t975(n - 1)
@@ -71,12 +72,24 @@ def mean_ci(
     return m, (max(m - half, support[0]), min(m + half, support[1]))
 
 
+def percent(fraction: float, decimals: int) -> str:
+    """`fraction` as a percentage to `decimals` places, an imperfect one never shown as 100:
+    255 right of 256 read "100" on the heatmap (2559 of 2560 "100.0" in `compare`), in a study
+    judged by reaching 100% (or 99%)."""
+    text = f"{100 * fraction:.{decimals}f}"
+    if fraction < 1 and float(text) >= 100:
+        text = f"{100 - 10.0 ** -decimals:.{decimals}f}"
+    return text
+
+
 def wilson_ci(correct: int, count: int, z: float = Z975) -> tuple[float, float]:
     """95% Wilson score interval for a binomial proportion (sane at 0% and 100%):
     an accuracy over its questions, a collapse rate over its row-draws."""
-    if not 0 <= correct <= count:  # (3, -2) read (5.77, -0.42); (5, 3) a bare math error
-        raise ValueError(f"wilson_ci: expected 0 <= correct <= count; got {correct} correct "
-                         f"of {count}")
+    if not (0 <= correct <= count and math.isfinite(count)  # (1, inf) read (0, 0)
+            and float(correct).is_integer() and float(count).is_integer()):
+        # (3, -2) read (5.77, -0.42); (5, 3) a bare math error; (2.5, 5) an interval
+        raise ValueError(f"wilson_ci: expected whole counts 0 <= correct <= count; got "
+                         f"{correct} correct of {count}")
     if count == 0:
         return (0.0, 1.0)
     p = correct / count
