@@ -15,7 +15,7 @@ import pytest
 
 from normlab.config import load_config
 from normlab.report import claims_table
-from normlab.stats import mean_ci, verdict_band, verdict_sign
+from normlab.stats import mean_ci, verdict_band, verdict_sign, wilson_ci
 from normlab.sweep import load_sweep
 
 
@@ -85,7 +85,9 @@ def test_verdict_rules() -> None:
 def _run(placement: str, seed: int, train: float, held: float, h90: float, rate: float):
     ev = {"config": {"model": {"norm_placement": placement}, "train": {"seed": seed}},
           "checkpoint": {"step": 100},
-          "splits": {split: {"accuracy": acc, "count": n, "ci95": [0.0, 1.0]}  # CI unread
+          # the interval of the nearest count (read from a file, where it must be its own)
+          "splits": {split: {"accuracy": acc, "count": n,
+                             "ci95": list(wilson_ci(round(acc * n), n))}
                      for split, acc, n in (("train", train, 1280), ("interpolation", held, 256),
                                            ("extrapolation", held, 768))}}
     norms = {"summary": {"all": {"h90": h90}}}

@@ -345,7 +345,8 @@ def test_a_second_sweep_of_one_out_is_refused(tmp_path: Path, capsys) -> None:
             assert cli.main([*argv, "--out", str(out)]) == 2
             assert capsys.readouterr().err.strip() == (
                 f"normlab: error: --out {str(out)!r} is in use by another normlab sweep or "
-                "reproduce; wait for it to end, or give --out another folder")
+                "reproduce (or a run trained there); wait for it to end, or give --out another "
+                "folder")
         assert not any(out.iterdir())
     finally:
         os.close(fd)

@@ -631,7 +631,8 @@ def test_analyze_lands_its_files_together_or_not_at_all(tmp_path: Path, monkeypa
         code, err = _cli(capsys, "analyze", str(run), "--examples", "4", "--draws", "2",
                          "--force")
         assert code == 2 and err == (f"normlab: error: {str(run / 'analysis')!r} is being "
-                                     "analysed by another process; wait for it to end")
+                                     "analysed by another process (or its run trained); wait "
+                                     "for it to end")
     finally:
         os.close(fd)
 
@@ -1916,8 +1917,9 @@ def test_a_folder_another_process_trains_in_is_refused_untouched(tmp_path: Path,
             code, err = _cli(capsys, "train", "--config", str(_toml(tmp_path, c)), "--out",
                              str(run), flag, "--quiet")
             assert code == 2 and err == (f"normlab: error: run folder {str(run)!r} is being "
-                                         "trained by another process; wait for it to end, or "
-                                         "give --out another folder")
+                                         "trained by another process (or is a running sweep's "
+                                         "or reproduce's --out); wait for it to end, or give "
+                                         "--out another folder")
         assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
     finally:
         os.close(fd)
@@ -2061,6 +2063,77 @@ def test_a_new_folder_is_locked_before_anything_is_prepared_in_it(
     assert held == [True]
 
 
+def test_a_folder_taken_by_another_process_between_look_and_lock_is_left_to_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`removed_if_left_empty` decided "I made it" before the lock: refused by the process that
+    made and locked the folder in between, it removed that folder, whose lock then sat on a
+    deleted inode, and a third process took the new folder beside the first."""
+    import fcntl
+    import os
+
+    from normlab import io
+
+    out = tmp_path / "out"
+    fds: list[int] = []
+    real_take = io.FolderLock.take
+
+    def others_first(self, folder: Path) -> None:  # another process makes and locks it now
+        folder.mkdir(parents=True, exist_ok=True)
+        fds.append(os.open(folder, os.O_RDONLY | os.O_DIRECTORY))
+        fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        real_take(self, folder)
+
+    monkeypatch.setattr(io.FolderLock, "take", others_first)
+    try:
+        with pytest.raises(io.FolderBusy), io.removed_if_left_empty(out), \
+                io.FolderLock(io.ANALYSING) as lock:
+            lock.take(out)
+        assert out.is_dir()  # still the holder's
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with pytest.raises(RuntimeError), io.removed_if_left_empty(tmp_path / "mine"):
+        (tmp_path / "mine").mkdir()
+        raise RuntimeError("a failure of its own")
+    assert not (tmp_path / "mine").exists()  # made and left empty by this block: removed
+
+
+def test_a_kill_in_a_new_runs_first_write_leaves_a_folder_it_resumes(tmp_path: Path) -> None:
+    """Killed while writing its first config.toml, a run folder held only that temp file, and
+    every rerun (--resume and --force too) called it "not a normlab run folder". A resume also
+    removes training's own temp files beside the checkpoints' (train_done.json's stayed)."""
+    c = cfg("train.steps=4", "train.checkpoint_every=4", "train.eval_every=4")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".config.toml.k1ll3d00.tmp").write_text("[model]\nd_mo")
+    with pytest.raises(ValueError, match=r"already exists; pass --resume"):
+        train(c, run, progress=False)
+    assert train(c, run, progress=False, resume=True)["step"] == 4
+    assert not (run / ".config.toml.k1ll3d00.tmp").exists()
+    (run / "train_done.json").unlink()  # killed while writing it
+    (run / ".train_done.json.k1ll3d00.tmp").write_text("{")
+    (run / ".eval.json.l1v3w000.tmp").write_text("{")  # an evaluation writing beside it
+    assert train(c, run, progress=False, resume=True)["step"] == 4
+    assert not (run / ".train_done.json.k1ll3d00.tmp").exists()
+    assert (run / ".eval.json.l1v3w000.tmp").exists()  # not training's: left to its writer
+
+
+def test_eval_of_a_folder_it_cannot_write_is_refused_before_evaluating(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It evaluated everything, then failed writing heatmap.png (analyze refused up front)."""
+    import normlab.evaluate as ev
+    from normlab import io
+
+    run = tmp_path / "run"
+    train(cfg("train.steps=2", "train.checkpoint_every=2", "train.eval_every=2"), run,
+          progress=False)
+    monkeypatch.setattr(io.os, "access", lambda path, mode: Path(path) != run)
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    with pytest.raises(ValueError, match=rf"^eval: run folder '{re.escape(str(run))}': .* is "
+                                         r"not writable here"):
+        eval_run(run)
+
+
 def test_without_locks_training_goes_on_and_leaves_temp_files_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the file system has no locks (flock: ENOLCK on some network ones) training runs
@@ -2080,6 +2153,41 @@ def test_without_locks_training_goes_on_and_leaves_temp_files_alone(
     tmp.write_bytes(b"\0" * 10)
     assert train(c, run, progress=False, resume=True)["step"] == 20
     assert tmp.exists()
+
+
+def test_a_run_trained_again_while_evaluated_gets_no_results_of_the_old_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`eval` takes no lock (a run may be evaluated while it trains): a `train --force` under
+    another seed while it evaluated left the deleted run's eval.json in the new run, unmarked
+    in `compare`, refused by `eval` as current, taken as done by a sweep. It is looked at again
+    before anything is written; an eval.json made before such a retraining is marked stale."""
+    import normlab.evaluate as ev
+
+    steps = ("train.steps=4", "train.checkpoint_every=4", "train.eval_every=4",
+             "task.eval_size=8")
+    run = tmp_path / "run"
+    train(cfg(*steps), run, progress=False)
+    real = ev.evaluate
+
+    def evaluate_then_retrain(*args, **kw):
+        out = real(*args, **kw)
+        train(cfg(*steps, "train.seed=1"), run, progress=False, force=True)
+        return out
+
+    monkeypatch.setattr(ev, "evaluate", evaluate_then_retrain)
+    with pytest.raises(ValueError, match=r"was trained again while it was evaluated \(train "
+                                         r"--force\?\); nothing written"):
+        eval_run(run)
+    assert not (run / "eval.json").exists() and not (run / "heatmap.png").exists()
+    monkeypatch.setattr(ev, "evaluate", real)
+    eval_run(run)  # the seed-1 run's own; then the run is trained again under seed 2, and the
+    old = (run / "eval.json").read_text()  # seed-1 eval.json written back (a race won late)
+    train(cfg(*steps, "train.seed=2"), run, progress=False, force=True)
+    (run / "eval.json").write_text(old)
+    code, err = _cli(capsys, "compare", str(run))
+    assert code == 0 and "trained again since, under another config" in err
+    code, err = _cli(capsys, "eval", str(run))
+    assert code == 2 and "trained again since, under another config" in err
 
 
 def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys) -> None:
@@ -2179,7 +2287,9 @@ def test_figures_and_messages_a_first_user_met(tmp_path: Path, capsys) -> None:
     n = result["cells"][0]["count"]
     with unittest.mock.patch.object(plt.Figure, "savefig", keep):
         main(["eval", str(run), "--force"])
-    assert seen["title"] == f"pre seed 0, step 5: exact match %, {n} a cell (red: train cells)"
+    # (wrapped to the figure's width)
+    assert seen["title"].replace("\n", " ") == (f"pre seed 0, step 5: exact match %, {n} a cell "
+                                                "(red: train cells)")
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / "config.toml").write_text((run / "config.toml").read_text())

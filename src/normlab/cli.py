@@ -55,16 +55,19 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
     import torch
 
     from normlab.evaluate import answer_token_accuracy, check_limit, evaluate, heatmap
-    from normlab.io import provenance, refuse_overwrite, write_json
+    from normlab.io import check_out_folder, provenance, recorded, refuse_overwrite, write_json
     from normlab.tasks.addition import eval_sets
     from normlab.train import check_run_folder, load_run
 
     check_limit(limit)
     check_run_folder(run_dir)  # a copied result: not "pass --force", which then failed too
+    # where eval.json cannot be written, said before the evaluation, not after it (as analyze)
+    check_out_folder(Path(run_dir), "eval: run folder")
     old = Path(run_dir) / "eval.json"
     if old.is_file() and not force:  # say what the old one is, where it is not the run's own
         made = _recorded_step(old, "checkpoint", "step")
-        why = stale(Path(run_dir), made, None) if made is not None else None
+        why = (stale(Path(run_dir), made, None, recorded(old, "config")) if made is not None
+               else None)
         if why:
             raise ValueError(f"{str(old)!r} already exists, made from step {made}, {why}; pass "
                              "--force to overwrite it")
@@ -98,6 +101,11 @@ def eval_run(run_dir: Path, *, limit: int | None = None, force: bool = False) ->
             "provenance": provenance(),
         }
     )
+    # no lock is taken (a run may be evaluated while it trains), so the run is looked at again:
+    # a `train --force` while it was evaluated left the deleted run's results in the new one
+    if retrained(Path(run_dir), cfg.to_dict(), meta):
+        raise ValueError(f"{str(run_dir)!r} was trained again while it was evaluated (train "
+                         "--force?); nothing written: evaluate it again")
     # the figure first: eval.json, written last, marks the evaluation done (a heatmap that
     # could not be written left an eval.json that a rerun then refused to replace)
     heatmap(
@@ -117,11 +125,40 @@ def _per_cell(result: dict[str, Any]) -> str:
     return f", {counts.pop()} a cell" if len(counts) == 1 and None not in counts else ""
 
 
-def stale(run_dir: Path, step: int, limit: int | None) -> str | None:
-    """Why an evaluation of `run_dir` made from checkpoint `step` (on `limit` questions a cell)
-    is not the finished run's, to follow "made from step N, ", or None: a run evaluated, then
-    resumed, kept the earlier checkpoint's accuracy in `compare`, unmarked."""
+def retrained(run_dir: Path, config: Any, meta: dict[str, Any] | None = None) -> bool:
+    """Whether `run_dir` now holds another run than the one of `config` (an evaluation's,
+    where it records one) and, given, of checkpoint `meta`: trained again with --force under
+    another config, or its checkpoint of that step another. A config or record that does not
+    read says nothing here (their own checks name them)."""
+    from normlab.checkpoint import list_checkpoints
+    from normlab.train import _comparable, trained_config
+
+    try:
+        now = trained_config(Path(run_dir))
+        if isinstance(config, dict) and now is not None and _comparable(now) != _comparable(
+                config):
+            return True
+    except (ValueError, TypeError, KeyError):
+        pass
+    if meta is not None:
+        for side in list_checkpoints(Path(run_dir) / "checkpoints"):
+            if side.name == f"step_{meta['step']:07d}.json":
+                try:
+                    return json.loads(side.read_text()).get("sha256") != meta.get("sha256")
+                except (OSError, ValueError):
+                    return True
+    return False
+
+
+def stale(run_dir: Path, step: int, limit: int | None, config: Any = None) -> str | None:
+    """Why an evaluation of `run_dir` made from checkpoint `step` (on `limit` questions a cell,
+    under `config` where given) is not the finished run's, to follow "made from step N, ", or
+    None: a run evaluated, then resumed, kept the earlier checkpoint's accuracy in `compare`,
+    unmarked; one evaluated, then trained again with --force, the deleted run's."""
     from normlab.train import DONE
+
+    if retrained(Path(run_dir), config):
+        return "but the run was trained again since, under another config (train --force)"
 
     done = Path(run_dir) / DONE
     final = _recorded_step(done, "step")  # a damaged record is said, not raised after eval wrote
@@ -220,7 +257,7 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for (d, r), label in zip(results, run_labels([d for d, _ in results]), strict=True):
         step = _recorded_step(d / "eval.json", "checkpoint", "step")  # None: not recorded
-        why = None if step is None else stale(d, step, r.get("limit"))
+        why = None if step is None else stale(d, step, r.get("limit"), r.get("config"))
         if why:  # marked in the table and said once, with the remedy where there is one
             fix = (f"`normlab eval {shlex.quote(str(d))} --force` evaluates the newest "
                    "checkpoint on every question" if (d / "checkpoints").is_dir()

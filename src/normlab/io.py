@@ -135,6 +135,10 @@ def check_out_folder(path: Path, name: str = "--out") -> Path:
     return path
 
 
+class FolderBusy(ValueError):
+    """Another process holds the folder (`FolderLock.take`): the folder is its, not ours."""
+
+
 class FolderLock:
     """An exclusive `flock` on a folder while this process works in it, so a second process
     is refused in one line (`busy`, with `{out}`): a job started twice (requeued while its first
@@ -161,7 +165,7 @@ class FolderLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ValueError(self.busy.format(out=repr(str(out)))) from None
+            raise FolderBusy(self.busy.format(out=repr(str(out)))) from None
         except OSError:
             os.close(fd)
             return
@@ -180,7 +184,10 @@ class FolderLock:
 
 
 #: what a second analysis of one folder is told while the first writes it
-ANALYSING = "{out} is being analysed by another process; wait for it to end"
+#: each lock's refusal says what else may hold the folder: it names the refused command's work,
+#: and `train --out` a sweep's folder was told the folder was "being trained"
+ANALYSING = ("{out} is being analysed by another process (or its run trained); wait for it to "
+             "end")
 
 
 #: the name of `written_together`'s staging folders, hidden in the folder they write into
@@ -202,6 +209,8 @@ def removed_if_left_empty(out: Path) -> Iterator[None]:
     made = not Path(out).exists()
     try:
         yield
+    except FolderBusy:  # made by the process that holds it now, between the look and the lock:
+        raise  # removed, its lock sat on a deleted folder and a third process took a new one
     except BaseException:
         if made:
             with contextlib.suppress(OSError):  # kept where it holds anything

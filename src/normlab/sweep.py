@@ -53,8 +53,8 @@ SWEEP_KEYS = ("base", "name", "grid", "set", "run")
 #: the most runs one sweep file may make: each is a folder, a config and a training
 MAX_RUNS = 100_000
 #: what a second sweep or reproduce of one --out is told while the first holds it
-SWEEPING = ("--out {out} is in use by another normlab sweep or reproduce; wait for it to end, "
-            "or give --out another folder")
+SWEEPING = ("--out {out} is in use by another normlab sweep or reproduce (or a run trained there); "
+            "wait for it to end, or give --out another folder")
 SWEEP_REMEDY = ("sweep", "the sweep file changed since that run was made: give the sweep "
                 "another --out, or remove that run's folder")
 
@@ -226,7 +226,7 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
     where given (`--device`), overrides the run's `train.device`, as `normlab train`'s does."""
     import torch
 
-    from normlab.cli import eval_run
+    from normlab.cli import eval_run, retrained
     from normlab.config import RunConfig
     from normlab.report import RESULT_FILES, read_result
     from normlab.train import DONE, DONE_RECORD, check_saved_config, finished_record, train
@@ -279,7 +279,9 @@ def run_one(spec: RunSpec, device: str | None = None) -> dict[str, Any]:
         # eval.json made by hand with --limit was taken as done, and the report then refused
         # to pool it, on every rerun
         ev = read_result(out, "eval.json")
-        if ev is None or ev["checkpoint"].get("step") != final or ev.get("limit") is not None:
+        # (or of another run, trained again here with --force under another config)
+        if (ev is None or ev["checkpoint"].get("step") != final or ev.get("limit") is not None
+                or retrained(out, ev.get("config"))):
             step("eval", lambda: eval_run(out, force=True))
             _check_made_from(out / "eval.json", ("checkpoint", "step"), final)
         # interference.json is the last result analyze_run writes: an analysis that failed

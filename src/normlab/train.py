@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -216,6 +217,12 @@ RUN_FILES: dict[str, Callable[[str], bool]] = {
 }
 
 
+#: what training writes at the top of a run folder (eval and analyze write the rest)
+TRAINING_FILES = ("config.toml", "metrics.jsonl", DONE)
+#: the temp file `io.atomic_write_bytes` writes NAME through (tempfile.mkstemp's names)
+MKSTEMP = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
 def _target(name: str) -> str:
     """The file a name stands for: itself, or, for the temp file of an atomic write that a
     kill left (`.NAME.XXXXXXXX.tmp`, io.atomic_write_bytes), NAME."""
@@ -247,8 +254,14 @@ def _written_here(out: Path) -> tuple[list[Path], bool]:
             continue
         found += [p for p in folder.iterdir() if (p.is_file() or p.is_symlink())
                   and ours(_target(p.name)) and (p != out / "config.toml" or _is_run_config(p))]
-    marks = any((p.parent == out and p.name in ("config.toml", "metrics.jsonl", DONE))
-                or (p.parent.name == "checkpoints" and p.suffix == ".json") for p in found)
+    # by the file a temp file of normlab's own (mkstemp's 8 random characters) stands for too:
+    # a kill while a new run wrote its first config.toml left a folder of that temp file alone,
+    # refused by every rerun as no run folder (another tool's ".metrics.jsonl.swp.tmp" marks
+    # nothing)
+    names = {p: (_target(p.name) if MKSTEMP.fullmatch(p.name) else p.name) for p in found}
+    marks = any((p.parent == out and names[p] in TRAINING_FILES)
+                or (p.parent.name == "checkpoints" and names[p].endswith(".json"))
+                for p in found)
     return sorted(found), marks
 
 
@@ -342,8 +355,8 @@ def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
 
 
 #: what a second `train` of a run folder is told while the first holds it
-TRAINING = ("run folder {out} is being trained by another process; wait for it to end, or give "
-            "--out another folder")
+TRAINING = ("run folder {out} is being trained by another process (or is a running sweep's or "
+            "reproduce's --out); wait for it to end, or give --out another folder")
 
 
 def train(
@@ -419,10 +432,12 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     prepare_run_dir(out, resume=resume, force=force, log=log)
     if resume and lock.fd is not None:
         # a kill while a checkpoint was written left its temp file, a whole checkpoint's size:
-        # one more at each preemption, until --force. Only under the lock: else they may be a
-        # live writer's
+        # one more at each preemption, until --force; while train_done.json or config.toml was,
+        # one left for good. Only under the lock, and only training's own: else they may be a
+        # live writer's (an `eval` writes eval.json beside a resumed run)
         for p in _written_here(out)[0]:
-            if p.parent.name == "checkpoints" and p.name != _target(p.name):
+            if p.name != _target(p.name) and (p.parent.name == "checkpoints"
+                                               or _target(p.name) in TRAINING_FILES):
                 p.unlink()
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
