@@ -160,8 +160,56 @@ def test_lr_schedules() -> None:
                            "train.min_lr_ratio=0.0", "train.schedule='cosine'"]).train
     assert lr_at(60, c) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(110, c) == pytest.approx(0.0)
+    # a quarter and three quarters of the decay, where cosine and linear part (0.854 vs 0.75):
+    # the points above are both shapes', so a linear "cosine" passed
+    assert lr_at(35, c) == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
+    assert lr_at(85, c) == pytest.approx((1 - math.cos(math.pi / 4)) / 2)
+    c.schedule = "linear"
+    assert (lr_at(35, c), lr_at(85, c)) == (pytest.approx(0.75), pytest.approx(0.25))
     c.schedule = "constant"
     assert lr_at(60, c) == lr_at(109, c) == 1.0
+
+
+def test_training_uses_its_packing_eval_examples_and_clipping(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each could be dropped with every other test passing: `task.pack` (packed and padded
+    batches give the same loss: only the rows a batch takes tell), the periodic evaluation's
+    first `train.eval_examples` questions a cell, and `grad_clip = 0` as no clipping (clipping
+    to norm 0 would freeze every weight)."""
+    import normlab.train as tr
+
+    base = ["task.grid='smoke'", "model.d_model=16", "model.n_layers=1", "train.steps=4",
+            "train.eval_every=4", "train.checkpoint_every=4", "train.batch_size=32",
+            "train.eval_examples=3", "train.warmup_steps=0"]
+    rows: list[int] = []
+    limits: list[object] = []
+    clipped: list[float] = []
+    real_loss, real_eval = tr.loss_on, tr.evaluate
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def loss_on(model, batch):
+        rows.append(int(batch["tokens"].shape[0]))
+        return real_loss(model, batch)
+
+    def evaluate(*args, **kw):
+        limits.append(kw.get("limit"))
+        return real_eval(*args, **kw)
+
+    def clip(params, max_norm, *a, **kw):
+        clipped.append(max_norm)
+        return real_clip(params, max_norm, *a, **kw)
+
+    monkeypatch.setattr(tr, "loss_on", loss_on)
+    monkeypatch.setattr(tr, "evaluate", evaluate)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    for pack, grad_clip in ((False, 0.5), (True, 0.0)):
+        rows.clear(), limits.clear(), clipped.clear()
+        c = load_config(None, [*base, f"task.pack={str(pack).lower()}",
+                               f"train.grad_clip={grad_clip}"])
+        train(c, tmp_path / f"{pack}", progress=False)
+        assert rows and (all(r < 32 for r in rows) if pack else set(rows) == {32})
+        assert limits == [3]
+        assert clipped == ([] if grad_clip == 0 else [0.5] * 4)
 
 
 def test_early_stopping(tmp_path: Path) -> None:

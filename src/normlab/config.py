@@ -45,7 +45,7 @@ class TrainConfig:
     weight_decay: float = 0.02
     beta1: float = 0.9
     beta2: float = 0.98
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # the gradients' global norm at most this (0: no clipping)
     eval_every: int = 500
     eval_examples: int = 128  # per cell, for the periodic evaluation during training
     checkpoint_every: int = 500
