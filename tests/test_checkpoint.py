@@ -100,6 +100,7 @@ def _only_newest(run: Path) -> None:
 @pytest.mark.parametrize(("old", "new"), [
     ('"weight_decay": 0.02', '"weight_decay": 0.06'),  # one bit of "2" -> "6"
     ('"eps": 1e-08', '"eps": 1e-09'),
+    ("stream", "state + 1"),  # the data stream's generator state (other batches)
 ])
 def test_a_flipped_bit_in_a_sidecar_is_caught_by_its_own_hash(run: Path, old: str,
                                                                new: str) -> None:
@@ -109,8 +110,13 @@ def test_a_flipped_bit_in_a_sidecar_is_caught_by_its_own_hash(run: Path, old: st
     checkpoints, the config still saying 0.02)."""
     newest = list_checkpoints(run / "checkpoints")[-1]
     text = newest.read_text()
-    assert text.index(old) < text.index('"config"')  # the optimizer's group, not the config
-    newest.write_text(text.replace(old, new, 1))
+    if old == "stream":
+        meta = json.loads(text)
+        meta["stream"]["bit_generator"]["state"]["state"] += 1
+        newest.write_text(json.dumps(meta))
+    else:
+        assert text.index(old) < text.index('"config"')  # the optimizer's group, not the config
+        newest.write_text(text.replace(old, new, 1))
     warnings: list[str] = []
     _, meta = latest_checkpoint(run / "checkpoints", warn=warnings.append)
     assert meta["step"] == 10
@@ -137,8 +143,8 @@ def test_the_config_decides_the_optimizer_settings_on_resume(tmp_path: Path) -> 
     newest = list_checkpoints(part / "checkpoints")[-1]
 
     def edit(m: dict[str, Any]) -> None:
-        m["optimizer"]["param_groups"][0].update(weight_decay=0.5, betas=[0.5, 0.5],
-                                                 maximize=True)
+        for group in m["optimizer"]["param_groups"]:  # both: the decayed and the rest
+            group.update(weight_decay=0.5, betas=[0.5, 0.5], maximize=True)
 
     _damage(part, edit)
     train(cfg, part, progress=False, resume=True)

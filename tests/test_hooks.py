@@ -451,6 +451,12 @@ def test_a_hook_point_given_for_its_name_is_refused() -> None:
         model.run_with_hooks(tokens, fwd_hooks=[(point, lambda x, hook: ran.append(hook.name))])
     with pytest.raises(ValueError, match=r"^names_filter: .*got the module HookPoint"):
         model.run_with_cache(tokens, names_filter=point)
+    # as a list pair too, and any module (an nn.Identity matched every point as well)
+    with pytest.raises(ValueError, match=r"^fwd_hooks\[0\]: .*got the module HookPoint"):
+        model.run_with_hooks(tokens, fwd_hooks=[[point, lambda x, hook: ran.append(hook.name)]])
+    with pytest.raises(ValueError, match=r"^fwd_hooks\[0\]: .*got the module Identity$"):
+        model.run_with_hooks(tokens, fwd_hooks=[(torch.nn.Identity(),
+                                                 lambda x, hook: ran.append(hook.name))])
     assert ran == [] and not any(hp.fns for hp in model.hook_points().values())
 
 
@@ -468,7 +474,9 @@ def test_a_hook_returning_no_tensor_of_its_shape_is_named() -> None:
             ("blocks.0.hook_attn_out", lambda x: x.mean(), r"\(\) torch\.float32 on cpu"),
             ("ln_final.hook_scale", lambda x: x[:, :1], r"\(2, 1, 1\) torch\.float32 on cpu"),
             ("blocks.1.hook_resid_pre", lambda x: x.tolist(), "list"),
-            ("blocks.1.hook_resid_pre", lambda x: x.double(), r"\(2, 5, 32\) torch\.float64")):
+            ("blocks.1.hook_resid_pre", lambda x: x.double(), r"\(2, 5, 32\) torch\.float64"),
+            ("blocks.1.hook_resid_pre", lambda x: x.to("meta"), r"\(2, 5, 32\) torch\.float32 "
+                                                                r"on meta")):
         def bad(x: torch.Tensor, hook, ret=ret):
             return ret(x)
 

@@ -296,13 +296,18 @@ def test_loading_leaves_transformers_logging_as_it_was(tmp_path: Path) -> None:
     caller had it: one turned off was turned back on."""
     from transformers.utils import logging as tlog
 
+    from normlab.interop.hf import read_hf_config
+
     _gpt2().save_pretrained(tmp_path / "g")
     root = tlog.get_logger()
     try:
         for on in (False, True):
-            (tlog.enable_default_handler if on else tlog.disable_default_handler)()
-            from_hf_pretrained(tmp_path / "g")
-            assert (tlog._default_handler in root.handlers) is on
+            # (from_hf_pretrained holds the logs twice: a restore inverted would cancel out)
+            for load in (lambda: from_hf_pretrained(tmp_path / "g"),
+                         lambda: read_hf_config(tmp_path / "g", "folder")):
+                (tlog.enable_default_handler if on else tlog.disable_default_handler)()
+                load()
+                assert (tlog._default_handler in root.handlers) is on
     finally:
         tlog.enable_default_handler()
 

@@ -81,18 +81,19 @@ def test_the_weight_files_recorded_are_those_transformers_reads(tmp_path: Path) 
         for f in files:
             (folder / f).write_bytes(b"")
         if index:
-            (folder / index).write_text(json.dumps({"weight_map": {
-                "a": "m-00002.x", "b": "m-00001.x", "c": "m-00002.x"}}))
+            (folder / index).write_text(json.dumps({"weight_map": {  # in no order: sorted
+                "a": "m-00002.x", "b": "m-00005.x", "c": "m-00002.x", "d": "m-00001.x",
+                "e": "m-00004.x", "f": "m-00003.x"}}))
         return [p.name for p in loaded_weight_files(folder)]
 
     assert names("model.safetensors", "pytorch_model.bin", "training_args.bin") == [
         "model.safetensors"]
     assert names("pytorch_model.bin", "training_args.bin") == ["pytorch_model.bin"]
-    assert names("m-00001.x", "m-00002.x", "pytorch_model.bin",
-                 index="model.safetensors.index.json") == [
-        "model.safetensors.index.json", "m-00001.x", "m-00002.x"]
-    assert names("m-00001.x", "m-00002.x", index="pytorch_model.bin.index.json") == [
-        "pytorch_model.bin.index.json", "m-00001.x", "m-00002.x"]
+    shards = [f"m-0000{i}.x" for i in range(1, 6)]
+    assert names(*shards, "pytorch_model.bin", index="model.safetensors.index.json") == [
+        "model.safetensors.index.json", *shards]
+    assert names(*shards, index="pytorch_model.bin.index.json") == [
+        "pytorch_model.bin.index.json", *shards]
     assert names("training_args.bin") == []
 
 
