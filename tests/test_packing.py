@@ -166,6 +166,23 @@ def test_bad_pack_config_is_one_line() -> None:
         model(tokens, segments=torch.ones(2, 5, dtype=torch.long), cache=model.new_cache())
 
 
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_a_segment_id_used_again_later_is_another_problem(pos: str) -> None:
+    """Positions restart at each run of an id, and so does attention: the third run of
+    [1, 1, 1, 2, 2, 2, 1, 1, 1] saw the first run's tokens (same id), its logits 0.076 off its
+    own; the packer numbers segments uniquely, a direct caller need not."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_mlp=32, max_len=16,
+                                    pos_encoding=pos, init_std=0.3)).eval()
+    tokens = torch.randint(0, 16, (1, 9))
+    reused = torch.tensor([[1, 1, 1, 2, 2, 2, 1, 1, 1]])
+    unique = torch.tensor([[1, 1, 1, 2, 2, 2, 3, 3, 3]])
+    with torch.no_grad():
+        got = model(tokens, segments=reused)
+        torch.testing.assert_close(got, model(tokens, segments=unique), rtol=0, atol=0)
+        torch.testing.assert_close(got[:, 6:], model(tokens[:, 6:]), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_training_learns_and_resumes_bitwise(tmp_path: Path) -> None:
     tiny = ["task.grid='smoke'", "task.pack=true", "model.d_model=32", "model.n_layers=1",
             "model.n_heads=2", "model.d_mlp=64", "train.batch_size=32", "train.warmup_steps=5",

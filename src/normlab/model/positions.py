@@ -37,12 +37,14 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, what: str = "ids") -> torch.T
 
 
 def sinusoidal_table(max_len: int, d: int) -> torch.Tensor:
-    pos = torch.arange(max_len, dtype=torch.float32)[:, None]
-    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
-    table = torch.zeros(max_len, d)
+    """Vaswani et al.'s table, computed in float64 and then rounded: in float32 the angle
+    `pos * freq` drifted from the formula as positions grew (2.3e-4 at 4096, 3e-8 now)."""
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float64) * (-math.log(10000.0) / d))
+    table = torch.zeros(max_len, d, dtype=torch.float64)
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)[:, : d // 2]
-    return table
+    return table.float()
 
 
 class PosEmbed(nn.Module):

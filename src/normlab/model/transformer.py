@@ -97,7 +97,8 @@ class Stack(nn.Module):
         key_mask [batch, past + pos] marks real (non-pad) tokens, cached ones included.
         aux [batch, pos]: the task-supplied positions, needed iff `n_aux_positions > 0`.
         segments [batch, pos]: packed rows (see `tasks.addition.make_batch(pack=True)`); a
-        token attends only within its segment and positions restart at each segment's start.
+        segment is a run of one id (an id used again later is another segment), a token attends
+        only within its segment and positions restart at each segment's start.
         """
         if not isinstance(tokens, torch.Tensor):  # numpy's or a list: torch's TypeError
             raise ValueError(f"tokens: expected a tensor of [batch, pos] ids; got "
@@ -160,7 +161,10 @@ class Stack(nn.Module):
         x = dropped(self.drop, x)
         mask = self._self_mask(b, p, past, key_mask, tokens.device)
         if segments is not None:  # block-diagonal: causal within each packed problem
-            mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
+            # by run, as positions restart: an id used again later in a row ([1, 1, 2, 2, 1]) is
+            # another problem, which its id alone let see the first one's tokens
+            runs = _segment_starts(segments).cumsum(-1)
+            mask = mask & (runs[:, None, :, None] == runs[:, None, None, :])
         # bool, as the encoder reads the same mask: a float one would be an additive bias to SDPA
         mem_mask = None if memory_mask is None else memory_mask.bool()[:, None, None, :]
         for i, block in enumerate(self.blocks):
@@ -224,11 +228,17 @@ def _check_width(t: torch.Tensor | None, shape: tuple[int, ...], name: str, of: 
                          f"got {tuple(t.shape)}")
 
 
+def _segment_starts(segments: torch.Tensor) -> torch.Tensor:
+    """[batch, pos] True where a segment's run begins (its id differs from the one before)."""
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return start
+
+
 def _segment_positions(segments: torch.Tensor) -> torch.Tensor:
     """[batch, pos] index of each token within its segment (0 at every segment start)."""
     idx = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
-    start = torch.ones_like(segments, dtype=torch.bool)
-    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start = _segment_starts(segments)
     return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values
 
 
