@@ -681,3 +681,39 @@ def test_a_cached_step_must_read_what_its_cache_was_filled_from() -> None:
         with pytest.raises(ValueError, match=r"^memory: expected the source the cache was "
                                              r"filled with"):
             ed.decode(step, other, cache=cache)
+    # and its source mask: a step without it read the source's padding (a padded row's logits
+    # 1.31 off the uncached forward's)
+    smask = torch.ones(2, 6, dtype=torch.bool)
+    smask[1, 4:] = False
+    memory = ed.encode(src, smask)
+    cache = ed.new_cache()
+    ed.decode(torch.tensor([[1], [1]]), memory, smask, cache=cache)
+    ed.decode(step, memory, smask.clone(), cache=cache)  # the same mask, another tensor: taken
+    for other, said in ((None, r"\(one then, none now\)"), (torch.ones(2, 6, dtype=torch.bool),
+                                                          r"\(one then, another now\)")):
+        with pytest.raises(ValueError, match=r"^src_mask: expected the source mask the cache "
+                                             rf"was filled under at every step {said}"):
+            ed.decode(step, memory, other, cache=cache)
+
+
+def test_an_encoder_decoders_errors_name_its_inputs_and_a_padded_source_reads_unpadded() -> None:
+    """Both stacks said "tokens"/"aux", so a bad source and a bad target read alike; and a
+    left-padded source's tokens took other positions than unpadded ones (learned and
+    sinusoidal positions; logits 1.2 off), where a decoder's prompt counts its real tokens."""
+    for pos in ("learned", "sinusoidal"):
+        ed = build_model(tiny(arch="encoder_decoder", n_encoder_layers=1, n_decoder_layers=1,
+                              pos_encoding=pos)).eval()
+        src = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(3))
+        tgt = torch.tensor([[1, 5]])
+        padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), src], 1)
+        left = torch.tensor([[False, False, True, True, True, True]])
+        with torch.no_grad():
+            torch.testing.assert_close(ed(padded, tgt, left), ed(src, tgt), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"^src: expected \[batch, pos\] ids"):
+        ed(src[0], tgt)
+    with pytest.raises(ValueError, match=r"^tgt: expected \[batch, pos\] ids"):
+        ed(src, tgt[0])
+    with pytest.raises(IndexError, match=r"^tgt: expected ids in \[0, 16\)"):
+        ed(src, tgt + 100)
+    with pytest.raises(ValueError, match=r"^src_aux: this model takes no aux positions"):
+        ed(src, tgt, src_aux=torch.zeros(1, 4, dtype=torch.long))

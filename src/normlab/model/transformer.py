@@ -38,6 +38,8 @@ class KVCache:
     """Filled under a key mask: a step without one would attend to the cached padding."""
     memory: torch.Tensor | None = None
     """The source whose cross-attention keys and values the cache keeps (encoder-decoder)."""
+    memory_mask: torch.Tensor | None = None
+    """The source mask the cache was filled under: a step without it read the source's padding."""
 
     @classmethod
     def empty(cls, n_layers: int, capacity: int = 0) -> KVCache:
@@ -53,16 +55,20 @@ class Embed(nn.Module):
         super().__init__()
         self.W_E = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return lookup(self.W_E, tokens, "tokens")
+    def forward(self, tokens: torch.Tensor, name: str = "tokens") -> torch.Tensor:
+        return lookup(self.W_E, tokens, name)
 
 
 class Stack(nn.Module):
     """Embedding -> positions -> blocks -> final norm (if the placement has one)."""
 
-    def __init__(self, cfg: ModelConfig, n_layers: int, *, causal: bool, cross: bool) -> None:
+    def __init__(self, cfg: ModelConfig, n_layers: int, *, causal: bool, cross: bool,
+                 names: tuple[str, str] = ("tokens", "aux")) -> None:
         super().__init__()
         self.cfg, self.causal = cfg, causal
+        # what its errors call the ids and aux positions: an encoder-decoder's are src/src_aux
+        # and tgt/tgt_aux (a bad source and a bad target said the same "tokens: ...")
+        self.names = names
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
         self.pos_embed = PosEmbed(cfg) if cfg.position_table else None
@@ -100,34 +106,36 @@ class Stack(nn.Module):
         segment is a run of one id (an id used again later is another segment), a token attends
         only within its segment and positions restart at each segment's start.
         """
+        tok, aux_name = self.names
         if not isinstance(tokens, torch.Tensor):  # numpy's or a list: torch's TypeError
-            raise ValueError(f"tokens: expected a tensor of [batch, pos] ids; got "
+            raise ValueError(f"{tok}: expected a tensor of [batch, pos] ids; got "
                              f"{type(tokens).__name__}")
         if tokens.ndim != 2:
-            raise ValueError(f"tokens: expected [batch, pos] ids, got shape {tuple(tokens.shape)}")
+            raise ValueError(f"{tok}: expected [batch, pos] ids, got shape {tuple(tokens.shape)}")
         if tokens.device != self.embed.W_E.device:  # meta ids gave NaN logits on a CPU model
-            raise ValueError(f"tokens: on {tokens.device}, the model on "
+            raise ValueError(f"{tok}: on {tokens.device}, the model on "
                              f"{self.embed.W_E.device}; expected them on one device")
         b, p = tokens.shape
         past = cache.length if cache is not None else 0
         if past and (kept := cache.layers[0].get("self", {}).get("k")) is not None \
                 and kept.shape[0] != b:  # torch's "expanded size" error
-            raise ValueError(f"tokens: expected the cache's batch of {kept.shape[0]} rows; "
+            raise ValueError(f"{tok}: expected the cache's batch of {kept.shape[0]} rows; "
                              f"got {b}")
         if memory is not None and memory.shape[0] != b:  # a target of 1 row broadcast unseen
             raise ValueError(f"tgt: expected the source's batch of {memory.shape[0]} rows; "
                              f"got {b}")
         if past:
-            _check_cache(cache, key_mask, memory, "attention_mask" if self.causal else "src_mask")
+            _check_cache(cache, key_mask, memory, "attention_mask" if self.causal else "src_mask",
+                         memory_mask)
         if positions is not None and positions.is_floating_point():  # RoPE turned by 0.5
             raise ValueError(f"positions: expected integer positions; got {positions.dtype}")
         if aux is not None and self.W_aux is None:  # ignored without a word
-            raise ValueError("aux: this model takes no aux positions "
+            raise ValueError(f"{aux_name}: this model takes no aux positions "
                              "(ModelConfig.n_aux_positions = 0); expected None")
         _check_width(key_mask, (b, past + p), "attention_mask" if self.causal else "src_mask",
-                     "the cached positions and these" if past else "the tokens")
-        _check_width(aux, (b, p), "aux", "the tokens")
-        _check_width(positions, (b, p), "positions", "the tokens")
+                     "the cached positions and these" if past else f"the {tok}")
+        _check_width(aux, (b, p), aux_name, f"the {tok}")
+        _check_width(positions, (b, p), "positions", f"the {tok}")
         if memory is not None:
             _check_width(memory_mask, memory.shape[:2], "src_mask", "the source")
         # The model's own positions (counted along the row, from a segment's start, or over
@@ -143,11 +151,13 @@ class Stack(nn.Module):
             if positions is None:
                 positions = _segment_positions(segments)
         if positions is None:
-            if key_mask is not None and self.causal:
+            # over a row's real tokens, for an encoder's source too: counted along the row, a
+            # left-padded source's tokens took other positions than unpadded (logits 1.2 off)
+            if key_mask is not None:
                 positions = (key_mask.bool().long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 positions = torch.arange(past, past + p, device=tokens.device).expand(b, p)
-        x = self.hook_embed(self.embed(tokens))
+        x = self.hook_embed(self.embed(tokens, tok))
         if self.pos_embed is not None:
             x = x + self.hook_pos_embed(self.pos_embed(positions, top))
         if self.W_aux is not None:
@@ -156,7 +166,7 @@ class Stack(nn.Module):
                     "this model has ModelConfig.n_aux_positions > 0: pass `aux` positions "
                     "[batch, pos] (see normlab.tasks.addition.aux_positions)"
                 )
-            x = x + self.hook_aux_embed(lookup(self.W_aux, aux, "aux"))
+            x = x + self.hook_aux_embed(lookup(self.W_aux, aux, aux_name))
         rope = self.rotary(positions) if self.rotary is not None else None
         x = dropped(self.drop, x)
         mask = self._self_mask(b, p, past, key_mask, tokens.device)
@@ -180,6 +190,8 @@ class Stack(nn.Module):
             cache.length = past + p
             cache.masked |= key_mask is not None
             cache.memory = memory
+            if past == 0:
+                cache.memory_mask = memory_mask
         return self.ln_final(x) if self.ln_final is not None else x
 
     def _self_mask(
@@ -201,7 +213,7 @@ class Stack(nn.Module):
 
 
 def _check_cache(cache: KVCache, key_mask: torch.Tensor | None, memory: torch.Tensor | None,
-                 mask_name: str) -> None:
+                 mask_name: str, memory_mask: torch.Tensor | None = None) -> None:
     """A step must read what its cache was filled from: without the mask the prefill had, it
     attended to the cached padding; with another source, it read the first one's cross keys
     and values (each silently: tests/test_model.py shows both)."""
@@ -214,6 +226,13 @@ def _check_cache(cache: KVCache, key_mask: torch.Tensor | None, memory: torch.Te
         raise ValueError("memory: expected the source the cache was filled with (it keeps "
                          "that source's cross-attention keys and values); start a new cache "
                          "(model.new_cache()) for another source")
+    was = cache.memory_mask  # and its mask: without it a step read the source's padding
+    if kept is not None and memory_mask is not was and (
+            was is None or memory_mask is None or memory_mask.shape != was.shape
+            or not torch.equal(memory_mask.bool(), was.bool())):
+        raise ValueError("src_mask: expected the source mask the cache was filled under at "
+                         "every step (" + ("none" if was is None else "one") + " then, "
+                         + ("none" if memory_mask is None else "another") + " now)")
 
 
 def _check_width(t: torch.Tensor | None, shape: tuple[int, ...], name: str, of: str) -> None:
@@ -303,8 +322,10 @@ class EncoderDecoderLM(HookedModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.encoder = Stack(cfg, cfg.n_encoder_layers, causal=False, cross=False)
-        self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True)
+        self.encoder = Stack(cfg, cfg.n_encoder_layers, causal=False, cross=False,
+                             names=("src", "src_aux"))
+        self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True,
+                             names=("tgt", "tgt_aux"))
         self.W_U = (
             None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.d_model, cfg.vocab_size))
         )
