@@ -190,6 +190,10 @@ def test_an_imperfect_accuracy_never_reads_100() -> None:
     from normlab.stats import percent
 
     assert (percent(255 / 256, 0), percent(2559 / 2560, 1)) == ("99", "99.9")
+    # an interval's bounds too: "99.9 [100.0, 100.0]" held no value of its own
+    from normlab.stats import wilson_ci
+
+    assert [percent(b, 1) for b in wilson_ci(19999, 20000)] == ["99.9", "99.9"]
     assert (percent(1.0, 0), percent(1.0, 1), percent(0.5, 1), percent(0.996, 1)) == (
         "100", "100.0", "50.0", "99.6")
 

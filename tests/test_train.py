@@ -1875,6 +1875,11 @@ def test_compare_refuses_one_split_name_over_other_cells(tmp_path: Path, capsys)
     assert code == 2 and "train among them" in err, err
     (c / "eval.json").write_text(json.dumps({"splits": {"train": of(3, 6)}, "config": cfg}))
     assert _cli(capsys, "compare", str(c))[0] == 0  # 3 of 6 with its own interval
+    # 19999 of 20000: neither the value nor its bounds read 100 ("99.9 [100.0, 100.0]")
+    (c / "eval.json").write_text(json.dumps({"splits": {"train": of(19999, 20000)},
+                                             "config": cfg}))
+    assert main(["compare", "--markdown", str(c)]) == 0
+    assert "| 99.9 [99.9, 99.9] |" in capsys.readouterr().out
 
 
 def test_files_named_like_checkpoints_are_not_pruned_or_resumed_from(tmp_path: Path) -> None:
@@ -2113,9 +2118,11 @@ def test_a_kill_in_a_new_runs_first_write_leaves_a_folder_it_resumes(tmp_path: P
     (run / "train_done.json").unlink()  # killed while writing it
     (run / ".train_done.json.k1ll3d00.tmp").write_text("{")
     (run / ".eval.json.l1v3w000.tmp").write_text("{")  # an evaluation writing beside it
+    (run / ".metrics.jsonl.swp.tmp").write_text("")  # another tool's (no mkstemp name)
     assert train(c, run, progress=False, resume=True)["step"] == 4
     assert not (run / ".train_done.json.k1ll3d00.tmp").exists()
     assert (run / ".eval.json.l1v3w000.tmp").exists()  # not training's: left to its writer
+    assert (run / ".metrics.jsonl.swp.tmp").exists()
 
 
 def test_eval_of_a_folder_it_cannot_write_is_refused_before_evaluating(
@@ -2188,6 +2195,13 @@ def test_a_run_trained_again_while_evaluated_gets_no_results_of_the_old_one(
     assert code == 0 and "trained again since, under another config" in err
     code, err = _cli(capsys, "eval", str(run))
     assert code == 2 and "trained again since, under another config" in err
+    # what the run trained with is read from train_done.json or its newest checkpoint, never
+    # config.toml: an unfinished run's edited config.toml refused every evaluation
+    (run / "train_done.json").unlink()
+    (run / "config.toml").write_text((run / "config.toml").read_text().replace(
+        "seed = 2", "seed = 7"))
+    eval_run(run, force=True)
+    assert json.loads((run / "eval.json").read_text())["config"]["train"]["seed"] == 2
 
 
 def test_an_evaluation_of_an_earlier_checkpoint_is_marked(tmp_path: Path, capsys) -> None:

@@ -128,20 +128,26 @@ def _per_cell(result: dict[str, Any]) -> str:
 def retrained(run_dir: Path, config: Any, meta: dict[str, Any] | None = None) -> bool:
     """Whether `run_dir` now holds another run than the one of `config` (an evaluation's,
     where it records one) and, given, of checkpoint `meta`: trained again with --force under
-    another config, or its checkpoint of that step another. A config or record that does not
-    read says nothing here (their own checks name them)."""
+    another config, or its checkpoint of that step another. What the run trained with is read
+    from its train_done.json, else its newest checkpoint, never config.toml (a file a user may
+    edit: an unfinished run's edited one refused every evaluation). A config or record that
+    does not read says nothing here (their own checks name them)."""
     from normlab.checkpoint import list_checkpoints
-    from normlab.train import _comparable, trained_config
+    from normlab.io import recorded
+    from normlab.train import DONE, _comparable
 
+    sides = list_checkpoints(Path(run_dir) / "checkpoints")
     try:
-        now = trained_config(Path(run_dir))
-        if isinstance(config, dict) and now is not None and _comparable(now) != _comparable(
-                config):
+        now = recorded(Path(run_dir) / DONE, "config")
+        if not isinstance(now, dict) and sides:
+            now = json.loads(sides[-1].read_text()).get("config")
+        if isinstance(config, dict) and isinstance(now, dict) and _comparable(
+                now) != _comparable(config):
             return True
-    except (ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
     if meta is not None:
-        for side in list_checkpoints(Path(run_dir) / "checkpoints"):
+        for side in sides:
             if side.name == f"step_{meta['step']:07d}.json":
                 try:
                     return json.loads(side.read_text()).get("sha256") != meta.get("sha256")
@@ -270,8 +276,8 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
             cells.append(
                 "-"
                 if v is None
-                else f"{percent(v['accuracy'], 1)} [{100 * v['ci95'][0]:.1f}, "
-                f"{100 * v['ci95'][1]:.1f}]"
+                else f"{percent(v['accuracy'], 1)} [{percent(v['ci95'][0], 1)}, "
+                f"{percent(v['ci95'][1], 1)}]"
             )
         rows.append([label, r["config"]["model"]["norm_placement"],
                      str(r["config"]["train"]["seed"]),

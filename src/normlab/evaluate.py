@@ -288,7 +288,8 @@ def heatmap(result: dict[str, Any], train_cells: list[Cell], path: Path, title: 
     grid = torch.full((len(ns), len(ds)), float("nan"))
     for c in cells:
         grid[ns.index(c["n"]), ds.index(c["d"])] = 100 * c["accuracy"]  # %, as the cells read
-    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(ds), 1.0 + 0.6 * len(ns)))
+    # at least 2.6 inches: one column's 1.8 left a wrapped title no room beside the y label
+    fig, ax = plt.subplots(figsize=(max(2.6, 1.0 + 0.8 * len(ds)), 1.0 + 0.6 * len(ns)))
     im = ax.imshow(grid.numpy(), vmin=0, vmax=100, cmap="viridis", origin="lower")
     train = {(c.n, c.d) for c in train_cells}
     for i, n in enumerate(ns):

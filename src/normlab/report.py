@@ -291,7 +291,7 @@ def split_table(runs: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
 def _pct(m: float, lo: float, hi: float) -> str:
     if math.isinf(lo):
         return percent(m, 1)
-    return f"{percent(m, 1)} [{100 * lo:.1f}, {100 * hi:.1f}]"
+    return f"{percent(m, 1)} [{percent(lo, 1)}, {percent(hi, 1)}]"
 
 
 def _fmt(v: float | None, unit: str) -> str:

@@ -436,8 +436,8 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
         # one left for good. Only under the lock, and only training's own: else they may be a
         # live writer's (an `eval` writes eval.json beside a resumed run)
         for p in _written_here(out)[0]:
-            if p.name != _target(p.name) and (p.parent.name == "checkpoints"
-                                               or _target(p.name) in TRAINING_FILES):
+            if MKSTEMP.fullmatch(p.name) and (p.parent.name == "checkpoints"
+                                              or _target(p.name) in TRAINING_FILES):
                 p.unlink()
     step, elapsed, best, stale = 0, 0.0, -1.0, 0
     ckpt_dir, metrics_path = out / "checkpoints", out / "metrics.jsonl"
