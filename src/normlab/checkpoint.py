@@ -42,6 +42,11 @@ def _stem(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def sidecar_of(folder: Path, step: int) -> Path:
+    """The sidecar a checkpoint of `step` in `folder` has (whether or not it exists)."""
+    return Path(folder) / f"{_stem(step)}.json"
+
+
 def is_checkpoint_file(name: str) -> bool:
     """A name `save_checkpoint` writes: `step_<digits>.json` or `.safetensors`."""
     stem, _, ext = name.rpartition(".")
@@ -91,7 +96,7 @@ def save_checkpoint(
     # hashed as it will read back (tuples as lists, keys as strings)
     sidecar = json.loads(json.dumps(sidecar, default=jsonable))
     sidecar[SELF_HASH] = sidecar_hash(sidecar)
-    path = folder / f"{_stem(step)}.json"
+    path = sidecar_of(folder, step)
     write_json(path, sidecar)
     others = [c for c in list_checkpoints(folder) if c != path]
     for old in others[: max(len(others) - (KEEP - 1), 0)]:

@@ -132,28 +132,24 @@ def retrained(run_dir: Path, config: Any, meta: dict[str, Any] | None = None) ->
     from its train_done.json, else its newest checkpoint, never config.toml (a file a user may
     edit: an unfinished run's edited one refused every evaluation). A config or record that
     does not read says nothing here (their own checks name them)."""
-    from normlab.checkpoint import list_checkpoints
+    from normlab.checkpoint import list_checkpoints, sidecar_of
     from normlab.io import recorded
     from normlab.train import DONE, _comparable
 
-    sides = list_checkpoints(Path(run_dir) / "checkpoints")
+    folder = Path(run_dir) / "checkpoints"
+    now = recorded(Path(run_dir) / DONE, "config")
+    if not isinstance(now, dict) and (sides := list_checkpoints(folder)):
+        now = recorded(sides[-1], "config")
     try:
-        now = recorded(Path(run_dir) / DONE, "config")
-        if not isinstance(now, dict) and sides:
-            now = json.loads(sides[-1].read_text()).get("config")
         if isinstance(config, dict) and isinstance(now, dict) and _comparable(
                 now) != _comparable(config):
             return True
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError):  # a config that does not read
         pass
-    if meta is not None:
-        for side in sides:
-            if side.name == f"step_{meta['step']:07d}.json":
-                try:
-                    return json.loads(side.read_text()).get("sha256") != meta.get("sha256")
-                except (OSError, ValueError):
-                    return True
-    return False
+    if meta is None:
+        return False
+    side = sidecar_of(folder, meta["step"])  # pruned since (a live run's): nothing to compare
+    return side.is_file() and recorded(side, "sha256") != meta.get("sha256")
 
 
 def stale(run_dir: Path, step: int, limit: int | None, config: Any = None) -> str | None:

@@ -313,11 +313,11 @@ def load_config(
     file or the flag is wrong.
     """
     data: dict[str, Any] = read_toml(Path(path), "config file") if path is not None else {}
-    where = f"config file {str(path)!r}: " if path is not None else ""
+    where = f"config file {str(path)!r}" if path is not None else ""
 
     def table(name: str) -> dict[str, Any]:
         if not isinstance(data.setdefault(name, {}), dict):  # `model = 5` in the file
-            raise ValueError(f"{where}{name}: expected a table; got {data[name]!r}")
+            raise ValueError(f"{where}: {name}: expected a table; got {data[name]!r}")
         return data[name]
 
     given: dict[str, str] = {}  # field -> the source that set it last
@@ -331,17 +331,16 @@ def load_config(
     try:
         return RunConfig.from_dict(data)
     except ValueError as err:
-        msg = str(err)
-        for cls, name in (("ModelConfig.", "model."), ("TaskConfig.", "task."),
-                          ("TrainConfig.", "train.")):  # the dataclasses' own checks
-            msg = name + msg.removeprefix(cls) if msg.startswith(cls) else msg
-        field = msg.split(":", 1)[0].removeprefix("config.")
+        # named as the file's tables name them (ModelConfig's own checks say "ModelConfig.")
+        msg = "model." + str(err).removeprefix("ModelConfig.") if str(err).startswith(
+            "ModelConfig.") else str(err)
+        field = msg.split(":", 1)[0]
         # a part of a field set by an override is the override's too (task.train[1])
         lead = next((src for g, src in given.items()
                      if field == g or field.startswith((g + ".", g + "["))), None)
         if lead is None:
-            lead = where.replace(": ", " with --set: ", 1) if where and set_by and overrides \
-                else where
+            with_set = " with --set" if set_by and overrides else ""
+            lead = f"{where}{with_set}: " if where else ""
         raise ValueError(f"{lead}{msg}") from None
 
 

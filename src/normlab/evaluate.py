@@ -35,7 +35,6 @@ EVAL_RESULT = ("normlab eval results (splits, train among them, each with a coun
                "config.model.norm_placement, config.train.seed)")
 
 
-
 def is_eval_result(doc: Any) -> bool:
     """`doc` holds what `normlab compare` and the study report read from an `eval.json`, with
     those types: a damaged or foreign file is then one line naming it, not a KeyError."""

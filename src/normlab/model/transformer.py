@@ -148,8 +148,9 @@ class Stack(nn.Module):
             if segments.shape != tokens.shape:
                 raise ValueError(f"segments: expected shape {tuple(tokens.shape)}, "
                                  f"got {tuple(segments.shape)}")
+            start = _segment_starts(segments)  # once: the positions and the mask both read it
             if positions is None:
-                positions = _segment_positions(segments)
+                positions = _segment_positions(segments, start)
         if positions is None:
             # over a row's real tokens, for an encoder's source too: counted along the row, a
             # left-padded source's tokens took other positions than unpadded (logits 1.2 off)
@@ -173,7 +174,7 @@ class Stack(nn.Module):
         if segments is not None:  # block-diagonal: causal within each packed problem
             # by run, as positions restart: an id used again later in a row ([1, 1, 2, 2, 1]) is
             # another problem, which its id alone let see the first one's tokens
-            runs = _segment_starts(segments).cumsum(-1)
+            runs = start.cumsum(-1)
             mask = mask & (runs[:, None, :, None] == runs[:, None, None, :])
         # bool, as the encoder reads the same mask: a float one would be an additive bias to SDPA
         mem_mask = None if memory_mask is None else memory_mask.bool()[:, None, None, :]
@@ -254,10 +255,12 @@ def _segment_starts(segments: torch.Tensor) -> torch.Tensor:
     return start
 
 
-def _segment_positions(segments: torch.Tensor) -> torch.Tensor:
-    """[batch, pos] index of each token within its segment (0 at every segment start)."""
+def _segment_positions(segments: torch.Tensor,
+                       start: torch.Tensor | None = None) -> torch.Tensor:
+    """[batch, pos] index of each token within its segment (0 at every segment start);
+    `start`: `_segment_starts(segments)`, where the caller has it already."""
     idx = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
-    start = _segment_starts(segments)
+    start = _segment_starts(segments) if start is None else start
     return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values
 
 
