@@ -455,6 +455,7 @@ def test_the_default_pool_holds_the_most_threads_on_the_usable_cpus(
     at least 1, at most the runs."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(sweep, "cgroup_cpu_quota", lambda *a: None)  # the host's may have one
     specs = _specs(tmp_path, threads)
     assert sweep.default_jobs(specs) == jobs
     seen: list[int] = []
@@ -662,3 +663,46 @@ def test_a_sweep_that_cannot_start_leaves_no_out_behind(tmp_path: Path,
             sweep.run_sweep(tmp_path / "s.toml", out, backend="ray",
                             address="ray://127.0.0.1:1")
         assert out.exists() is there
+
+
+def _cgroup(tmp_path: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A fake cgroup mount (`files`: path under it -> text) and /proc/self/cgroup."""
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (tmp_path / "proc").write_text(proc)
+    return root, tmp_path / "proc"
+
+
+@pytest.mark.parametrize(("proc", "files", "quota"), [
+    # cgroup v2: the tightest of the process's cgroup and its parents
+    ("0::/a/b\n", {"a/b/cpu.max": "max 100000\n", "a/cpu.max": "150000 100000\n"}, 1.5),
+    ("0::/a/b\n", {"a/b/cpu.max": "50000 100000\n", "a/cpu.max": "300000 100000\n"}, 0.5),
+    ("0::/a\n", {"a/cpu.max": "max 100000\n"}, None),
+    # a container: its cgroup is the mount's root, /proc names the path outside it
+    ("0::/docker/x\n", {"cpu.max": "200000 100000\n"}, 2.0),
+    # cgroup v1, cpu mounted with cpuacct; -1 is no limit
+    ("4:memory:/m\n2:cpu,cpuacct:/k\n", {"cpu,cpuacct/k/cpu.cfs_quota_us": "300000\n",
+                                         "cpu,cpuacct/k/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("0::/\n", {}, None),  # no controller files at all
+])
+def test_a_cgroup_cpu_quota_is_read_from_v1_and_v2(tmp_path: Path, proc: str,
+                                                   files: dict[str, str],
+                                                   quota: float | None) -> None:
+    """`docker --cpus` and Kubernetes limits set a CPU quota, not a cpuset: affinity showed the
+    host's cores, and the default pool oversubscribed the quota. Quotas by hand: QUOTA/PERIOD."""
+    assert sweep.cgroup_cpu_quota(*_cgroup(tmp_path, proc, files)) == quota
+
+
+@pytest.mark.parametrize(("cpus", "cpu_max", "usable"), [
+    (set(range(64)), "150000 100000", 2), (set(range(64)), "max 100000", 64),
+    ({0, 1}, "800000 100000", 2), (set(range(8)), "10000 100000", 1),
+])
+def test_usable_cpus_is_the_affinity_capped_by_the_quota_rounded_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: set, cpu_max: str,
+        usable: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    root, proc = _cgroup(tmp_path, "0::/\n", {"cpu.max": cpu_max})
+    assert sweep.usable_cpus(root, proc) == usable

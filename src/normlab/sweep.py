@@ -449,14 +449,51 @@ def _threads(spec: RunSpec) -> int:
     return int(spec.config["train"].get("threads", 1))
 
 
-def usable_cpus() -> int:
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
     """The CPUs this process may run on: its affinity (taskset, a Slurm or cgroup cpuset), not
-    the machine's count, which gave a job of 4 cores out of 64 a pool of 64 workers. A cgroup
-    CPU quota without a cpuset (`docker --cpus`) is not seen: give --jobs there."""
+    the machine's count, which gave a job of 4 cores out of 64 a pool of 64 workers, capped by
+    a cgroup CPU quota (`docker --cpus`, a Kubernetes limit), rounded up, which affinity does
+    not show."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform (macOS)
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
+
+
+def cgroup_cpu_quota(root: Path, proc_cgroup: Path) -> float | None:
+    """CPUs' worth of time this process's cgroup (or a parent of it) may use, or None if
+    unlimited or unknown: cgroup v2's `cpu.max` ("QUOTA PERIOD" or "max PERIOD"), else v1's
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us` (quota -1 is unlimited). A container sees its own
+    cgroup as the mount's root, so the mount's root is read too."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":
+            mount, files = root, ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            mount, files = root / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            if not mount.is_dir():
+                mount = root / "cpu"
+        else:
+            continue
+        here = mount / path.lstrip("/")
+        for d in {mount, here, *(p for p in here.parents if mount in p.parents)}:
+            try:
+                words = " ".join((d / f).read_text() for f in files).split()
+                quota, period = float(words[0]), float(words[1])
+            except (OSError, IndexError, ValueError):  # no file here, or "max": no limit
+                continue
+            if quota > 0 and period > 0:
+                limits.append(quota / period)
+    return min(limits, default=None)
 
 
 def default_jobs(specs: list[RunSpec]) -> int:
