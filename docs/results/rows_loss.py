@@ -26,6 +26,10 @@ def main(runs: Path, out: Path, sigma: float) -> None:
              and (p / "analysis" / "collapse.json").is_file()]
     if not found:
         raise SystemExit(f"{str(runs)!r}: no run folder with checkpoints/ and an analysis")
+    for run in found:  # before any analysis: a sigma a run lacks failed after the first's
+        sigmas = json.loads((run / "analysis" / "collapse.json").read_text())["sigmas"]
+        if sigma not in sigmas:
+            raise SystemExit(f"--sigma: expected one of {run.name}'s sigmas {sigmas}; got {sigma}")
     for run in found:
         done = run / "analysis" / "collapse.json"
         all_rows = json.loads(done.read_text())
@@ -38,9 +42,12 @@ def main(runs: Path, out: Path, sigma: float) -> None:
         loss_rows = json.loads((again / "collapse.json").read_text())
         i = all_rows["sigmas"].index(sigma)
         for name, c in (("all", all_rows), ("loss", loss_rows)):
+            head = f"{run.name} rows={name}: {c['n_sparse_rows']:,} sparse of {c['n_rows']:,} rows"
+            if not c["n_sparse_rows"]:  # no rate to give (it is None)
+                print(f"{head}; no collapse rate")
+                continue
             lo, hi = c["collapse_ci95"][i]
-            print(f"{run.name} rows={name}: {c['n_sparse_rows']:,} sparse of {c['n_rows']:,} "
-                  f"rows; collapse at sigma {sigma}: {100 * c['collapse_rate'][i]:.3f}% "
+            print(f"{head}; collapse at sigma {sigma}: {100 * c['collapse_rate'][i]:.3f}% "
                   f"[{100 * lo:.3f}, {100 * hi:.3f}]")
 
 
