@@ -68,6 +68,22 @@ def test_the_profiles_are_the_readmes_from_any_folder(tmp_path: Path,
                 for s in specs] == [(p, i) for p in placements for i in range(seeds)]
 
 
+def test_a_profile_without_the_checkouts_configs_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An installed (not editable) normlab has no configs/ beside it: each profile's missing
+    config file was named, not what to do."""
+    from normlab import reproduce
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(reproduce, "config_root", lambda: tmp_path)
+    assert main(["reproduce", "--profile", "quick", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--profile quick: reads configs/addition/ of a normlab checkout" in err
+    assert "run it in a clone of the repository" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_profile_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["reproduce", "--profile", "huge", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

@@ -62,6 +62,10 @@ def profile_specs(name: str, out: Path) -> list[RunSpec]:
     if name not in PROFILES:
         raise ValueError(f"--profile: expected one of {', '.join(PROFILES)}; got {name!r}")
     prof = PROFILES[name]
+    if not (config_root() / prof.config_dir).is_dir():  # an installed normlab ships none
+        raise ValueError(f"--profile {name}: reads {prof.config_dir}/ of a normlab checkout, "
+                         "found neither beside the package nor in the current folder; run it "
+                         "in a clone of the repository")
     specs = []
     # a run made with another config is found in reproduce's words: the sweep's named a sweep
     # file reproduce has none of
