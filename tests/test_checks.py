@@ -179,9 +179,15 @@ def test_check_real_names_an_int_too_large_for_a_float() -> None:
         check_real(10**400, "alpha", what="a number > 0", ok=lambda v: v > 0)
 
 
-def test_check_sigmas_refuses_a_0d_tensor_in_one_line() -> None:
-    with pytest.raises(ValueError, match=r"^sigmas: expected a list of numbers >= 0; got tensor"):
-        check_sigmas(torch.tensor(0.1))
+def test_check_sigmas_reads_tensors_as_their_numbers() -> None:
+    """A 1-D tensor's items were refused as "expected a finite number >= 0; got tensor(0.)",
+    and a 0-d one as no list, while numpy's were taken."""
+    assert check_sigmas(torch.tensor([0.0, 0.5])) == [0.0, 0.5]
+    assert check_sigmas(torch.tensor(0.25)) == [0.25] == check_sigmas(np.float64(0.25))
+    with pytest.raises(ValueError, match=r"^sigmas\[1\]: expected a finite number >= 0; got -1"):
+        check_sigmas(torch.tensor([0.0, -1.0]))
+    with pytest.raises(ValueError, match=r"^sigmas\[0\]: expected a finite number >= 0; got True"):
+        check_sigmas(torch.tensor([True]))
 
 
 def test_one_sigma_is_named_sigma_and_a_numpy_threshold_is_a_number() -> None:

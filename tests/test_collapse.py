@@ -738,3 +738,96 @@ def test_sparse_rows_of_the_loss_leave_out_rows_training_never_shaped() -> None:
     with pytest.raises(ValueError, match=r"^rows: 'loss' needs data that records which "
                                          r"outputs the loss scores"):
         find_sparse_rows(model, EvalData.from_tokens(data.inputs["tokens"]), rows="loss")
+
+
+def _noisy_answers_by_hand(model, task, qs: list[str], sigma: float, seed: int,
+                          heads: list[int], batch: int) -> list[str]:
+    """Greedy answers under noise on the keys of `heads`, one question at a time, unpadded
+    and uncached, the eps applied by a hook of this test's own, from the documented draw (a
+    generator seeded once; per batch and site in order, one [batch, width + max_new] normal
+    table; a left-padded question's row read from its first real position)."""
+    from normlab.tasks.addition import EOS, make_prompts, parse_answer
+
+    max_new, gen = task.max_new(), torch.Generator().manual_seed(seed)
+    out: list[str] = []
+    for i in range(0, len(qs), batch):
+        prompts = make_prompts(qs[i:i + batch], "decoder")
+        width = max(map(len, prompts))
+        eps = [torch.randn(len(prompts), width + max_new, generator=gen) * sigma
+               for _ in model.blocks]
+        for row, p in enumerate(prompts):
+            off, ids = width - len(p), list(p)
+
+            def scale(k: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+                k = k.clone()
+                k[:, :, heads] *= (1 + e[:k.shape[1]])[None, :, None, None]
+                return k
+
+            hooks = [(f"blocks.{j}.attn.hook_k", lambda k, hook, e=e[row, off:]: scale(k, e))
+                     for j, e in enumerate(eps)]
+            with torch.no_grad(), model.hooks(hooks):
+                for _ in range(max_new):
+                    ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+                    if ids[-1] == EOS:
+                        break
+            try:
+                out.append(parse_answer(ids[len(p):], task.answer_format))
+            except ValueError:
+                out.append("?")
+    return out
+
+
+def test_accuracy_under_noise_is_one_plain_decode_per_question_under_its_own_eps() -> None:
+    """Second implementation of `perturbed_predictor` and `perturbed_accuracy` at sigma > 0.
+    No test compared noisy answers with anything: a `perturbed_accuracy` passing on none of
+    its targets, heads and seed passed every test. The accuracy is scored against the model's
+    own noiseless answers, so an untrained model's is neither 0 nor 1."""
+    model = small(placement="qkv")
+    task = TaskConfig(grid="smoke").resolve()
+    sigma, seed, heads = 0.6, 3, [1, 3]
+    pert = Perturbation(model, targets="k", heads=heads)
+    qs = [q for q, _ in mixed_problems()[:10]]
+    got = perturbed_predictor(model, task, pert, sigma, seed=seed, batch_size=4)(qs)
+    plain = perturbed_predictor(model, task, pert, 0.0)(qs)
+    assert got == _noisy_answers_by_hand(model, task, qs, sigma, seed, heads, 4)
+    assert sum(a != b for a, b in zip(got, plain, strict=True)) >= 2
+    assert perturbed_predictor(model, task, pert, sigma, seed=4, batch_size=4)(qs) != got
+    cell, rng = Cell(1, 2), random.Random(1)  # a cell of the smoke grid's lengths
+    qs = [cell.sample(rng)[0] for _ in range(16)]
+    own = perturbed_predictor(model, task, pert, 0.0)(qs)
+    acc = perturbed_accuracy(model, task, {"s": {cell: list(zip(qs, own, strict=True))}},
+                             sigmas=[0.0, sigma], targets="k", heads=heads, seed=seed)
+    hand = _noisy_answers_by_hand(model, task, qs, sigma, seed, heads, len(qs))
+    same = sum(a == b for a, b in zip(hand, own, strict=True)) / len(qs)
+    assert acc["accuracy_unperturbed"] == acc["accuracy"][0] == 1.0
+    assert acc["accuracy"][1] == same and 0 < same < 1
+
+
+def test_nan_scores_of_real_queries_are_refused_not_taken_for_one_key_rows() -> None:
+    """A NaN score failed `isfinite` like a masked key: the NaN head's rows and every later
+    layer's dropped out of n_rows, and the analysis read as sound."""
+    model = small()
+    data = EvalData.from_problems(problems(8), "decoder")
+    with torch.no_grad():
+        model.blocks[1].attn.W_Q[2, 0, 0] = math.nan
+    with pytest.raises(ValueError, match=r"^blocks\.1\.attn: \d+ attention rows of real queries "
+                                         r"have NaN scores \(heads \[2\]\); the model gives "
+                                         r"non-finite activations"):
+        find_sparse_rows(model, data, threshold=0.5)
+    with pytest.raises(ValueError, match=r"^blocks\.1\.attn: "):
+        measure_collapse(model, data, sigmas=[0.0, 0.1], n_draws=2)
+    assert len(find_sparse_rows(model, data, threshold=0.5, sites=["blocks.0.attn"])) > 0
+
+
+def test_from_tokens_refuses_pads_before_real_tokens() -> None:
+    """A left-padded `valid` was taken: the forward passes no key mask, so real queries read
+    the pads, which won sparse rows and counted in the collapse rate."""
+    tokens = torch.tensor([[4, 5, 6, 7], [0, 4, 5, 6]])
+    ok = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    assert EvalData.from_tokens(tokens, ok).n_examples == 2
+    with pytest.raises(ValueError, match=r"^valid: expected the pads of each row last "
+                                         r"\(right-padded\); row 1 has a real token after a pad$"):
+        EvalData.from_tokens(tokens, torch.tensor([[True] * 4, [False, True, True, True]]))
+    with pytest.raises(ValueError, match=r"^valid: expected the shape of tokens \(2, 4\); "
+                                         r"got \(2, 3\)$"):
+        EvalData.from_tokens(tokens, ok[:, :3])

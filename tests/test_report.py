@@ -1070,13 +1070,15 @@ def test_the_report_states_the_analysis_settings_behind_its_numbers(tmp_path: Pa
     assert bands[at] == bands[at + 1] == 2
 
 
-def test_analyze_help_states_the_librarys_defaults(capsys) -> None:
+def test_analyze_help_states_the_librarys_defaults(capsys, monkeypatch) -> None:
     """`analyze --help` hid the defaults of --sigmas, --draws and --examples (argparse's are
     None, so the library's own apply): now said, and checked against the library here; a bad
     --targets is named by its flag."""
     import inspect
 
     from normlab import cli
+    from normlab.analysis import report
+    from normlab.analysis.collapse import check_targets
     from normlab.analysis.report import analyze_run
     from normlab.interop.analyze import analyze_hf
 
@@ -1097,6 +1099,13 @@ def test_analyze_help_states_the_librarys_defaults(capsys) -> None:
     assert cli.main(["analyze", "some-run", "--targets", "q,x"]) == 2
     assert capsys.readouterr().err.strip() == ("normlab: error: --targets: unknown target 'x'; "
                                                "expected a subset of q, k, v")
+    # spelled as the library reads them ("qk" and "q, k" were refused as unknown targets)
+    seen: list[tuple] = []
+    monkeypatch.setattr(report, "analyze_run", lambda run, out=None, **kw: seen.append(
+        check_targets(kw["targets"])) or {"out": run, "files": []})
+    for spelling in ("qk", "q, k", "k,q"):
+        cli.main(["analyze", "some-run", "--targets", spelling])
+    assert seen == [("q", "k")] * 3
 
 
 def test_analyze_rows_reaches_the_run_analysis_and_is_refused_with_hf(

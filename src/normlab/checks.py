@@ -72,6 +72,8 @@ def check_sigma(value: object, name: str = "sigma") -> float:
 
 def check_sigmas(sigmas: object, name: str = "sigmas") -> list[float]:
     """Noise levels: one number or a non-empty sequence of finite numbers >= 0, as floats."""
+    if callable(getattr(sigmas, "tolist", None)):  # a numpy array or torch tensor, as numbers
+        sigmas = sigmas.tolist()  # type: ignore[union-attr]
     if is_real(sigmas):
         return [check_sigma(sigmas)]
     try:

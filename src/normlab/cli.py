@@ -374,7 +374,7 @@ def _analyze(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "noise": args.noise,
         "seed": args.seed,
-        "targets": tuple(args.targets.split(",")),
+        "targets": args.targets,  # "q,k", "qk" or "q, k", as the library reads them
     }
     if args.sigmas is not None:  # "" was taken as the defaults unseen
         try:

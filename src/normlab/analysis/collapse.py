@@ -109,8 +109,9 @@ def check_threshold(theta: float) -> float:
 
 
 def check_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
-    """`("q","k")`, `"qk"` or `"q,k"`; order normalised to q, k, v."""
-    items = list(targets.replace(",", "")) if isinstance(targets, str) else list(targets)
+    """`("q","k")`, `"qk"`, `"q,k"` or `"q, k"`; order normalised to q, k, v."""
+    items = (list(targets.replace(",", "").replace(" ", "")) if isinstance(targets, str)
+             else list(targets))
     for t in items:
         if t not in TARGETS:
             raise ValueError(f"targets: unknown target {t!r}; expected a subset of q, k, v")
@@ -305,6 +306,12 @@ def find_sparse_rows(
         keep = torch.zeros(site.n_heads, dtype=torch.bool)
         keep[hs] = True
         qvalid &= keep[None, :, None]
+        nan = torch.isnan(scores).any(-1) & data.valid[site.q_stream][:, None, :]
+        if nan.any():  # they looked like one-key rows: left out, and the analysis read as sound
+            heads = nan.any(-1).any(0).nonzero().flatten().tolist()
+            raise ValueError(f"{site.name}: {int(nan.sum())} attention rows of real queries have "
+                             f"NaN scores (heads {heads}); the model gives non-finite "
+                             "activations on this data")
         qvalid &= torch.isfinite(scores).sum(-1) >= 2
         weight, key = pattern.max(-1)
         for h in hs:

@@ -169,8 +169,18 @@ class EvalData:
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> EvalData:
-        """Arbitrary decoder-only sequences (e.g. hand-built tests); one class, `tokens`."""
+        """Arbitrary decoder-only sequences (e.g. hand-built tests); one class, `tokens`.
+
+        `valid` marks real tokens; pads must come last in a row, as everywhere here (the
+        forward passes no key mask: a left pad was attended to and won sparse rows)."""
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool()
+        if valid.shape != tokens.shape:
+            raise ValueError(f"valid: expected the shape of tokens {tuple(tokens.shape)}; got "
+                             f"{tuple(valid.shape)}")
+        late = (valid[:, 1:] & ~valid[:, :-1]).any(-1).nonzero().flatten().tolist()
+        if late:
+            raise ValueError(f"valid: expected the pads of each row last (right-padded); row "
+                             f"{late[0]} has a real token after a pad")
         classes = torch.zeros_like(tokens).masked_fill(~valid, -1)
         return cls("decoder", {"tokens": tokens}, {"tokens": valid}, {"tokens": classes},
                    ("tokens",))
