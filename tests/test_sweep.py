@@ -5,6 +5,7 @@ of --out, and an empty or malformed train_done.json or timings.json found during
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -460,7 +461,7 @@ def test_the_default_pool_holds_the_most_threads_on_the_usable_cpus(
     assert sweep.default_jobs(specs) == jobs
     seen: list[int] = []
 
-    def backend(n: int, device: object) -> tuple:
+    def backend(n: int, device: object, marks: str) -> tuple:
         seen.append(n)
         raise KeyboardInterrupt  # past the sizing: nothing is run
 
@@ -627,7 +628,7 @@ def test_no_more_bars_than_the_pool_has_workers(tmp_path: Path,
     calls = iter([[], futures])
     ticked: list[list[str]] = []
 
-    def backend(jobs: int, device: object) -> tuple:
+    def backend(jobs: int, device: object, marks: str) -> tuple:
         it = iter(futures)
         return (lambda spec: next(it), lambda futs: next(calls), lambda futs: None)
 
@@ -706,3 +707,58 @@ def test_usable_cpus_is_the_affinity_capped_by_the_quota_rounded_up(
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     root, proc = _cgroup(tmp_path, "0::/\n", {"cpu.max": cpu_max})
     assert sweep.usable_cpus(root, proc) == usable
+
+
+def _dies_or_finishes(spec, device: str | None, marks: str | None = None) -> dict:
+    """A pool worker's job for the tests below (imported by name in the spawned workers):
+    "die" begins, as `_safe_run` marks it, then its worker dies (the out-of-memory killer);
+    "dead" kills its worker before it begins; the others finish at once."""
+    if spec.name == "dead":
+        os._exit(9)
+    if marks is not None:
+        (Path(marks) / spec.name).touch()
+    if spec.name == "die":
+        time.sleep(3)  # the next run waits in the pool's call queue meanwhile, never begun
+        os._exit(9)
+    return {"ok": True, "name": spec.name, "did": ["train"], "seconds": 0.0}
+
+
+def _named(tmp_path: Path, names: list[str]) -> list:
+    return [dataclasses.replace(s, name=n, out=str(tmp_path / "out" / n))
+            for s, n in zip(_specs(tmp_path, [1] * len(names)), names, strict=True)]
+
+
+def test_a_dead_worker_fails_the_runs_that_began_and_the_queued_ones_go_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker killed (out of memory) broke the pool, and every run in it failed, the
+    queued ones that never began too: the module says the others go on."""
+    monkeypatch.setattr(sweep, "_safe_run", _dies_or_finishes)
+    got = sweep.execute(_named(tmp_path, ["a", "die", "b", "c"]), jobs=1, progress=False)
+    assert {r["name"]: r["ok"] for r in got} == {"a": True, "die": False, "b": True, "c": True}
+    (dead,) = [r for r in got if not r["ok"]]
+    assert dead["error"].startswith("BrokenProcessPool: a worker process died (out of memory?), "
+                                    "ending the runs that had begun")
+    assert dead["error"].endswith("; rerun to resume it")
+    assert ("normlab: a worker died, ending run(s) die; the queued runs go on in a new pool"
+            in capsys.readouterr().err)
+
+
+def test_a_worker_dying_before_any_run_begins_fails_them_and_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No run had begun, so a new pool would break the same way: given up, not forever."""
+    monkeypatch.setattr(sweep, "_safe_run", _dies_or_finishes)
+    got = sweep.execute(_named(tmp_path, ["dead", "x", "y"]), jobs=1, progress=False)
+    assert [r["ok"] for r in got] == [False] * 3
+
+
+def test_a_run_is_marked_begun_before_it_can_fail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (spec,) = _named(tmp_path, ["r"])
+    Path(spec.out).parent.mkdir(parents=True)
+    Path(spec.out).write_text("a file where the run's folder goes")
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: True)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    assert not sweep._safe_run(spec, "cpu", str(marks))["ok"]
+    assert (marks / "r").is_file()

@@ -28,6 +28,7 @@ import os
 import signal
 import string
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -315,9 +316,12 @@ def run_log(out: Path) -> Path:
     return out.parent / f"{out.name}.log"
 
 
-def _safe_run(spec: RunSpec, device: str | None) -> dict[str, Any]:
+def _safe_run(spec: RunSpec, device: str | None, marks: str | None = None) -> dict[str, Any]:
     """A sweep worker's job (its own process, spawned or a Ray task): one run, its error
-    reported instead of raised."""
+    reported instead of raised. A local worker first marks the run started in `marks`: when a
+    worker dies, the sweep tells the runs it took down from those it never began."""
+    if marks is not None:
+        (Path(marks) / spec.name).touch()
     try:
         allocator.keep_freed_memory()  # a worker is normlab's own process, as the command is
         return {"ok": True, **run_one(spec, device)}
@@ -399,33 +403,101 @@ def execute(
     `jobs` is the local pool's, `address` Ray's: given to the other backend, it is refused
     rather than dropped unseen."""
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
+    backend_: _Backend
     if backend == "ray":
         # absolute: a Ray worker resolves a relative path in its own working folder (a
         # cluster head's), which left the sweep's --out empty and reported every run done
         specs = [replace(s, out=str(Path(s.out).resolve())) for s in specs]
-        submit, wait, stop = _ray_backend(device, address, specs)
-        workers = None  # Ray says nothing of which tasks run: bars from metrics lines
-    else:
-        workers = max(1, min(jobs or default_jobs(specs), len(specs)))
-        submit, wait, stop = _local_backend(workers, device)
-    pending = {submit(s): s for s in specs}
+        # Ray says nothing of which tasks run: bars from metrics lines
+        backend_ = _Backend(*_ray_backend(device, address, specs), workers=None)
+        return _execute(specs, backend_, progress, on_result)
+    workers = max(1, min(jobs or default_jobs(specs), len(specs)))
+    with tempfile.TemporaryDirectory(prefix="normlab-sweep-") as marks:
+        return _execute(specs, _Pool(workers, device, marks), progress, on_result)
+
+
+class _Backend:
+    """Where runs go: `submit` a run, `wait` for some to finish, `stop` them all."""
+
+    def __init__(self, submit: Callable, wait: Callable, stop: Callable,
+                 workers: int | None) -> None:
+        self.submit, self.wait, self.stop, self.workers = submit, wait, stop, workers
+
+    def resubmit(self, fut: Any, spec: RunSpec, pending: dict[Any, RunSpec]) -> bool:
+        """Whether a finished future's run was queued again instead (see `_Pool`)."""
+        return False
+
+
+class _Pool(_Backend):
+    """The local backend, made anew when a worker dies (out of memory): the pool breaks then,
+    failing every run in it, and the queued runs, which never began, went down with it; they
+    go on in a new pool. The runs that had begun fail (one of them killed the worker), named,
+    their checkpoints kept for a rerun."""
+
+    def __init__(self, workers: int, device: str | None, marks: str) -> None:
+        super().__init__(*_local_backend(workers, device, marks), workers=workers)
+        self.device, self.marks = device, marks
+        self.generation = 0
+        self.of: dict[Any, tuple[int, RunSpec]] = {}  # future -> its pool's generation, run
+        self._submit, self.submit = self.submit, self._counted
+
+    def _counted(self, spec: RunSpec) -> Any:
+        fut = self._submit(spec)
+        self.of[fut] = (self.generation, spec)
+        return fut
+
+    def resubmit(self, fut: Any, spec: RunSpec, pending: dict[Any, RunSpec]) -> bool:
+        """Whether a broken pool's run was never begun, and so is queued again in a new pool
+        (made at the first such run of a break). A break where no run had begun (a worker
+        that dies as it starts) gives up: a new pool would break the same way, forever."""
+        if (not fut.done() or not isinstance(fut.exception(), BrokenProcessPool)
+                or _began(self.marks, spec)):
+            return False
+        generation = self.of[fut][0]
+        if generation == self.generation:  # the first news of this break
+            took_down = [s.name for f, (g, s) in self.of.items() if g == generation
+                         and f.done() and isinstance(f.exception(), BrokenProcessPool)
+                         and _began(self.marks, s)]
+            if not took_down:
+                return False
+            self.generation += 1
+            self._submit, self.wait, self.stop = _local_backend(self.workers, self.device,
+                                                                self.marks)
+            print(f"normlab: a worker died, ending run(s) {', '.join(took_down)}; the queued "
+                  "runs go on in a new pool", file=sys.stderr, flush=True)
+        elif generation != self.generation - 1:
+            return False  # an older break's run that had to give up
+        pending[self.submit(spec)] = spec
+        return True
+
+
+def _began(marks: str, spec: RunSpec) -> bool:
+    return (Path(marks) / spec.name).exists()
+
+
+def _execute(specs: list[RunSpec], backend: _Backend, progress: bool,
+             on_result: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+    pending = {backend.submit(s): s for s in specs}
     results: list[dict[str, Any]] = []
     try:
         with _Watch(specs, progress) as watch:
             while pending:
-                finished = wait(list(pending))
+                finished = backend.wait(list(pending))
                 for fut in finished:
                     spec = pending.pop(fut)
+                    if backend.resubmit(fut, spec, pending):
+                        continue
                     results.append(res := _result(fut, spec))
                     watch.finished(spec, res)
                     if on_result:
                         on_result(res)
                 # the pool hands a worker its next run early, so one more future reads as
                 # running than runs: at most `workers` bars, the first submitted
-                watch.tick([s for f, s in pending.items() if _started(f, s)][:workers])
+                watch.tick([s for f, s in pending.items() if _started(f, s)]
+                           [:backend.workers])
     except BaseException:  # Ctrl-C (or SIGTERM, which the command reads as one): the queued
         # runs were all trained to the end before the process exited
-        stop(list(pending))
+        backend.stop(list(pending))
         raise
     return results
 
@@ -435,10 +507,11 @@ def _result(fut: Any, spec: RunSpec) -> dict[str, Any]:
     on)."""
     try:
         return fut.result() if hasattr(fut, "result") else _ray_get(fut)
-    except BrokenProcessPool as err:  # a worker killed (out of memory): every run in the pool
-        # fails with it, each named in the report, not the study
+    except BrokenProcessPool as err:  # a worker killed (out of memory): the runs in the pool
+        # that had begun fail with it, each named in the report, not the study
         return {"ok": False, "name": spec.name, "error": f"BrokenProcessPool: a worker process "
-                f"died, and the pool with it ({err}); rerun to retry"}
+                f"died (out of memory?), ending the runs that had begun ({err}); rerun to "
+                "resume it"}
     except Exception as err:  # Ray's WorkerCrashedError, out of memory: a traceback ended the
         # sweep, runs in flight abandoned
         return {"ok": False, "name": spec.name, "error": f"{type(err).__name__}: the run's "
@@ -510,7 +583,8 @@ def _started(fut: Any, spec: RunSpec) -> bool:
     return (Path(spec.out) / "metrics.jsonl").is_file()
 
 
-def _local_backend(jobs: int, device: str | None) -> tuple[Callable, Callable]:
+def _local_backend(jobs: int, device: str | None, marks: str) -> tuple[Callable, Callable,
+                                                                        Callable]:
     import concurrent.futures as cf
     import multiprocessing as mp
 
@@ -518,7 +592,7 @@ def _local_backend(jobs: int, device: str | None) -> tuple[Callable, Callable]:
                                   initializer=_end_with, initargs=(os.getpid(),))
 
     def submit(spec: RunSpec) -> cf.Future:
-        return pool.submit(_safe_run, spec, device)
+        return pool.submit(_safe_run, spec, device, marks)
 
     def wait(futs: list[cf.Future]) -> list[cf.Future]:
         done, _ = cf.wait(futs, timeout=2.0, return_when=cf.FIRST_COMPLETED)
