@@ -295,7 +295,26 @@ def test_a_killed_sweeps_workers_end_with_it(long_sweep) -> None:
      "more than 251 bytes)"),
     ('name = "r"\n[grid]\n"train.seed" = [0, 1]\n',
      "sweep.name: runs {'train.seed': 0} and {'train.seed': 1} both get the folder name 'r'; "
-     "include every grid key in it"),
+     "make the name tell them apart (every grid key, in a format that keeps their values "
+     "apart)"),
+    # every grid key is in it, and still one name ("include every grid key" could not help)
+    ('name = "lr{lr:.0e}"\n[grid]\n"train.lr" = [0.001, 0.0011]\n',
+     "sweep.name: runs {'train.lr': 0.001} and {'train.lr': 0.0011} both get the folder name "
+     "'lr1e-03'; make the name tell them apart (every grid key, in a format that keeps their "
+     "values apart)"),
+    # one config twice, under two names, read later as two runs (two seeds, say): values
+    # that differ as text but not as config
+    ('[grid]\n"train.lr" = [1, 1.0]\n',
+     "sweep.grid: runs {'train.lr': 1} and {'train.lr': 1.0} make the same config; give each "
+     "value once"),
+    ('name = "r{grid}"\n[grid]\n"task.grid" = ["smoke", "quick"]\n"train.seed" = [0]\n'
+     '[set]\n"task.grid" = "paper"\n', "sweep.set.task.grid: also a grid key; give it in one "
+     "table"),
+    # spaced keys are the config's keys: compared raw, the [set] seed 7 was overwritten unseen
+    ('[grid]\n"train.seed" = [0, 1]\n[set]\n"train.seed " = 7\n',
+     "sweep.set.train.seed: also a grid key; give it in one table"),
+    ('[grid]\n"train.seed" = [0, 1]\n" train.seed" = [5]\n',
+     "sweep.grid: keys 'train.seed' and ' train.seed' are one key; give it once"),
 ])
 def test_a_grid_that_cannot_make_its_runs_is_named(tmp_path: Path, text: str,
                                                    message: str) -> None:
@@ -762,3 +781,17 @@ def test_a_run_is_marked_begun_before_it_can_fail(
     marks.mkdir()
     assert not sweep._safe_run(spec, "cpu", str(marks))["ok"]
     assert (marks / "r").is_file()
+
+
+def test_the_readmes_sweep_file_is_read_as_its_comments_say(tmp_path: Path) -> None:
+    """The README's sweep file, with its base at the checkout's: 2 placements x 3 seeds named
+    by the template, [set] in every run, [run.analysis] passed on."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    base = Path(__file__).resolve().parents[1] / "configs/addition/pre.toml"
+    f = tmp_path / "s.toml"
+    f.write_text(text.replace('"../addition/pre.toml"', repr(str(base))))
+    specs = load_sweep(f, tmp_path / "out")
+    assert [s.name for s in specs] == [f"{p}-s{i}" for p in ("pre", "qkv") for i in range(3)]
+    assert {(s.config["train"]["steps"], s.analyze) for s in specs} == {(2000, True)}
+    assert all(s.analysis == {"n_draws": 8} for s in specs)

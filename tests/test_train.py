@@ -1285,6 +1285,8 @@ def test_a_config_error_names_where_its_field_came_from(tmp_path: Path) -> None:
             (["task.train=[[1, 1], [0, 1]]"], None, "--set ", "task.train[1]"),
             (["train.steps=1.5"], None, "--set ", "train.steps"),
             (["model.n_heads=5"], None, f"config file {str(f)!r} with --set: ", "model.d_model"),
+            # an unknown table, which only the flag named, was blamed on the file
+            (["trian.steps=3"], None, "--set ", "config.trian: unknown table"),
     ):
         with pytest.raises(ValueError) as err:
             load_config(f, sets, seed=seed)
@@ -1292,6 +1294,10 @@ def test_a_config_error_names_where_its_field_came_from(tmp_path: Path) -> None:
     f.write_text("[model]\nd_model = 50\nn_heads = 4\n")
     with pytest.raises(ValueError, match=rf"^config file {re.escape(repr(str(f)))}: model\."):
         load_config(f)
+    f.write_text("[trian]\nsteps = 3\n")  # the file's own unknown table stays the file's
+    with pytest.raises(ValueError, match=rf"^config file {re.escape(repr(str(f)))} with --set: "
+                                         r"config\.trian: unknown table"):
+        load_config(f, ["train.steps=3"])
 
 
 def test_a_bare_word_override_is_read_without_its_spaces() -> None:

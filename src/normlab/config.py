@@ -335,9 +335,11 @@ def load_config(
         msg = "model." + str(err).removeprefix("ModelConfig.") if str(err).startswith(
             "ModelConfig.") else str(err)
         field = msg.split(":", 1)[0]
-        # a part of a field set by an override is the override's too (task.train[1])
+        # a part of a field set by an override is the override's too (task.train[1]); an
+        # unknown table (`config.trian`) is the override's that named it, not the file's
         lead = next((src for g, src in given.items()
-                     if field == g or field.startswith((g + ".", g + "["))), None)
+                     if field == g or field.startswith((g + ".", g + "["))
+                     or field == "config." + g.split(".")[0]), None)
         if lead is None:
             with_set = " with --set" if set_by and overrides else ""
             lead = f"{where}{with_set}: " if where else ""

@@ -85,12 +85,10 @@ def expand(
     """Every combination of `grid` values on top of `base` + `fixed`; configs validated now."""
     if not grid:
         raise ValueError("sweep.grid: empty; expected at least one KEY = [values]")
+    grid, fixed = _keyed(grid, "grid"), _keyed(fixed, "set")
     for key, values in grid.items():
-        config_key(key, f"sweep.grid.{key}")  # named here, not as a --set never typed
         if not isinstance(values, list) or not values:
             raise ValueError(f"sweep.grid.{key}: expected a non-empty list of values")
-    for key in fixed:
-        config_key(key, f"sweep.set.{key}")
     if both := sorted(set(fixed) & set(grid)):  # the [set] value was dropped unseen
         raise ValueError(f"sweep.set.{both[0]}: also a grid key; give it in one table")
     n_runs = math.prod(len(v) for v in grid.values())
@@ -106,6 +104,7 @@ def expand(
             seen.add(text)
     specs = []
     names: dict[str, dict[str, Any]] = {}
+    configs: dict[str, dict[str, Any]] = {}  # a run's whole config -> its grid values
     fitted: set[str] = set()  # the model and task configs the analysis was checked against
     keys = list(grid)
     for combo in itertools.product(*(grid[k] for k in keys)):
@@ -123,14 +122,34 @@ def expand(
             except ValueError as err:
                 raise ValueError(f"{err} (run {run_name})") from None
             fitted.add(model_task)
+        whole = json.dumps(cfg.to_dict(), sort_keys=True)
+        if whole in configs:  # 1 and 1.0, or a table's keys in another order: one run twice
+            raise ValueError(f"sweep.grid: runs {configs[whole]} and {chosen} make the same "
+                             "config; give each value once")
+        configs[whole] = chosen
         if run_name in names:
             raise ValueError(f"sweep.name: runs {names[run_name]} and {chosen} both get the "
-                             f"folder name {run_name!r}; include every grid key in it")
+                             f"folder name {run_name!r}; make the name tell them apart (every "
+                             "grid key, in a format that keeps their values apart)")
         names[run_name] = chosen
         specs.append(
             RunSpec(run_name, str(out / run_name), cfg.to_dict(), analyze, analysis or {})
         )
     return specs
+
+
+def _keyed(table: dict[str, Any], name: str) -> dict[str, Any]:
+    """A sweep table with its keys as the config reads them (`"train.seed "` is `train.seed`):
+    compared raw, a spaced [set] key that was also a grid key was overwritten unseen."""
+    out: dict[str, Any] = {}
+    raw: dict[str, str] = {}
+    for key, value in table.items():
+        norm = ".".join(config_key(key, f"sweep.{name}.{key}"))  # named here, not as a --set
+        if norm in out:
+            raise ValueError(f"sweep.{name}: keys {raw[norm]!r} and {key!r} are one key; give "
+                             "it once")
+        out[norm], raw[norm] = value, key
+    return out
 
 
 def _run_name(template: str, fields: dict[str, Any]) -> str:
