@@ -6,13 +6,14 @@ FLOPs per training step (forward + backward), counted analytically, PaLM-style:
     flops  = tokens * (6 * N_mm + 12 * n_layers * seq_len * d_attn)
 
 `N_mm` counts the parameters used in matrix multiplies: W_Q, W_K, W_V, W_O, W_in, W_out
-(W_gate when gated) of every layer and the unembedding W_U; embeddings (gathers), norm gains,
-biases and logit scales are left out. The attention term counts q.k and pattern.v over the full
-seq_len x seq_len square (2 matmuls x 2 FLOPs per multiply-add x 3 for forward + backward),
-i.e. it ignores the causal mask, as PaLM's formula (and nanoGPT's `estimate_mfu`) does, and
-the target is judged on it. d_attn = n_heads * d_head. normlab's CPU attention kernel skips the
-masked keys, so it runs the causal count, the attention term over seq_len (seq_len + 1) / 2
-pairs: the table also gives MFU over that count (`causal_flops`), a little lower.
+(W_gate when gated) of every layer and the unembedding W_U (W_E with tied embeddings: the same
+d_model x vocab multiply); embeddings (gathers), norm gains, biases and logit scales are left
+out. The attention term counts q.k and pattern.v over the full seq_len x seq_len square
+(2 matmuls x 2 FLOPs per multiply-add x 3 for forward + backward), i.e. it ignores the causal
+mask, as PaLM's formula (and nanoGPT's `estimate_mfu`) does, and the target is judged on it.
+d_attn = n_heads * d_head. normlab's CPU attention kernel skips the masked keys, so it runs the
+causal count, the attention term over seq_len (seq_len + 1) / 2 pairs: the table also gives
+MFU over that count (`causal_flops`), a little lower.
 Norms, softmax, GELU and the optimiser are not counted: they are the overhead MFU exposes.
 
 Peak: the best of several float32 `torch.mm` of two n x n matrices (2 n^3 FLOPs), measured in
@@ -76,9 +77,12 @@ def matmul_peak(
 
 
 def n_matmul(model: torch.nn.Module) -> int:
-    """N_mm: the parameters used in matrix multiplies (the module docstring's list)."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if name.rsplit(".", 1)[-1] in MATMUL_LEAVES)
+    """N_mm: the parameters used in matrix multiplies (the module docstring's list). Tied
+    embeddings have no W_U: the unembedding multiplies by the embedding's W_E, counted here."""
+    n = sum(p.numel() for name, p in model.named_parameters()
+            if name.rsplit(".", 1)[-1] in MATMUL_LEAVES)
+    cfg = model.cfg
+    return n + cfg.d_model * cfg.vocab_size if cfg.tie_embeddings else n
 
 
 def model_flops(rows: int, seq_len: int, n_mm: int, n_layers: int, d_attn: int, *,

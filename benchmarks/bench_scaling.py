@@ -20,9 +20,12 @@ compared with the analytic FLOP count of bench_mfu (training:
 B T (6 N_mm + 12 L T d) over the padded batch; sweep: forward only, B T (2 N_mm + 4 L T d) a
 forward, one unperturbed forward of the whole batch, then each length group at its padded width
 once a draw).
-The sweep's forwards stop after the last attention pattern (`analysis.data.collect`), which the
-count does not: 81.2-81.6% of the count runs at every shape up to 64 keys
-(`benchmarks/probes/sweep_flop_share.py`), so the ratios are what it predicts.
+The sweep's forwards stop early (`analysis.data.collect`; since the twenty-ninth session, with
+normlab's attention kernel on, at the last layer's q and k), which the count does not. At the
+twenty-third session's stopping point, after the last attention pattern, 81.2-81.6% of the
+count ran at every shape up to 64 keys (`benchmarks/probes/sweep_flop_share.py`; its FLOP
+counter sees torch's matmuls, not normlab's attention kernel, so it no longer measures the
+share); the share is nearly constant across shapes, so the ratios are what the count predicts.
 
 Peak memory: tracemalloc does not see torch's allocations and the profiler's memory events
 are incomplete on CPU, so each configuration runs in a fresh subprocess (with --quick: one

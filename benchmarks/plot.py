@@ -293,9 +293,12 @@ def scaling_figure(sources: Sequence[Source]) -> Figure:
                     xs, ys = _scaled(kind, dim, key)
                     if xs:  # files before the twenty-third session have no problem rows
                         ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], color=COLOURS[dim])
-            if key == "time_ratio":  # the shapes, hence the FLOPs, are the same in every file
+            if key == "time_ratio":
+                # each dim's count from the file with the most of its rows: a --quick file has
+                # no x4 rows (the sweep's counts also differ a little between files, by n_draws)
                 for dim in SCALED:
-                    xs, ys = _scaled(kinds[0][1], dim, "flop_ratio")
+                    xs, ys = max((_scaled(k, dim, "flop_ratio") for _, k in kinds),
+                                 key=lambda xy: len(xy[0]))
                     if xs:
                         ax.plot(xs, ys, color=COLOURS[dim], linestyle="--", linewidth=1)
             else:

@@ -26,11 +26,16 @@ def torch_ops_only():
     native.set_enabled(True)
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
-def test_the_count_is_torchs_flop_counter_on_a_step(gated: bool, torch_ops_only: None) -> None:
+def test_the_count_is_torchs_flop_counter_on_a_step(gated: bool, tied: bool,
+                                                    torch_ops_only: None) -> None:
+    """Tied embeddings: the count left the unembedding out (it looked for W_U, which a tied
+    model has none of), d_model x vocab short."""
     cfg = ModelConfig(vocab_size=16, d_model=32, n_heads=4, n_layers=2, d_mlp=64, max_len=16,
                       norm_placement="pre", pos_encoding="rope",
-                      mlp_type="gated" if gated else "standard", act="silu" if gated else "gelu")
+                      mlp_type="gated" if gated else "standard", act="silu" if gated else "gelu",
+                      tie_embeddings=tied)
     model = build_model(cfg)
     b, t = 3, 11
     tokens = torch.randint(0, 16, (b, t))

@@ -178,6 +178,25 @@ def test_scaling_figure_puts_time_against_the_flop_count(tmp_path: Path) -> None
     assert len(lines) == 6  # three dims, each measured and counted
 
 
+def test_the_flop_lines_reach_the_rows_a_later_file_measured(tmp_path: Path) -> None:
+    """A --quick file (no x4 rows) before a full one: every dim's FLOP line is the full
+    file's, to x4. The lines came from the first file alone, so they stopped at x2 while the
+    full file's time lines went on to x4."""
+    quick = _run_all(1)
+    for kind in quick["results"]["scaling"]["kinds"].values():
+        for name in [r for r in kind if r.endswith(" x4")]:
+            del kind[name]
+        for name in [r for r in kind if r.endswith(" x2")]:
+            kind[name]["flop_ratio"] = 2.05  # the sweep's count differs a little by n_draws
+    paths = [_write(tmp_path, "quick.json", quick), _write(tmp_path, "full.json", _run_all(1))]
+    for order in (paths, paths[::-1]):
+        for ax in plot.scaling_figure(plot.load_all(order)).axes[::2]:  # the time panels
+            dashed = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+            assert [ln.get_color() for ln in dashed] == [plot.COLOURS[d] for d in plot.SCALED]
+            assert [list(ln.get_xdata()) for ln in dashed] == [[1, 2, 4]] * 5
+            assert [list(ln.get_ydata()) for ln in dashed] == [[1.0, 2.1, 4.7]] * 5
+
+
 def test_a_benchmark_in_no_file_gets_a_panel_that_says_so(tmp_path: Path) -> None:
     hooks_only = {"benchmark": "hooks", "info": _info(1), "results": []}
     src = plot.load(_write(tmp_path, "hooks.json", hooks_only))
