@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sized
 from collections.abc import Set as AbstractSet
 
@@ -73,6 +74,21 @@ def _aux_rows(aux_fn: AuxFn, rows: list[list[int]], part: str) -> list[list[int]
     return out
 
 
+def _aux_tensor(aux_fn: AuxFn, rows: list[list[int]], part: str, left: bool, n_places: int,
+                name: str | None = None) -> torch.Tensor:
+    """[batch, width] `aux_fn` positions of `rows` (padded with 0 on the left or right), each
+    in the model's table [0, `n_places`), else a ValueError naming `aux_fn` and the row
+    (`name`[i], or its ids): the forward's IndexError named its own `aux` argument. Unlike a
+    generated token's, a given row's positions are never clamped."""
+    aux = _pad(_aux_rows(aux_fn, rows, part), 0, left, "aux_fn's positions")[0]
+    if bool((aux < 0).any() | (aux >= n_places).any()):
+        i, j = ((aux < 0) | (aux >= n_places)).nonzero()[0].tolist()
+        row = f"{name}[{i}]" if name is not None else f"{rows[i]}"
+        raise ValueError(f"aux_fn({row}, {part!r}): expected places in [0, {n_places}); got "
+                         f"{int(aux[i, j])}")
+    return aux
+
+
 def _next_aux(
     aux_fn: AuxFn, aux_next: AuxNext | None, rows: list[list[int]], part: str,
     prev: torch.Tensor, nxt: torch.Tensor, n_places: int,
@@ -82,7 +98,19 @@ def _next_aux(
     than any answer the task has, so already wrong) is fed back at the last place rather
     than ending the decode in an IndexError. A prompt's own positions are never clamped."""
     if aux_next is not None:
-        new = aux_next(prev, nxt)[:, None]
+        new = aux_next(prev, nxt)
+        # every step: metadata, and one min (a negative place failed in the next forward,
+        # named as its `aux`; larger ones are clamped below)
+        if not (isinstance(new, torch.Tensor) and new.shape == prev.shape
+                and new.device == prev.device and not new.is_floating_point()
+                and not new.is_complex() and new.dtype != torch.bool):
+            got = (f"shape {tuple(new.shape)}, {new.dtype} on {new.device}"
+                   if isinstance(new, torch.Tensor) else type(new).__name__)
+            raise ValueError(f"aux_next: expected a [batch] integer tensor (shape "
+                             f"{tuple(prev.shape)}, on {prev.device}); got {got}")
+        if new.numel() and int(new.min()) < 0:
+            raise ValueError(f"aux_next: expected places >= 0; got {int(new.min())}")
+        new = new.long()[:, None]
     else:
         for r, t in zip(rows, nxt.tolist(), strict=True):
             r.append(t)
@@ -114,6 +142,17 @@ def greedy_decode(
     calling `aux_fn` on every row at every step.
     """
     max_new = check_int(max_new, "max_new", what="a number of tokens >= 0")
+    # "no" decoded with the cache
+    if not isinstance(use_cache, bool):
+        raise ValueError(f"use_cache: expected True or False; got {use_cache!r}")
+    # no weights to decode with: torch's error came after a whole forward. The first weight
+    # only (the decode's device is read from it): walking them all cost ~0.3 ms a call
+    if next(model.parameters()).is_meta:
+        empty = [k for k, v in itertools.chain(model.named_parameters(), model.named_buffers())
+                 if v.is_meta]
+        raise ValueError(f"model: {empty[0]} ({len(empty)} tensors in all) is on the meta "
+                         "device; expected a model with its weights loaded (not offloaded or "
+                         "empty-initialised)")
     cfg = model.cfg
     vocab = cfg.vocab_size
     for name, token in (("pad", pad), ("bos", bos)):  # else read as a bad id of `tokens`
@@ -125,6 +164,9 @@ def greedy_decode(
     if isinstance(prompts, torch.Tensor | np.ndarray):
         if prompts.ndim != 2:
             raise ValueError(f"prompts: expected {want}; got shape {tuple(prompts.shape)}")
+        if isinstance(prompts, torch.Tensor) and prompts.is_meta:  # torch's "Cannot copy out"
+            raise ValueError("prompts: on the meta device, no ids to read; expected a tensor "
+                             "with data")
         prompts = prompts.tolist()
     not_a_sequence = str | bytes | Mapping | AbstractSet  # a dict or set has no order
     if isinstance(prompts, not_a_sequence) or not isinstance(prompts, Iterable):
@@ -188,7 +230,7 @@ def _decode(
     """`greedy_decode`'s loop (the model in eval mode, no autograd): [batch, generated] new
     tokens."""
     device = next(model.parameters()).device
-    vocab = model.cfg.vocab_size
+    vocab, n_places = model.cfg.vocab_size, model.cfg.n_aux_positions
     b = len(prompts)
     out = torch.empty(b, 0, dtype=torch.long, device=device)
     rows = [list(p) for p in prompts]
@@ -197,8 +239,8 @@ def _decode(
         src, src_mask = (t.to(device) for t in _pad(prompts, pad, False, "prompts", vocab))
         src_aux = None
         if aux_fn is not None:
-            src_aux = _pad(_aux_rows(aux_fn, prompts, "question"), 0, False,
-                           "aux_fn's positions")[0].to(device)
+            src_aux = _aux_tensor(aux_fn, prompts, "question", False, n_places,
+                                  "prompts").to(device)
         memory = model.encode(src, src_mask, src_aux)
         # the reserve holds what is fed, never the last generated token: bos + max_new - 1
         cache = model.new_cache(min(max_new, RESERVE_NEW)) if use_cache else None
@@ -206,7 +248,7 @@ def _decode(
         tgt_rows = [[bos] for _ in range(b)]
         aux = None
         if aux_fn is not None:
-            aux = torch.tensor(_aux_rows(aux_fn, tgt_rows, "answer"), device=device)
+            aux = _aux_tensor(aux_fn, tgt_rows, "answer", False, n_places).to(device)
         for _ in range(max_new):
             cached = use_cache and out.shape[1] > 0
             step_in = seq[:, -1:] if cached else seq
@@ -216,7 +258,7 @@ def _decode(
             out, seq = torch.cat([out, nxt[:, None]], 1), torch.cat([seq, nxt[:, None]], 1)
             if aux is not None:
                 new_aux = _next_aux(aux_fn, aux_next, tgt_rows, "answer", aux[:, -1], nxt,
-                                    model.cfg.n_aux_positions)
+                                    n_places)
                 aux = torch.cat([aux, new_aux], 1)
             done |= nxt == eos
             if done.all():
@@ -229,8 +271,7 @@ def _decode(
         cache = model.new_cache(seq.shape[1] + min(max_new - 1, RESERVE_NEW)) if use_cache else None
         aux = None
         if aux_fn is not None:
-            aux = _pad(_aux_rows(aux_fn, prompts, "sequence"), 0, True,
-                       "aux_fn's positions")[0].to(device)
+            aux = _aux_tensor(aux_fn, prompts, "sequence", True, n_places, "prompts").to(device)
         step_in, step_aux = seq, aux
         for _ in range(max_new):
             logits = model(step_in, attention_mask=mask, cache=cache, aux=step_aux)
@@ -240,7 +281,7 @@ def _decode(
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.bool, device=device)], 1)
             if aux is not None:
                 new_aux = _next_aux(aux_fn, aux_next, rows, "sequence", aux[:, -1], nxt,
-                                    model.cfg.n_aux_positions)
+                                    n_places)
                 aux = torch.cat([aux, new_aux], 1)
             step_in = nxt[:, None] if use_cache else seq
             if aux is not None:

@@ -767,9 +767,10 @@ def make_batch(
     ``decoder``: ``tokens`` = ``B question E answer E`` (the first ``E`` plays ``=``), and
     ``targets`` holds the next token only where that token is an answer digit/sign or the final
     ``E``, ``IGNORE_INDEX`` elsewhere, so the loss never rewards predicting the random question.
-    With ``pack``, problems are concatenated into as few rows as fit the longest one
-    (`pack_rows`) and ``segments`` numbers them per row (1, 2, ...; 0 on padding), which the
-    decoder uses to keep attention and positions inside each problem.
+    With ``pack``, problems are concatenated into rows as wide as the longest one, placed
+    first-fit decreasing (`pack_rows`: deterministic, not always the fewest rows), and
+    ``segments`` numbers them per row (1, 2, ...; 0 on padding), which the decoder uses to keep
+    attention and positions inside each problem.
     ``encoder_decoder``: ``src`` = ``B question E`` with ``src_mask`` (True on real tokens),
     ``tgt_in`` = ``B answer`` (PAD-padded) and ``tgt_out`` = ``answer E`` (IGNORE_INDEX-padded).
     """
