@@ -17,8 +17,10 @@ import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a model is checked: the command parses first
+    from torch import nn
 
 
 def is_int(value: object) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import shlex
 import signal
 import sys
@@ -243,6 +244,8 @@ def compare_rows(run_dirs: Sequence[Path]) -> tuple[list[str], list[list[str]]]:
 
     results = []
     for d in run_dirs:
+        if Path(d).is_file():  # "run `normlab eval FILE` first", which then refused the file
+            raise ValueError(f"RUN_DIR {str(d)!r} is a file; expected a run folder")
         path = Path(d) / "eval.json"
         if path.is_dir():
             raise ValueError(f"{str(path)!r}: expected the file `normlab eval` writes; "
@@ -290,6 +293,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from normlab.io import refuse_overwrite
 
+    if args.force and not args.plot:  # accepted, and did nothing
+        raise ValueError("--force: only with --plot (it overwrites the figure)")
     if args.curve is not None:  # "--curve ''" printed the accuracy table
         import dataclasses
 
@@ -461,25 +466,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TABLE.KEY=VALUE",
         help="override a config value, e.g. --set model.d_model=128 (repeatable)",
     )
-    t.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="overrides train.device (auto: CUDA where there is one)")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (sets train.compile; a one-off "
                         "compile of tens of seconds on CPU)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     t.add_argument("--force", action="store_true",
                    help="start over: delete the files normlab wrote in --out (others are kept)")
-    t.add_argument("--quiet", action="store_true", help="no progress output")
+    t.add_argument("--quiet", action="store_true",
+                   help="no progress output on stderr (the final record still goes to stdout)")
     t.set_defaults(fn=_cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a run on every split; writes eval.json")
-    e.add_argument("run_dir")
+    e.add_argument("run_dir", help="a run folder `normlab train` wrote")
     e.add_argument("--limit", type=int, help="at most this many examples per cell")
     e.add_argument("--force", action="store_true", help="overwrite an existing eval.json")
     e.set_defaults(fn=_cmd_eval)
 
     c = sub.add_parser("compare", help="table of split accuracies (or learning curves) across runs")
-    c.add_argument("run_dirs", nargs="+")
-    c.add_argument("--markdown", action="store_true")
+    c.add_argument("run_dirs", nargs="+", metavar="run_dir", help="evaluated run folders")
+    c.add_argument("--markdown", action="store_true",
+                   help="print a Markdown table (for a paper or an issue) instead of a rich one")
     c.add_argument("--curve", metavar="SPLIT",
                    help="learning curves of SPLIT from metrics.jsonl instead of eval.json")
     c.add_argument("--plot", metavar="PNG", help="with --curve: also plot them to this file")
@@ -487,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_cmd_compare)
 
     a = sub.add_parser("analyze", help="norm spread, sparse heads, circuit collapse, interference")
-    a.add_argument("run_dir", nargs="?")
+    a.add_argument("run_dir", nargs="?", help="a trained run folder (or give --hf)")
     # the library's defaults, said here (tested to match): argparse's are None, so that
     # analyze_run and analyze_hf keep their own
     a.add_argument("--sigmas", help="comma-separated noise levels (default "
@@ -522,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("reproduce", help="train, evaluate, analyse and report a whole profile")
     r.add_argument("--profile", default="quick", help="smoke, quick or paper (default quick)")
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", required=True,
+                   help="the study's folder: runs/, report.md, report.html, figures/")
     r.add_argument("--jobs", type=int, help="runs at once (default: the usable cores over a run's "
                    "threads)")
     r.add_argument("--device", choices=["auto", "cpu", "cuda"],
@@ -530,9 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_cmd_reproduce)
 
     s = sub.add_parser("sweep", help="expand a grid of configs into runs and train them")
-    s.add_argument("--config", required=True)
-    s.add_argument("--out", required=True)
-    s.add_argument("--backend", choices=["local", "ray"], default="local")
+    s.add_argument("--config", required=True,
+                   help="sweep file (TOML: base, name, [grid], [set], [run]; see the README)")
+    s.add_argument("--out", required=True, help="folder of the runs, one folder each")
+    s.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="local process pool, or Ray (pip install 'normlab[ray]'; default local)")
     s.add_argument("--address", help="Ray cluster address (with --backend ray)")
     s.add_argument("--jobs", type=int, help="runs at once, local backend (default: the usable "
                    "cores over the most threads a run takes)")
@@ -570,6 +581,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_freed_memory()  # this is normlab's own process (normlab.allocator says why)
         _check_paths(args)
         return args.fn(args)
+    except BrokenPipeError:  # a reader that stopped early (`| head`): quiet, as `cat` is
+        # stdout to /dev/null: the exit's flush raised again, "Exception ignored ..." (exit 120)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, a shell's code for a command its reader left
     except KeyboardInterrupt:
         runs = "; finished runs and checkpoints are kept (rerun it to continue)"
         kept = {"train": "; finished checkpoints are kept (rerun with --resume)", "sweep": runs,

@@ -725,10 +725,11 @@ class _Watch:
 
     def __enter__(self) -> _Watch:
         if self.tty:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                                     MofNCompleteColumn())
+                                     MofNCompleteColumn(), console=Console(stderr=True))
             self.progress.start()
             self.overall = self.progress.add_task("runs", total=self.total)
         return self

@@ -172,6 +172,7 @@ class Progress:
         self.enabled, self.label, self.total = enabled, label, total
         self.bar = None
         if self.tty:
+            from rich.console import Console
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -187,6 +188,7 @@ class Progress:
                 TimeRemainingColumn(),
                 TextColumn("{task.fields[info]}"),
                 transient=False,
+                console=Console(stderr=True),  # rich's default is stdout: `> last.json` held it
             )
             self.bar.start()
             self.task = self.bar.add_task(label, total=total, completed=start, info="")
