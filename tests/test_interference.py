@@ -294,3 +294,27 @@ def test_the_figure_draws_no_bar_for_a_head_it_could_not_measure(tmp_path: Path,
     plot_interference({"synthetic": None, "probe": probe}, tmp_path / "i.png")
     (heights,) = bars
     assert math.isnan(heights[0]) and heights[1:] == [0.0, 0.04]
+
+
+def test_non_finite_weights_are_named_before_the_svd() -> None:
+    """torch's "linalg.svd: ... non-finite values" named no site, head or weight."""
+    m = model("pre")
+    with torch.no_grad():
+        m.blocks[1].attn.W_Q[2, 0, 0] = math.nan
+    with pytest.raises(ValueError, match=r"^blocks\.1\.attn head 2: W_Q, W_K or the gain of the "
+                                         r"norm before them is not finite"):
+        interference_probe(m, data(), n_directions=1)
+
+
+def test_one_token_mode_skips_an_example_with_no_real_token() -> None:
+    """An all-pad example (hand-built data) failed the whole probe in torch.multinomial; the
+    others' picks are the same as without it, so their result is too."""
+    m = model("pre", n_layers=1)
+    d = data(n=4)
+    tokens, valid = d.inputs["tokens"], d.valid["tokens"]
+    with_empty = EvalData.from_tokens(torch.cat([tokens, torch.zeros_like(tokens[:1])]),
+                                      torch.cat([valid, torch.zeros_like(valid[:1])]))
+    alone = interference_probe(m, EvalData.from_tokens(tokens, valid), n_directions=1,
+                               tokens="one", heads=[0])
+    got = interference_probe(m, with_empty, n_directions=1, tokens="one", heads=[0])
+    assert got["per_head"][0]["tv_mean"] == pytest.approx(alone["per_head"][0]["tv_mean"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -156,3 +157,18 @@ def test_h90_var_matches_a_cluster_bootstrap_over_examples() -> None:
     assert flat is not None and flat < var / 2
     assert h90_var(ratio[:per], example[:per]) is None  # one example: no variance
     assert h90_var(np.zeros(0), np.zeros(0, dtype=int)) is None
+
+
+@pytest.mark.parametrize("where", ["blocks.0.attn.W_Q", "blocks.1.mlp.W_out"])
+def test_non_finite_activations_are_refused_not_summarised(where: str) -> None:
+    """A NaN weight gave NaN medians and h90 beside real-looking within_10/20 fractions, and
+    bare NaN in norms.json, exit 0 (`analyze --hf` with a NaN past the last attention)."""
+    m, d = model("qkv"), data()
+    with torch.no_grad():
+        m.get_parameter(where).view(-1)[0] = math.nan
+    with pytest.raises(ValueError, match=r"^\S+\.hook_\w+: \d+ scales of real tokens are not "
+                                         r"finite; the model gives non-finite activations"):
+        norm_spread(m, d)
+    first = "blocks.0" if "attn" in where else "ln_final"
+    with pytest.raises(ValueError, match=rf"^{first}"):
+        norm_spread(m, d)

@@ -102,6 +102,9 @@ def null_directions(
         if norm.kind == "layer":
             cols.append(torch.full((d, 1), 1.0 / math.sqrt(d), dtype=torch.float64))
     m = torch.cat(cols, dim=1)
+    if not bool(torch.isfinite(m).all()):  # torch's SVD error named no site, head or weight
+        raise ValueError(f"{site.name} head {head}: W_Q, W_K or the gain of the norm before "
+                         "them is not finite; expected a model with finite weights")
     u, s, _ = torch.linalg.svd(m, full_matrices=True)
     rank = int((s > s.max() * 1e-9).sum()) if s.numel() else 0
     basis = u[:, rank:]
@@ -217,9 +220,12 @@ def _probe_site(
     valid = data.valid[site.q_stream]
     if tokens == "one":
         gen = torch.Generator().manual_seed(group_seed(*group, 0))
-        pick = torch.multinomial(valid.float(), 1, generator=gen).squeeze(1)
+        empty = ~valid.any(-1)  # no real token to pick: multinomial refused the whole batch
+        weights = valid.float().masked_fill(empty[:, None], 1.0)
+        pick = torch.multinomial(weights, 1, generator=gen).squeeze(1)
         inject = torch.zeros_like(valid)
         inject[torch.arange(B), pick] = True
+        inject &= valid
     else:
         inject = valid
     dirs, dims = [], []

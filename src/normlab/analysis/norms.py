@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from normlab.analysis.data import EvalData, evaluating, model_kwargs, stream_of
 from normlab.checks import check_on_cpu
@@ -67,6 +68,11 @@ def norm_scales(
             scale, kind = xc.pow(2).mean(-1).sqrt(), "resid"
         else:
             scale, kind = t.squeeze(-1), "norm"
+        real = data.valid[stream_of(name)]
+        bad = ~torch.isfinite(scale) & (real if scale.dim() == 2 else real[..., None])
+        if bad.any():  # else NaN statistics beside real-looking within_10/20, exit 0
+            raise ValueError(f"{name}: {int(bad.sum())} scales of real tokens are not finite; "
+                             "the model gives non-finite activations on this data")
         out[name] = {"scale": scale, "stream": stream_of(name), "kind": kind}
     return out
 
