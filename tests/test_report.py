@@ -10,6 +10,7 @@ import shutil
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,6 +136,22 @@ def test_claims_table_on_synthetic_runs() -> None:
     rows = {r["id"]: r for r in claims_table(runs)}
     assert rows["H1"]["ci95"][0] > 0.40 and rows["H1"]["verdict"] == "disagrees"
     assert rows["H2"]["ci95"][0] > 0.02 and rows["H2"]["verdict"] == "disagrees"
+    # H3's band, ±2 points, whose edges no test pinned either (widened to +20 points, QKV-Norm
+    # 5 points better read "agrees"): three seeds' differences d - 0.1, d and d + 0.1 points,
+    # of a million questions each (the binomial floor negligible beside their spread), so by
+    # hand the interval is d ± 4.303 * 0.001 / sqrt(3), d ± 0.25 points
+    def h3(d: float) -> dict[str, Any]:
+        runs = {p: {s: _run(p, s, 0.93 + (p == "qkv") * (d + (s - 1) * 0.001), 0.5, 0.2, 0.01)
+                    for s in range(3)} for p in ("pre", "qkv")}
+        for r in (*runs["pre"].values(), *runs["qkv"].values()):
+            r["eval"]["splits"]["train"]["count"] = 10**6
+        return {r["id"]: r for r in claims_table(runs)}["H3"]
+
+    half = 4.303 * 0.001 / math.sqrt(3)
+    assert h3(0.05)["ci95"] == pytest.approx([0.05 - half, 0.05 + half])
+    for d, verdict in ((0.05, "disagrees"), (0.017, "agrees"), (0.018, "inconclusive"),
+                       (0.022, "inconclusive"), (0.023, "disagrees")):
+        assert (h3(d)["verdict"], h3(-d)["verdict"]) == (verdict, verdict), d
     # no runs at all: every claim inconclusive, nothing invented
     assert all(r["verdict"] == "inconclusive" and r["ours"] is None for r in claims_table({}))
 
@@ -931,7 +948,7 @@ def test_a_worker_that_dies_fails_its_runs_not_the_sweep(tmp_path: Path, monkeyp
         """straight through, a traceback that ended the sweep with runs in flight."""
 
     def backend(error: Exception):
-        def make(jobs: int, device: str):
+        def make(jobs: int, device: str, marks: str):  # a pool's: none of its runs began
             def submit(spec):
                 fut: cf.Future = cf.Future()
                 fut.set_exception(error)
@@ -1172,10 +1189,81 @@ def test_the_report_names_the_commit_each_run_trained_at(tmp_path: Path) -> None
     assert run["provenance"]["git_commit"] == evaluated
     md = (tmp_path / "report" / "report.md").read_text()
     row = next(ln for ln in md.splitlines() if ln.startswith(f"| {dirs[0].name} |"))
-    assert row.endswith(f"| {'0' * 36}0a11 | {evaluated} |")
+    # the whole row: its timings.json's eval (1.9 s) and analyze (30.7 s) columns could be
+    # swapped unseen; train_done.json's 747.5 s of training
+    assert row == f"| pre-s0 | pre | 0 | 9000 | 747 | 2 | 31 | {'0' * 36}0a11 | {evaluated} |"
     assert "| trained at | evaluated at |" in md
     page = (tmp_path / "report" / "report.html").read_text()
     assert "<h1>normlab reproduction — profile <code>quick</code></h1>" in page
+
+
+def test_the_claim_rows_give_each_interval_in_order_and_in_its_unit(tmp_path: Path) -> None:
+    """No test read a claim's interval or unit back from report.md: printed [upper, lower], or
+    H2's rate without its x100, every test passed. The committed quick runs' rows, by hand
+    from their files: two seeds, t(1) = 12.706, so a mean's half-width is
+    12.706 |a - b| / 2 where the seeds' spread is above their floor (H1: no h90_var recorded,
+    no floor), and H3's two equal differences take the binomial floor (as in
+    `test_seeds_that_agree_exactly_keep_their_measurement_error`)."""
+    from normlab.report import CLAIMS, write_report
+
+    dirs = _quick_copy(tmp_path)
+    write_report(tmp_path / "report", dirs, "quick")
+
+    def read(run: str, name: str) -> dict[str, Any]:
+        return json.loads((QUICK / run / name).read_text())
+
+    def two_seeds(a: float, b: float, floor: float = 0.0) -> tuple[float, float, float]:
+        half = 12.706 * math.sqrt(max((a - b) ** 2 / 2, floor) / 2)
+        return (a + b) / 2, (a + b) / 2 - half, (a + b) / 2 + half
+
+    norms = [read(f"pre-s{s}", "analysis/norms.json")["summary"]["all"] for s in (0, 1)]
+    assert all("h90_var" not in n for n in norms)
+    h1 = two_seeds(*(n["h90"] for n in norms))
+    cols = [read(f"pre-s{s}", "analysis/collapse.json") for s in (0, 1)]
+    h2 = two_seeds(*(c["collapse_rate"][c["sigmas"].index(0.1)] for c in cols))
+    splits = {run: read(run, "eval.json")["splits"] for run in ("pre-s0", "pre-s1", "qkv-s0",
+                                                                 "qkv-s1")}
+    train = {run: sp["train"]["accuracy"] for run, sp in splits.items()}
+    assert train == {"pre-s0": 0.9984375, "pre-s1": 0.9984375, "qkv-s0": 1.0, "qkv-s1": 1.0}
+    pq, pp = 1282 / 1284, (0.9984375 * 1280 + 2) / 1284  # Agresti-Coull, 1280 questions
+    h3 = two_seeds(*(train[f"qkv-s{s}"] - train[f"pre-s{s}"] for s in (0, 1)),
+                   (pq * (1 - pq) + pp * (1 - pp)) / 1284)
+    held = {run: (sp["interpolation"]["accuracy"] + sp["extrapolation"]["accuracy"]) / 2
+            for run, sp in splits.items()}
+    h4 = two_seeds(*(held[f"qkv-s{s}"] - held[f"pre-s{s}"] for s in (0, 1)))
+    assert [round(x, 3) for x in h1] == [0.957, 0.215, 1.699]
+    assert [round(100 * x, 2) for x in h2] == [0.08, -0.42, 0.59]  # a rate's low end: 0%
+    assert [round(100 * x, 2) for x in h3] == [0.16, -1.56, 1.87]
+    assert [round(100 * x, 2) for x in h4] == [4.98, -27.69, 37.66]
+    md = (tmp_path / "report/report.md").read_text()
+    rows = [("H1", "h90", "±0.20 (h90)", "0.957 [0.215, 1.699]", "inconclusive"),
+            ("H2", "collapse rate at σ=0.1", "≈1% at σ ≤ 0.1", "0.08% [0.00%, 0.59%]",
+             "inconclusive"),
+            ("H3", "qkv − pre, train-cell accuracy", "comparable",
+             "+0.16 points [-1.56 points, +1.87 points]", "agrees"),
+            ("H4", "qkv − pre, held-out accuracy", "QKV-Norm worse",
+             "+4.98 points [-27.69 points, +37.66 points]", "inconclusive")]
+    for cid, unit, paper, ours, verdict in rows:
+        assert (f"| **{cid}** {CLAIMS[cid]} ({unit}) | {paper} | {ours} | 2 | **{verdict}** |"
+                in md.splitlines()), cid
+    page = (tmp_path / "report/report.html").read_text()
+    assert "<td>0.08% [0.00%, 0.59%]</td>" in page
+    # every bullet (the verdict rules) in a list: they were <li> with no <ul>
+    lists = re.findall(r"<ul>((?:<li>.*?</li>)*)</ul>", page)
+    assert [item.count("<li>") for item in lists] == [4]
+    assert page.count("<li>") == md.count("\n- ") == 4
+
+
+def test_the_pages_bullets_are_lists_and_its_tables_tables() -> None:
+    """Bullets were <li> elements with no <ul> around them, not valid HTML. Consecutive
+    bullets make one list, closed at the first other line, as consecutive rows make a table."""
+    from normlab.report import _html
+
+    page = _html("- a\n- **b**\n\ntext\n- c\n| x | y |\n|---|---|\n| 1 | 2 |\n- d", Path("."))
+    body = page.split("<body>")[1].removesuffix("</body></html>")
+    assert body == ("<ul><li>a</li><li><b>b</b></li></ul><p>text</p><ul><li>c</li></ul>"
+                    "<table><tr><td>x</td><td>y</td></tr><tr><td>1</td><td>2</td></tr></table>"
+                    "<ul><li>d</li></ul>")
 
 
 def test_a_report_of_failed_runs_draws_no_empty_legend(tmp_path: Path, recwarn) -> None:

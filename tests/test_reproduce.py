@@ -34,6 +34,9 @@ def test_report_files_and_claims(smoke: Path) -> None:
     assert all(r["provenance"]["native"] == kernel for r in summary["runs"])
     html = (smoke / "report.html").read_text()
     assert "data:image/png;base64," in html and "<table>" in html  # self-contained
+    # every figure of report.md embedded, one heatmap per run too: the two study figures alone
+    # passed the line above
+    assert html.count("<img ") == md.count("\n![") == 2 + 4
     runs = summary["runs"]
     assert {(r["placement"], r["seed"]) for r in runs} == {("pre", 0), ("pre", 1), ("qkv", 0),
                                                            ("qkv", 1)}
@@ -231,3 +234,22 @@ def test_a_profile_changed_since_its_runs_is_refused_before_the_report(
     err = capsys.readouterr().err.strip()
     assert "train.lr" in err and "the 'smoke' profile's config changed since that run" in err
     assert {p: p.read_bytes() for p in kept} == kept
+
+
+def test_a_reproduce_whose_runs_failed_exits_1_as_a_sweep_does(
+        smoke: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed run exited 2, the status of bad input (nothing run), where `normlab sweep`
+    exits 1 (cli's docstring): a script could not tell a study whose report left a run out
+    from a refused command."""
+    import shutil
+
+    out = tmp_path / "smoke"
+    shutil.copytree(smoke, out)
+    result = out / "runs" / "pre-s1" / "eval.json"
+    result.unlink()
+    result.mkdir()  # the evaluation is made again, and cannot be written
+    assert main(["reproduce", "--profile", "smoke", "--out", str(out), "--jobs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "normlab: run pre-s1 failed: " in err
+    assert "1 of 4 runs failed; rerun to retry them" in err
+    assert "- **Left out: run pre-s1 failed**" in (out / "report.md").read_text()

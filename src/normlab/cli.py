@@ -1,5 +1,5 @@
 """`normlab` command line: a thin layer over the library; every error is one line, exit 2 (a
-sweep whose runs failed, each named, exits 1)."""
+sweep or reproduce whose runs failed, each named, exits 1)."""
 
 from __future__ import annotations
 
@@ -430,9 +430,13 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
-    from normlab.reproduce import reproduce
+    from normlab.reproduce import RunsFailed, reproduce
 
-    reproduce(args.profile, Path(args.out), jobs=args.jobs, device=args.device)
+    try:
+        reproduce(args.profile, Path(args.out), jobs=args.jobs, device=args.device)
+    except RunsFailed as err:  # each run named already, and left out of the written report
+        print(f"normlab: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -507,22 +507,25 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def _html(md: str, base: Path) -> str:
-    """A self-contained HTML page from our simple Markdown (tables, headings, images)."""
-    body, in_table = [], False
+    """A self-contained HTML page from our simple Markdown (tables, bullet lists, headings,
+    images). Consecutive rows make one table and consecutive bullets one list: bullets were
+    `<li>` with no `<ul>`, not valid HTML."""
+    body, opened = [], ""  # the element ("table", "ul") the lines before this one are in
     for line in md.splitlines():
-        if line.startswith("|"):
+        within = "table" if line.startswith("|") else "ul" if line.startswith("- ") else ""
+        if within != opened:  # close what the lines before were in, open this line's
+            if opened:
+                body.append(f"</{opened}>")
+            if within:
+                body.append(f"<{within}>")
+            opened = within
+        if within == "table":
             cells = [c.strip() for c in line.strip("|").split("|")]
-            if set("".join(cells)) <= set("-"):
-                continue
-            if not in_table:
-                body.append("<table>")
-                in_table = True
-            body.append("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells) + "</tr>")
-            continue
-        if in_table:
-            body.append("</table>")
-            in_table = False
-        if line.startswith("#"):
+            if not set("".join(cells)) <= set("-"):  # not the header's |---| line
+                body.append("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells) + "</tr>")
+        elif within == "ul":
+            body.append(f"<li>{_inline(line[2:])}</li>")
+        elif line.startswith("#"):
             level = len(line) - len(line.lstrip("#"))
             body.append(f"<h{level}>{_inline(line[level:].strip())}</h{level}>")
         elif line.startswith("!["):
@@ -534,12 +537,10 @@ def _html(md: str, base: Path) -> str:
                 body.append(f'<figure><img alt="{html.escape(alt)}" '
                             f'src="data:image/png;base64,{data}"><figcaption>'
                             f"{html.escape(alt)}</figcaption></figure>")
-        elif line.startswith("- "):
-            body.append(f"<li>{_inline(line[2:])}</li>")
         elif line.strip():
             body.append(f"<p>{_inline(line)}</p>")
-    if in_table:
-        body.append("</table>")
+    if opened:
+        body.append(f"</{opened}>")
     style = ("body{font-family:sans-serif;max-width:60em;margin:auto}table{border-collapse:"
              "collapse}td{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}"
              "figure{display:inline-block;margin:4px}")

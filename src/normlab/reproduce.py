@@ -52,6 +52,11 @@ PROFILES = {
 REPRODUCE_FILES = ("manifest.json", "runs", "report.md", "report.html", "summary.json", "figures")
 
 
+class RunsFailed(RuntimeError):
+    """Some of the profile's runs failed, each named, and the report leaves them out: the CLI
+    exits 1 as `normlab sweep` does, not 2, the status of bad input."""
+
+
 def config_root() -> Path:
     """The repository's configs/ (next to src/), else ./configs."""
     here = Path(normlab.__file__).resolve().parents[2]
@@ -138,5 +143,5 @@ def _run_and_report(profile: str, out: Path, specs: list[RunSpec], manifest: Pat
         print(f"report: {out / 'report.md'} ({len(specs) - len(failed)}/{len(specs)} runs ok)",
               file=sys.stderr)
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(specs)} runs failed; rerun to retry them")
+        raise RunsFailed(f"{len(failed)} of {len(specs)} runs failed; rerun to retry them")
     return summary
