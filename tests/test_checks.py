@@ -159,6 +159,9 @@ def test_check_sigmas_takes_one_number_or_any_sequence_of_them() -> None:
     ("sigmas", "message"),
     [
         ([0.1, -1.0], "sigmas[1]: expected a finite number >= 0; got -1.0"),
+        # overflowed the perturbed float32 scores to inf and NaN, whose argmax was counted
+        ([0.0, 1e308], "sigmas[1]: expected at most 1e+06 (noise past it overflows float32 "
+                       "attention scores); got 1e+308"),
         ([True], "sigmas[0]: expected a finite number >= 0; got True"),
         (["0.1"], "sigmas[0]: expected a finite number >= 0; got '0.1'"),
         (math.nan, "sigma: expected a finite number >= 0; got nan"),

@@ -67,9 +67,19 @@ def check_real(value: object, name: str, *, what: str,
     return number
 
 
+#: the largest noise level: a score's (1 + eps)^2 passes float32's 3.4e38 from eps ~ 2e19, and
+#: the sweep counted the argmax of inf and NaN scores as collapse (a row's winner is long gone
+#: at 1e6)
+MAX_SIGMA = 1e6
+
+
 def check_sigma(value: object, name: str = "sigma") -> float:
-    """One noise level: a finite number >= 0."""
-    return check_real(value, name, what="a finite number >= 0", ok=lambda v: v >= 0)
+    """One noise level: a finite number in [0, MAX_SIGMA]."""
+    sigma = check_real(value, name, what="a finite number >= 0", ok=lambda v: v >= 0)
+    if sigma > MAX_SIGMA:
+        raise ValueError(f"{name}: expected at most {MAX_SIGMA:g} (noise past it overflows "
+                         f"float32 attention scores); got {value!r}")
+    return sigma
 
 
 def check_sigmas(sigmas: object, name: str = "sigmas") -> list[float]:
