@@ -146,8 +146,23 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
         (run / "config.toml").write_text(dump_toml(load_config(None, [key]).to_dict()))
     assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
     title = capsys.readouterr().out.splitlines()[0]
+    # which run asked fewer is named: "the first 64 questions a cell" read as both runs'
     assert title == ("exact match % on train (training seconds); the first 64 questions "
-                     "a cell (train.eval_examples; `normlab eval` asks every question)")
+                     "a cell in a (train.eval_examples; `normlab eval` asks every question)")
+    (b / "config.toml").write_text(dump_toml(load_config(None, ["train.eval_examples=16"])
+                                             .to_dict()))
+    assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "exact match % on train (training seconds); the first 16 questions a cell in b; the "
+        "first 64 in a (train.eval_examples; `normlab eval` asks every question)")
+    (b / "config.toml").write_text(dump_toml(load_config(None, ["train.eval_examples=64"])
+                                             .to_dict()))
+    assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "exact match % on train (training seconds); the first 64 questions a cell "
+        "(train.eval_examples; `normlab eval` asks every question)")  # all runs alike
+    (b / "config.toml").write_text(dump_toml(load_config(None, ["task.eval_size=32"])
+                                             .to_dict()))
     assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0  # all 32 asked
     assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
     trained = load_config(None, ["train.eval_examples=16"]).to_dict()

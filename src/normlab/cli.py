@@ -312,11 +312,17 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         curves = [dataclasses.replace(learning_curve(Path(d), args.curve), name=label)
                   for d, label in zip(args.run_dirs, labels, strict=True)]
         header, rows = curve_table(curves)
-        asked = sorted({q for d in args.run_dirs
-                        if (q := periodic_questions(Path(d))) is not None})
-        title = f"exact match % on {args.curve} (training seconds)" + (
-            f"; the first {' / '.join(map(str, asked))} questions a cell (train.eval_examples; "
-            "`normlab eval` asks every question)" if asked else "")
+        title = f"exact match % on {args.curve} (training seconds)"
+        asked = {label: q for d, label in zip(args.run_dirs, labels, strict=True)
+                 if (q := periodic_questions(Path(d))) is not None}
+        if asked:  # which runs asked which count, unless all asked one ("16 / 32" named none)
+            counts = sorted(set(asked.values()))
+            which = (f"the first {counts[0]} questions a cell"
+                     if len(asked) == len(labels) and len(counts) == 1 else "; ".join(
+                         f"the first {n}{' questions a cell' if i == 0 else ''} in "
+                         + ", ".join(k for k, q in asked.items() if q == n)
+                         for i, n in enumerate(counts)))
+            title += f"; {which} (train.eval_examples; `normlab eval` asks every question)"
         if args.plot:
             if Path(args.plot).is_dir():  # "already exists; pass --force", which then failed
                 raise ValueError(f"--plot {args.plot!r}: expected a file to write the figure "
