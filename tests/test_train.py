@@ -21,6 +21,7 @@ from normlab.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     sidecar_hash,
+    sidecar_of,
 )
 from normlab.cli import eval_run, main
 from normlab.config import dump_toml, load_config
@@ -2536,3 +2537,25 @@ def test_train_names_its_device_flag(tmp_path: Path, capsys, monkeypatch) -> Non
     assert code == 2 and err == ("normlab: error: --device cuda: requested but no CUDA device "
                                  "is available")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("edit", [  # (a state of the wrong type falls back to the older one)
+    lambda s: s.update(cells=["n9d9"]),  # another grid's cells
+    lambda s: s.update(weights="length" if s["weights"] == "uniform" else "uniform"),
+])
+def test_a_sidecars_bad_stream_state_names_the_checkpoints(tmp_path: Path, edit) -> None:
+    """A sidecar edited past its own hash (rehashed) whose data-stream state is inconsistent:
+    TrainStream's error named no file (or a KeyError, a bare name)."""
+    c = cfg("train.steps=10", "train.checkpoint_every=5", "train.eval_every=10")
+    run = tmp_path / "run"
+    train(c, run, progress=False)
+    (run / "train_done.json").unlink()
+    side_path = sidecar_of(run / "checkpoints", 10)
+    side = json.loads(side_path.read_text())
+    edit(side["stream"])
+    side["sidecar_sha256"] = sidecar_hash(side)
+    side_path.write_text(json.dumps(side))
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(run / 'checkpoints')))}: the "
+                                         r"newest checkpoint's data-stream state cannot be "
+                                         r"restored \(\w+: .+\); it cannot resume exactly"):
+        train(c, run, progress=False, resume=True)

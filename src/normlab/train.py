@@ -464,7 +464,12 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
         # sidecar's copy (an edited one trained on with its own, and passed it on)
         for group, own in zip(opt.param_groups, settings, strict=True):
             group.update(own)
-        stream.load_state_dict(meta["stream"])
+        try:  # a sidecar edited past its own hash: TrainStream's error named no file
+            stream.load_state_dict(meta["stream"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{str(ckpt_dir)!r}: the newest checkpoint's data-stream state "
+                             f"cannot be restored ({type(err).__name__}: {first_line(err)}); "
+                             "it cannot resume exactly: start again with --force") from None
         if not restore_rng(meta, device) and cfg.model.dropout > 0:
             log("the checkpoint holds no CUDA random state: dropout masks will differ from an "
                 "uninterrupted run's")
