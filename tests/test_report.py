@@ -1274,3 +1274,14 @@ def test_a_report_of_failed_runs_draws_no_empty_legend(tmp_path: Path, recwarn) 
     write_report(tmp_path / "report", [], "quick", failed={"pre-s0": "ValueError: x"})
     assert (tmp_path / "report" / "report.md").is_file()
     assert not [w for w in recwarn if "No artists" in str(w.message)]
+
+
+def test_a_timings_record_of_nan_inf_or_negative_seconds_is_damaged() -> None:
+    """NaN, inf and -3.1 seconds passed the check: the Runs table read "-3" and "inf", and
+    summary.json held bare NaN, which strict JSON readers refuse."""
+    from normlab.report import RESULT_FILES
+
+    ok = RESULT_FILES["timings.json"][1]
+    assert ok({"train": 12.5, "eval": 0, "analyze": 3})
+    for bad in (math.nan, math.inf, -3.1, True, "5"):
+        assert not ok({"train": 1.0, "eval": bad}), bad

@@ -263,7 +263,7 @@ def recorded(path: Path, *keys: str) -> Any:
         doc = json.loads(Path(path).read_text())
         for key in keys:
             doc = doc[key]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # nested past json's
         return None
     return doc
 
@@ -277,7 +277,14 @@ def read_json(path: Path, what: str = "JSON",
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as err:  # not JSON, or not UTF-8
         raise ValueError(f"{str(path)!r}: expected {what}; not valid JSON ({err})") from None
-    if not valid(doc):
+    except RecursionError:  # a bare RecursionError named no file
+        raise ValueError(f"{str(path)!r}: expected {what}; not valid JSON (nested too deeply "
+                         "to read)") from None
+    try:
+        ok = valid(doc)
+    except (ArithmeticError, TypeError, KeyError, ValueError, RecursionError):
+        ok = False  # a count too large for a float failed in the check: "out of memory or range"
+    if not ok:
         raise ValueError(f"{str(path)!r}: expected {what}; got {reprlib.repr(doc)}")
     return doc
 
@@ -331,24 +338,24 @@ def jsonable(x: Any) -> Any:
 
 
 def git_commit() -> str | None:
-    """The commit of the normlab source tree (with '-dirty' if it has local changes)."""
+    """The commit of the normlab source tree, with '-dirty' if a tracked file has local changes
+    or an untracked one sits in `src/` or `configs/` (code and configs that ran, in no commit);
+    None where normlab is not a git checkout of its own: an installed copy inside another
+    project's repository recorded that project's commit, and `GIT_DIR` (a git hook's) another
+    repository's."""
     root = Path(normlab.__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return None
+        sha = git("rev-parse", "HEAD")
+        dirty = (git("status", "--porcelain", "--untracked-files=no")
+                 or git("status", "--porcelain", "--untracked-files=all", "--", "src", "configs"))
     except (OSError, subprocess.SubprocessError):
         return None
     return sha + ("-dirty" if dirty else "")

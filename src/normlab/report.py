@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from normlab.checks import is_fraction, is_int, is_real
+from normlab.checks import is_fraction, is_int, is_real, is_seconds
 from normlab.evaluate import EVAL_RESULT, is_eval_result
 from normlab.io import atomic_write_text, provenance, read_json, save_figure, write_json
 from normlab.stats import mean_ci, percent, verdict_band, verdict_sign
@@ -90,8 +90,8 @@ RESULT_FILES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "analysis/collapse.json": ("normlab collapse results (sigmas and per-sigma columns as "
                                "long, of rates in [0, 1]; n_sparse_rows and draws_per_sigma, "
                                "counts)", _collapse_ok),
-    "timings.json": ("an object of step name -> seconds",
-                     lambda d: isinstance(d, dict) and all(map(is_real, d.values()))),
+    "timings.json": ("an object of step name -> seconds (finite, >= 0)",
+                     lambda d: isinstance(d, dict) and all(map(is_seconds, d.values()))),
     DONE: DONE_RECORD,
 }
 
@@ -446,7 +446,7 @@ def write_report(out: Path, run_dirs: list[Path], profile: str, machine: str = "
     prov = summary["provenance"]
     md = [f"# normlab reproduction — profile `{profile}`", "",
           f"Machine: {machine or prov['machine']}; torch {prov['torch']}; normlab's CPU kernels "
-          f"{prov['native']}; commit {prov['git_commit']}.",
+          f"{prov['native']}; commit {prov['git_commit'] or 'unknown (not a git checkout)'}.",
           *([""] + [f"- **Left out: run {name} failed** ({' '.join(str(err).split())}); "
                       "rerun to retry it." for name, err in failed.items()] if failed else []),
           "", "## The paper's headline claims beside ours", "",

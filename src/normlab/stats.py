@@ -7,6 +7,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from normlab.checks import is_int, is_real
+
 #: the standard normal's 97.5% quantile, 1.959963984540054 (1.96 is its rounding)
 Z975 = statistics.NormalDist().inv_cdf(0.975)
 
@@ -20,8 +22,8 @@ def t975(df: int) -> float:
     """The 97.5% quantile of Student's t with `df` degrees of freedom: the table up to 30, then
     the Cornish-Fisher expansion around the normal's `Z975` (within 1e-4 from 31 on; the
     normal's value alone made intervals over 32+ seeds ~4% too narrow)."""
-    if isinstance(df, bool) or not isinstance(df, int) or df < 1:  # df 0 read the table's end
-        raise ValueError(f"t975: expected degrees of freedom >= 1, got {df!r}")
+    if not is_int(df) or df < 1:  # df 0 read the table's end; numpy's ints are ints
+        raise ValueError(f"t975: expected whole degrees of freedom >= 1, got {df!r}")
     if df <= len(_T975):
         return _T975[df - 1]
     z = Z975
@@ -44,6 +46,8 @@ def mean_ci(
     the mean lies there too, so clipping keeps the coverage and drops bounds no value can take
     (a collapse rate's interval read [-0.42%, 0.59%]).
     """
+    if isinstance(values, str | bytes) or not all(map(is_real, values)):  # "12" read 1 and 2
+        raise ValueError(f"mean_ci: expected a sequence of numbers, got {values!r:.80}")
     vals = [float(v) for v in values]
     if not vals:
         raise ValueError("mean_ci: expected at least one value")
@@ -85,11 +89,14 @@ def percent(fraction: float, decimals: int) -> str:
 def wilson_ci(correct: int, count: int, z: float = Z975) -> tuple[float, float]:
     """95% Wilson score interval for a binomial proportion (sane at 0% and 100%):
     an accuracy over its questions, a collapse rate over its row-draws."""
-    if not (0 <= correct <= count and math.isfinite(count)  # (1, inf) read (0, 0)
-            and float(correct).is_integer() and float(count).is_integer()):
+    if (isinstance(correct, bool) or isinstance(count, bool)  # True read as 1
+            or not (0 <= correct <= count and math.isfinite(count)  # (1, inf) read (0, 0)
+                    and float(correct).is_integer() and float(count).is_integer())):
         # (3, -2) read (5.77, -0.42); (5, 3) a bare math error; (2.5, 5) an interval
         raise ValueError(f"wilson_ci: expected whole counts 0 <= correct <= count; got "
                          f"{correct} correct of {count}")
+    if not (is_real(z) and 0 < z < math.inf):  # NaN read (0, 1); a negative z, lo > hi
+        raise ValueError(f"wilson_ci: expected z > 0; got {z!r}")
     if count == 0:
         return (0.0, 1.0)
     p = correct / count

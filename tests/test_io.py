@@ -1,0 +1,77 @@
+"""Result files: what they record of the code that made them, and how a damaged one reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import normlab
+from normlab.io import git_commit, read_json, recorded
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _checkout(root: Path) -> Path:
+    """A repository holding src/normlab/__init__.py, committed; returns that file."""
+    pkg = root / "src" / "normlab"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (root / "README.md").write_text("hi\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-q", "-m", "first")
+    return pkg / "__init__.py"
+
+
+def test_git_commit_is_the_checkouts_own_and_dirty_for_new_code_in_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new untracked module in src/ (code that ran, in no commit) left the commit clean."""
+    init = _checkout(tmp_path / "repo")
+    monkeypatch.setattr(normlab, "__file__", str(init))
+    sha = _git(tmp_path / "repo", "rev-parse", "HEAD")
+    assert git_commit() == sha
+    (tmp_path / "repo" / "notes.txt").write_text("untracked, outside src/ and configs/")
+    assert git_commit() == sha
+    (init.parent / "my_task.py").write_text("")
+    assert git_commit() == sha + "-dirty"
+    (init.parent / "my_task.py").unlink()
+    (tmp_path / "repo" / "README.md").write_text("edited\n")  # any tracked change
+    assert git_commit() == sha + "-dirty"
+
+
+def test_git_commit_is_none_for_a_copy_inside_another_repository(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """normlab installed (not editable) into a virtualenv inside the user's own project
+    recorded that project's commit; GIT_DIR (a git hook's) another repository's."""
+    project = tmp_path / "project"
+    _checkout(project)
+    site = project / ".venv" / "lib" / "python3.11" / "site-packages" / "normlab"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    monkeypatch.setattr(normlab, "__file__", str(site / "__init__.py"))
+    assert git_commit() is None
+    own = _checkout(tmp_path / "own")
+    monkeypatch.setattr(normlab, "__file__", str(own))
+    monkeypatch.setenv("GIT_DIR", str(project / ".git"))
+    assert git_commit() == _git(tmp_path / "own", "rev-parse", "HEAD")
+
+
+def test_a_file_that_fails_its_check_by_raising_is_named(tmp_path: Path) -> None:
+    """A count too large for a float raised inside the check (the command then said "is a size
+    in the config too large?"); a file nested past json's depth, a bare RecursionError, and
+    `recorded` let it escape though it promises None."""
+    f = tmp_path / "eval.json"
+    f.write_text(json.dumps({"count": 10**400}))
+    with pytest.raises(ValueError, match=r"^'.*eval\.json': expected a count; got "):
+        read_json(f, "a count", lambda d: float(d["count"]) >= 0)
+    f.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"^'.*eval\.json': expected a count; not valid JSON "
+                                         r"\(nested too deeply to read\)$"):
+        read_json(f, "a count")
+    assert recorded(f, "step") is None
