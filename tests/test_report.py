@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -620,8 +621,18 @@ def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
     finally:
         ray.shutdown()
     assert all(r["ok"] for r in results), results
-    for s in specs:
-        assert (Path(s.out) / "eval.json").is_file()
+    # the same runs on the local backend: bitwise the same weights, the same evaluation (no
+    # test compared them; a Ray task's environment is its own)
+    local = [dataclasses.replace(s, out=str(tmp_path / "local" / s.name)) for s in specs]
+    assert all(r["ok"] for r in execute(local, jobs=1, progress=False))
+    for s, o in zip(specs, local, strict=True):
+        ours, theirs = (sorted((Path(x.out) / "checkpoints").glob("*.safetensors"))
+                        for x in (s, o))
+        assert [p.name for p in ours] == [p.name for p in theirs]
+        assert ours[-1].read_bytes() == theirs[-1].read_bytes(), s.name
+        ray_eval, local_eval = (json.loads((Path(x.out) / "eval.json").read_text())["splits"]
+                                for x in (s, o))
+        assert ray_eval == local_eval, s.name
 
 
 QUICK = Path(__file__).resolve().parents[1] / "docs/results/quick/runs"
