@@ -104,3 +104,9 @@ def test_compare_names_a_file_given_as_a_run_and_refuses_force_without_plot(
     assert cli.main(["compare", "--force", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (
         "normlab: error: --force: only with --plot (it overwrites the figure)")
+
+
+def test_the_lazy_names_are_listed_for_tab_completion() -> None:
+    import normlab
+
+    assert {"KVCache", "ModelConfig", "build_model", "__version__"} <= set(dir(normlab))

@@ -831,3 +831,10 @@ def test_from_tokens_refuses_pads_before_real_tokens() -> None:
     with pytest.raises(ValueError, match=r"^valid: expected the shape of tokens \(2, 4\); "
                                          r"got \(2, 3\)$"):
         EvalData.from_tokens(tokens, ok[:, :3])
+
+
+def test_from_tokens_refuses_tokens_that_are_no_batch_of_rows() -> None:
+    """1-D tokens met the left-pad check's indexing first: a bare IndexError."""
+    with pytest.raises(ValueError, match=r"^tokens: expected \[batch, pos\] ids, got shape "
+                                         r"\(3,\)$"):
+        EvalData.from_tokens(torch.tensor([4, 5, 6]))

@@ -307,8 +307,9 @@ def test_non_finite_weights_are_named_before_the_svd() -> None:
 
 
 def test_one_token_mode_skips_an_example_with_no_real_token() -> None:
-    """An all-pad example (hand-built data) failed the whole probe in torch.multinomial; the
-    others' picks are the same as without it, so their result is too."""
+    """An all-pad example (hand-built data) failed the whole probe in torch.multinomial. Put
+    last, it leaves the others' picks (drawn row by row from one generator) as they were
+    without it, so their result too; elsewhere it shifts the draws of the rows after it."""
     m = model("pre", n_layers=1)
     d = data(n=4)
     tokens, valid = d.inputs["tokens"], d.valid["tokens"]

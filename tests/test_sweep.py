@@ -736,6 +736,8 @@ def _dies_or_finishes(spec, device: str | None, marks: str | None = None) -> dic
         os._exit(9)
     if marks is not None:
         (Path(marks) / spec.name).touch()
+    with (Path(spec.out).parent / "began.txt").open("a") as f:  # the order runs began in
+        f.write(spec.name + "\n")
     if spec.name == "die":
         time.sleep(3)  # the next run waits in the pool's call queue meanwhile, never begun
         os._exit(9)
@@ -753,8 +755,12 @@ def test_a_dead_worker_fails_the_runs_that_began_and_the_queued_ones_go_on(
     """A worker killed (out of memory) broke the pool, and every run in it failed, the
     queued ones that never began too: the module says the others go on."""
     monkeypatch.setattr(sweep, "_safe_run", _dies_or_finishes)
-    got = sweep.execute(_named(tmp_path, ["a", "die", "b", "c"]), jobs=1, progress=False)
-    assert {r["name"]: r["ok"] for r in got} == {"a": True, "die": False, "b": True, "c": True}
+    names = ["a", "die", "b", "c", "d", "e", "f"]
+    (tmp_path / "out").mkdir()
+    got = sweep.execute(_named(tmp_path, names), jobs=1, progress=False)
+    assert {r["name"]: r["ok"] for r in got} == {n: n != "die" for n in names}
+    # the queued runs began in the new pool in the sweep's order (a set's order was random)
+    assert (tmp_path / "out/began.txt").read_text().split() == names
     (dead,) = [r for r in got if not r["ok"]]
     assert dead["error"].startswith("BrokenProcessPool: a worker process died (out of memory?), "
                                     "ending the runs that had begun")
@@ -765,10 +771,13 @@ def test_a_dead_worker_fails_the_runs_that_began_and_the_queued_ones_go_on(
 
 def test_a_worker_dying_before_any_run_begins_fails_them_and_ends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No run had begun, so a new pool would break the same way: given up, not forever."""
+    """No run had begun, so a new pool would break the same way: given up, not forever, and
+    said as it is (not "ending the runs that had begun ...; rerun to resume it")."""
     monkeypatch.setattr(sweep, "_safe_run", _dies_or_finishes)
     got = sweep.execute(_named(tmp_path, ["dead", "x", "y"]), jobs=1, progress=False)
     assert [r["ok"] for r in got] == [False] * 3
+    assert {r["error"] for r in got} == {"BrokenProcessPool: a worker process died before this "
+                                         "run began (as it started?); rerun to retry"}
 
 
 def test_a_run_is_marked_begun_before_it_can_fail(

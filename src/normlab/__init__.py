@@ -20,3 +20,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(normlab.model, name)
     raise AttributeError(f"module 'normlab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, for tab completion."""
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})

@@ -446,6 +446,9 @@ class _Backend:
         """Whether a finished future's run was queued again instead (see `_Pool`)."""
         return False
 
+    def result(self, fut: Any, spec: RunSpec) -> dict[str, Any]:
+        return _result(fut, spec)
+
 
 class _Pool(_Backend):
     """The local backend, made anew when a worker dies (out of memory): the pool breaks then,
@@ -458,6 +461,7 @@ class _Pool(_Backend):
         self.device, self.marks = device, marks
         self.generation = 0
         self.of: dict[Any, tuple[int, RunSpec]] = {}  # future -> its pool's generation, run
+        self.goes_on: dict[int, bool] = {}  # a broken generation -> its queued runs go on
         self._submit, self.submit = self.submit, self._counted
 
     def _counted(self, spec: RunSpec) -> Any:
@@ -465,29 +469,37 @@ class _Pool(_Backend):
         self.of[fut] = (self.generation, spec)
         return fut
 
+    def _broke(self, fut: Any) -> bool:
+        return fut.done() and isinstance(fut.exception(), BrokenProcessPool)
+
     def resubmit(self, fut: Any, spec: RunSpec, pending: dict[Any, RunSpec]) -> bool:
-        """Whether a broken pool's run was never begun, and so is queued again in a new pool
-        (made at the first such run of a break). A break where no run had begun (a worker
-        that dies as it starts) gives up: a new pool would break the same way, forever."""
-        if (not fut.done() or not isinstance(fut.exception(), BrokenProcessPool)
-                or _began(self.marks, spec)):
+        """Whether a broken pool's run was never begun, and so is queued again in the new pool
+        made at the first news of the break. A break where no run had begun (a worker that
+        dies as it starts) gives up: a new pool would break the same way, forever."""
+        if not self._broke(fut) or _began(self.marks, spec):
             return False
         generation = self.of[fut][0]
-        if generation == self.generation:  # the first news of this break
-            took_down = [s.name for f, (g, s) in self.of.items() if g == generation
-                         and f.done() and isinstance(f.exception(), BrokenProcessPool)
-                         and _began(self.marks, s)]
-            if not took_down:
-                return False
-            self.generation += 1
-            self._submit, self.wait, self.stop = _local_backend(self.workers, self.device,
-                                                                self.marks)
-            print(f"normlab: a worker died, ending run(s) {', '.join(took_down)}; the queued "
-                  "runs go on in a new pool", file=sys.stderr, flush=True)
-        elif generation != self.generation - 1:
-            return False  # an older break's run that had to give up
+        if generation not in self.goes_on:  # the first news of this break: decided once
+            began = set(os.listdir(self.marks))
+            took_down = [s.name for f, (g, s) in self.of.items()
+                         if g == generation and s.name in began and self._broke(f)]
+            self.goes_on[generation] = bool(took_down) and generation == self.generation
+            if self.goes_on[generation]:
+                self.generation += 1
+                self._submit, self.wait, self.stop = _local_backend(self.workers, self.device,
+                                                                    self.marks)
+                print(f"normlab: a worker died, ending run(s) {', '.join(took_down)}; the "
+                      "queued runs go on in a new pool", file=sys.stderr, flush=True)
+        if not self.goes_on[generation]:
+            return False
         pending[self.submit(spec)] = spec
         return True
+
+    def result(self, fut: Any, spec: RunSpec) -> dict[str, Any]:
+        if self._broke(fut) and not _began(self.marks, spec):  # never began: nothing to resume
+            return {"ok": False, "name": spec.name, "error": "BrokenProcessPool: a worker "
+                    "process died before this run began (as it started?); rerun to retry"}
+        return _result(fut, spec)
 
 
 def _began(marks: str, spec: RunSpec) -> bool:
@@ -496,17 +508,19 @@ def _began(marks: str, spec: RunSpec) -> bool:
 
 def _execute(specs: list[RunSpec], backend: _Backend, progress: bool,
              on_result: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
-    pending = {backend.submit(s): s for s in specs}
+    pending = {backend.submit(s): s for s in specs}  # in the sweep's order, as dicts keep it
     results: list[dict[str, Any]] = []
     try:
         with _Watch(specs, progress) as watch:
             while pending:
-                finished = backend.wait(list(pending))
-                for fut in finished:
+                done = set(backend.wait(list(pending)))
+                # in the order submitted: runs queued again go to a new pool in the sweep's
+                # order (a set's order started them at random)
+                for fut in [f for f in pending if f in done]:
                     spec = pending.pop(fut)
                     if backend.resubmit(fut, spec, pending):
                         continue
-                    results.append(res := _result(fut, spec))
+                    results.append(res := backend.result(fut, spec))
                     watch.finished(spec, res)
                     if on_result:
                         on_result(res)

@@ -173,6 +173,10 @@ class EvalData:
 
         `valid` marks real tokens; pads must come last in a row, as everywhere here (the
         forward passes no key mask: a left pad was attended to and won sparse rows)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:  # else an IndexError below
+            got = (f"shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor)
+                   else type(tokens).__name__)
+            raise ValueError(f"tokens: expected [batch, pos] ids, got {got}")
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool()
         if valid.shape != tokens.shape:
             raise ValueError(f"valid: expected the shape of tokens {tuple(tokens.shape)}; got "
