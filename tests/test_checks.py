@@ -167,6 +167,7 @@ def test_check_sigmas_takes_one_number_or_any_sequence_of_them() -> None:
         (math.nan, "sigma: expected a finite number >= 0; got nan"),
         ("0.1", "sigmas: expected a list of numbers >= 0; got '0.1'"),
         ({"a": 0.1}, "sigmas: expected a list of numbers >= 0; got {'a': 0.1}"),
+        ({0.1, 0.2}, "sigmas: expected a list of numbers >= 0; got {0.1, 0.2}"),  # no order
         ([], "sigmas: expected at least one sigma"),
     ],
 )
@@ -276,3 +277,9 @@ def test_toml_nested_past_what_tomllib_reads_is_named(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"^sweep file '.*sweep\.toml': invalid TOML \(nested "
                                          r"too deeply to read\)$"):
         load_sweep(tmp_path / "sweep.toml", tmp_path / "out")
+
+
+def test_check_int_says_its_upper_bound() -> None:
+    """Without `what`, a value at `high` was told "expected an int >= 0": the bound unsaid."""
+    with pytest.raises(ValueError, match=r"^n: expected an int >= 0 and < 5; got 5$"):
+        check_int(5, "n", high=5)

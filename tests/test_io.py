@@ -75,3 +75,33 @@ def test_a_file_that_fails_its_check_by_raising_is_named(tmp_path: Path) -> None
                                          r"\(nested too deeply to read\)$"):
         read_json(f, "a count")
     assert recorded(f, "step") is None
+
+
+@pytest.mark.parametrize("step", ["true", "-1", "2.0"])
+def test_a_metrics_line_needs_a_whole_step_of_at_least_zero(tmp_path: Path, step: str) -> None:
+    """`"step": true` read as step 1, and a negative step was taken."""
+    from normlab.io import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text(f'{{"step": {step}}}\n{{"step": 5}}\n')
+    with pytest.raises(ValueError, match=r"line 1: expected an object with an int 'step' >= 0$"):
+        read_metrics(tmp_path)
+
+
+def test_a_figure_that_cannot_be_saved_is_closed(tmp_path: Path) -> None:
+    """An unknown format raised before the figure was closed: pyplot kept it for good."""
+    import matplotlib.pyplot as plt
+
+    from normlab.io import save_figure
+
+    fig = plt.figure()
+    with pytest.raises(ValueError, match="Format 'nope' is not supported"):
+        save_figure(fig, tmp_path / "f.nope")
+    assert not plt.fignum_exists(fig.number)
+
+
+def test_an_out_folder_with_a_part_too_long_to_name_is_one_line(tmp_path: Path) -> None:
+    from normlab.io import check_out_folder
+
+    with pytest.raises(ValueError, match=r"^--out '.*': not a path this system can make "
+                                         r"\(File name too long\)$"):
+        check_out_folder(tmp_path / ("x" * 300) / "run")

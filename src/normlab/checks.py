@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,8 @@ def check_int(value: object, name: str, *, low: int = 0, high: int | None = None
     one-line ValueError "`name`: expected `what`; got `value`" (`what` defaults to "an int >=
     `low`")."""
     if not is_int(value) or value < low or (high is not None and value >= high):  # type: ignore[operator]
-        raise ValueError(f"{name}: expected {what or f'an int >= {low}'}; got {value!r}")
+        bounds = f"an int >= {low}" + (f" and < {high}" if high is not None else "")
+        raise ValueError(f"{name}: expected {what or bounds}; got {value!r}")
     return int(value)  # type: ignore[call-overload]
 
 
@@ -89,7 +91,7 @@ def check_sigmas(sigmas: object, name: str = "sigmas") -> list[float]:
     if is_real(sigmas):
         return [check_sigma(sigmas)]
     try:
-        if isinstance(sigmas, str | bytes | Mapping):
+        if isinstance(sigmas, str | bytes | Mapping | AbstractSet):  # a set has no order
             raise TypeError
         items = list(sigmas)  # type: ignore[call-overload]
     except TypeError:  # not a collection (None, a 0-d tensor)

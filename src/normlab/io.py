@@ -21,7 +21,7 @@ import torch
 
 import normlab
 from normlab import allocator
-from normlab.checks import is_fraction, is_seconds
+from normlab.checks import is_fraction, is_int, is_seconds
 from normlab.model import native
 
 
@@ -104,8 +104,10 @@ def save_figure(fig: Any, path: Path, dpi: int = FIGURE_DPI) -> None:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")
-    plt.close(fig)
+    try:
+        fig.savefig(buf, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")
+    finally:  # a failed save (an unknown format) left the figure open for the process's life
+        plt.close(fig)
     atomic_write_bytes(Path(path), buf.getvalue())
 
 
@@ -119,14 +121,19 @@ def check_out_folder(path: Path, name: str = "--out") -> Path:
     an `analyze --hf --out` naming a file failed at its first write, after the whole analysis,
     with "[Errno 17] File exists", naming no option. `name` leads every error."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; it is a file")
-    parent = path
-    while not parent.exists():  # ends at the root, or at "." for a relative path
-        if parent.is_symlink():  # mkdir would say "File exists"
-            raise ValueError(f"{name} {str(path)!r}: {str(parent)!r} is a link to "
-                             f"{os.readlink(parent)!r}, which does not exist")
-        parent = parent.parent
+    try:  # a part past the file system's 255 bytes: a bare "[Errno 36] File name too long"
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; it is a "
+                             "file")
+        parent = path
+        while not parent.exists():  # ends at the root, or at "." for a relative path
+            if parent.is_symlink():  # mkdir would say "File exists"
+                raise ValueError(f"{name} {str(path)!r}: {str(parent)!r} is a link to "
+                                 f"{os.readlink(parent)!r}, which does not exist")
+            parent = parent.parent
+    except OSError as err:
+        raise ValueError(f"{name} {str(path)!r}: not a path this system can make "
+                         f"({err.strerror})") from None
     if not parent.is_dir():
         raise ValueError(f"{name} {str(path)!r}: expected a folder for the results; "
                          f"{str(parent)!r} is a file")
@@ -312,8 +319,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             if k == len(lines) - 1:
                 break
             raise ValueError(f"{str(path)!r} line {i}: not valid JSON") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise ValueError(f"{str(path)!r} line {i}: expected an object with an int 'step'")
+        if not isinstance(rec, dict) or not is_int(rec.get("step")) or rec["step"] < 0:
+            # `"step": true` read as step 1
+            raise ValueError(f"{str(path)!r} line {i}: expected an object with an int 'step' "
+                             ">= 0")
         acc = rec.get("accuracy", {})  # what the learning curves read
         if not isinstance(acc, dict) or not all(is_fraction(v) for v in acc.values()):
             raise ValueError(f"{str(path)!r} line {i}: expected 'accuracy' to map splits to "
