@@ -67,3 +67,19 @@ def test_the_real_packer_passes_the_check_on_both_grids(monkeypatch) -> None:
     for r in res["results"]:
         assert r["loss_abs_diff"] <= P.LOSS_TOLERANCE
         assert r["loss_abs_diff"] == abs(r["packed"]["loss"] - r["padded"]["loss"])
+
+
+@pytest.mark.parametrize("shift", [1.0, -1.0])
+def test_a_packed_loss_off_either_way_is_refused(monkeypatch, shift: float) -> None:
+    """The check takes the difference's size: a packed loss below the padded one was timed."""
+    real_loss = P.loss_on
+
+    def off(model, batch, *args, **kw):
+        out = real_loss(model, batch, *args, **kw)
+        return (out[0] + shift, *out[1:]) if "segments" in batch else out
+
+    monkeypatch.setattr(P, "loss_on", off)
+    monkeypatch.setattr(P, "paired_timing", _untimed)
+    with pytest.raises(RuntimeError, match=r"^quick grid: the packed batch's loss .* is not the "
+                                           r"padded batch's"):
+        P.run(ARGS)

@@ -838,3 +838,30 @@ def test_from_tokens_refuses_tokens_that_are_no_batch_of_rows() -> None:
     with pytest.raises(ValueError, match=r"^tokens: expected \[batch, pos\] ids, got shape "
                                          r"\(3,\)$"):
         EvalData.from_tokens(torch.tensor([4, 5, 6]))
+
+
+def test_nan_scores_are_refused_on_one_real_row_and_ignored_on_padding() -> None:
+    """One real row of NaN is enough to refuse (`all` rows was not checked); NaN on a padded
+    query row is no one's and changes nothing."""
+    model = small()
+    data = EvalData.from_problems(mixed_problems(), "decoder")
+    valid = data.valid["tokens"]
+    b, q = (~valid).nonzero()[0].tolist()  # a padded query position
+    clean = find_sparse_rows(model, data, threshold=0.5)
+
+    def nan_at(row: int, pos: int, layer: int):
+        def fn(x: torch.Tensor, hook) -> torch.Tensor:
+            x = x.clone()
+            x[row, 1, pos] = math.nan
+            return x
+        return [(f"blocks.{layer}.attn.hook_attn_scores", fn)]
+
+    # the last layer: nothing reads its padded rows (in an earlier one, the row's NaN output
+    # reaches real rows through a zero attention weight, 0 * NaN)
+    with model.hooks(nan_at(b, q, 1)):
+        padded = find_sparse_rows(model, data, threshold=0.5)
+    assert torch.equal(padded.key, clean.key) and len(padded) == len(clean)
+    with model.hooks(nan_at(0, 3, 0)), pytest.raises(ValueError, match=r"^blocks\.0\.attn: 1 "
+                                                  r"attention rows of real queries have NaN "
+                                                  r"scores \(heads \[1\]\)"):
+        find_sparse_rows(model, data, threshold=0.5)

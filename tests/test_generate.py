@@ -77,6 +77,7 @@ def test_use_cache_true_and_false_still_agree() -> None:
         (lambda prev, tok: prev.float(), r"got shape \(2,\), torch\.float32 on cpu$"),
         (lambda prev, tok: prev > 0, r"got shape \(2,\), torch\.bool on cpu$"),
         (lambda prev, tok: prev.tolist(), r"got list$"),
+        (lambda prev, tok: prev.to("meta"), r"got shape \(2,\), torch\.int64 on meta$"),
     ],
 )
 def test_an_aux_next_result_that_is_not_a_batch_of_places_is_named(arch, aux_next,
@@ -146,3 +147,20 @@ def test_prompt_places_outside_the_table_name_aux_fn_and_the_row(arch, aux_fn, e
     model = build_model(cfg(arch=arch, n_aux_positions=5))
     assert len(greedy_decode(model, [prompt("123+4"), prompt("1234+5")], max_new=2, eos=-1,
                              aux_fn=aux_positions)[1]) == 2
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_batch_of_prompts_of_two_lengths_decodes_as_each_alone(arch: str,
+                                                                 use_cache: bool) -> None:
+    """With digit positions: the source's positions padded on the other side than its tokens
+    passed every test, and a batch then decoded otherwise than its prompts alone."""
+    torch.manual_seed(0)
+    model = build_model(cfg(arch=arch, n_aux_positions=6, n_encoder_layers=1,
+                            n_decoder_layers=1)).eval()
+    prompts = [prompt("12+345"), prompt("1+2"), prompt("7")]
+    kw = dict(max_new=5, eos=-1, aux_fn=aux_positions, aux_next=next_aux_position,
+              use_cache=use_cache)
+    alone = [greedy_decode(model, [p], **kw)[0] for p in prompts]
+    assert greedy_decode(model, prompts, **kw) == alone
+    assert len({tuple(a) for a in alone}) > 1  # the rows are not all one answer

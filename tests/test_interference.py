@@ -319,3 +319,20 @@ def test_one_token_mode_skips_an_example_with_no_real_token() -> None:
                                tokens="one", heads=[0])
     got = interference_probe(m, with_empty, n_directions=1, tokens="one", heads=[0])
     assert got["per_head"][0]["tv_mean"] == pytest.approx(alone["per_head"][0]["tv_mean"])
+
+
+def test_one_token_mode_shifts_one_real_token_of_each_example_and_none_of_an_empty_one() -> None:
+    """The pick of an example with no real token must inject nothing (its stand-in pick lands
+    on a pad); every other example gets exactly one real token."""
+    m = model("pre", n_layers=1)
+    d = data(n=4)
+    tokens, valid = d.inputs["tokens"], d.valid["tokens"]
+    empty_first = EvalData.from_tokens(torch.cat([torch.zeros_like(tokens[:1]), tokens]),
+                                       torch.cat([torch.zeros_like(valid[:1]), valid]))
+    scales: list[torch.Tensor] = []
+    with m.hooks([("blocks.0.ln1.hook_scale", lambda x, hook: scales.append(x.detach()))]):
+        interference_probe(m, empty_first, n_directions=1, tokens="one", heads=[0])
+    ref, shifted = (s[..., 0] for s in scales)
+    moved = (shifted / ref - 1).abs() > 1e-3
+    assert moved.sum(-1).tolist() == [0, 1, 1, 1, 1]
+    assert not (moved & ~empty_first.valid["tokens"]).any()

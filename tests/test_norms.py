@@ -172,3 +172,27 @@ def test_non_finite_activations_are_refused_not_summarised(where: str) -> None:
     first = "blocks.0" if "attn" in where else "ln_final"
     with pytest.raises(ValueError, match=rf"^{first}"):
         norm_spread(m, d)
+
+
+def test_an_infinite_scale_is_refused_and_nan_on_padding_is_not() -> None:
+    """`isnan` alone let an infinite scale through; the real-token mask keeps a NaN on a padded
+    position (no one's) from refusing sound data."""
+    m, d = model("pre"), data()
+    clean = norm_spread(m, d)
+    pad = (~d.valid["tokens"]).nonzero()[0].tolist()
+
+    def at(value: float, where: list[int], hook_name: str):
+        def fn(x: torch.Tensor, hook) -> torch.Tensor:
+            x = x.clone()
+            x[where[0], where[1]] = value
+            return x
+        return [(hook_name, fn)]
+
+    # the last norm: nothing reads its padded positions (an earlier one's NaN output can reach
+    # real rows through a zero attention weight, 0 * NaN)
+    with m.hooks(at(math.nan, pad, "ln_final.hook_scale")):
+        assert norm_spread(m, d) == clean
+    with m.hooks(at(math.inf, [0, 2], "blocks.0.ln1.hook_scale")), pytest.raises(
+            ValueError, match=r"^blocks\.0\.ln1\.hook_scale: 1 scales of real tokens are not "
+                              r"finite"):
+        norm_spread(m, d)

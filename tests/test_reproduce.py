@@ -71,6 +71,13 @@ def test_the_profiles_are_the_readmes_from_any_folder(tmp_path: Path,
                 for s in specs] == [(p, i) for p in placements for i in range(seeds)]
 
 
+def test_failed_runs_are_still_a_runtime_error_to_python_callers() -> None:
+    """`RunsFailed` lets the command exit 1; a caller catching RuntimeError still catches it."""
+    from normlab.reproduce import RunsFailed
+
+    assert issubclass(RunsFailed, RuntimeError)
+
+
 def test_a_profile_without_the_checkouts_configs_is_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

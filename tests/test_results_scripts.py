@@ -95,3 +95,16 @@ def test_h2_theory_prints_each_runs_measured_over_predicted(
     n = sum(h["n_sparse"] for h in heads)
     measured = sum(h["n_sparse"] * h["collapse_rate"][2] for h in heads) / n
     assert f"{n} sparse rows, {100 * measured:.2f}% measured" in out[2]
+
+
+def test_rows_loss_checks_every_runs_sigmas_before_any_analysis(runs: Path,
+                                                                 tmp_path: Path) -> None:
+    """The second run lacking --sigma was found after the first run's analysis."""
+    for name in ("pre-s0", "pre-s1"):
+        shutil.copytree(runs / "pre-s0", tmp_path / "runs" / name)
+    analyze_run(tmp_path / "runs/pre-s1", n_examples=16, n_draws=2, sigmas=[0.0, 0.2], seed=5,
+                splits="train", figures=False)
+    with pytest.raises(SystemExit, match=r"^--sigma: expected one of pre-s1's sigmas "
+                                         r"\[0\.0, 0\.2\]; got 0\.1$"):
+        _main("rows_loss")(tmp_path / "runs", tmp_path / "again", 0.1)
+    assert not (tmp_path / "again").exists()
