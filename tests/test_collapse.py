@@ -852,7 +852,7 @@ def test_nan_scores_are_refused_on_one_real_row_and_ignored_on_padding() -> None
     def nan_at(row: int, pos: int, layer: int):
         def fn(x: torch.Tensor, hook) -> torch.Tensor:
             x = x.clone()
-            x[row, 1, pos] = math.nan
+            x[row, 1, pos, 0] = math.nan  # one key's score: a row with any NaN is refused
             return x
         return [(f"blocks.{layer}.attn.hook_attn_scores", fn)]
 

@@ -747,7 +747,7 @@ def _dies_or_finishes(spec, device: str | None, marks: str | None = None) -> dic
         (Path(marks) / spec.name).touch()
     with (Path(spec.out).parent / "began.txt").open("a") as f:  # the order runs began in
         f.write(spec.name + "\n")
-    if spec.name == "die":
+    if spec.name.startswith("die"):
         time.sleep(3)  # the next run waits in the pool's call queue meanwhile, never begun
         os._exit(9)
     return {"ok": True, "name": spec.name, "did": ["train"], "seconds": 0.0}
@@ -814,3 +814,15 @@ def test_the_readmes_sweep_file_is_read_as_its_comments_say(tmp_path: Path) -> N
     assert [s.name for s in specs] == [f"{p}-s{i}" for p in ("pre", "qkv") for i in range(3)]
     assert {(s.config["train"]["steps"], s.analyze) for s in specs} == {(2000, True)}
     assert all(s.analysis == {"n_draws": 8} for s in specs)
+
+
+def test_a_second_dead_worker_makes_a_third_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Each break is its own: the runs queued after a second one go on in a third pool (they
+    were sent to the second, broken one)."""
+    monkeypatch.setattr(sweep, "_safe_run", _dies_or_finishes)
+    names = ["a", "die", "b", "die2", "c"]
+    (tmp_path / "out").mkdir()
+    got = sweep.execute(_named(tmp_path, names), jobs=1, progress=False)
+    assert {r["name"]: r["ok"] for r in got} == {n: not n.startswith("die") for n in names}
+    assert capsys.readouterr().err.count("normlab: a worker died") == 2
