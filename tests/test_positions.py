@@ -278,4 +278,16 @@ def test_sinusoidal_table_is_the_vaswani_formula(d: int) -> None:
     torch.testing.assert_close(far[:, 1::2], angle.cos()[:, : d // 2], atol=1e-7, rtol=0)
     model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
                                     vocab_size=16, pos_encoding="sinusoidal"))
-    assert torch.equal(model.pos_embed.W_pos, sinusoidal_table(8, 16))
+    assert torch.equal(model.pos_embed.W_pos, sinusoidal_table(8, 16).float())
+
+
+def test_a_sinusoidal_table_follows_the_models_dtype_from_its_exact_values() -> None:
+    """A cast rounded the buffer: a float64 model read float32's table (its rounding, up to
+    3e-8 here), and a round trip through bfloat16 kept bfloat16's."""
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=64,
+                                    vocab_size=16, pos_encoding="sinusoidal"))
+    exact = sinusoidal_table(64, 16)
+    assert torch.equal(model.double().pos_embed.W_pos, exact)
+    assert torch.equal(model.to(torch.bfloat16).float().pos_embed.W_pos, exact.float())
+    assert model.pos_embed.W_pos.dtype == torch.float32
+    assert "pos_embed.W_pos" not in model.state_dict()  # still not saved

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,15 +38,15 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, what: str = "ids") -> torch.T
 
 
 def sinusoidal_table(max_len: int, d: int) -> torch.Tensor:
-    """Vaswani et al.'s table, computed in float64 and then rounded: in float32 the angle
-    `pos * freq` drifted from the formula as positions grew (1.5e-4 at 4096
-    positions of width 64, 3e-8 now)."""
+    """Vaswani et al.'s table in float64, for a model to round to its dtype: in float32 the
+    angle `pos * freq` drifted from the formula as positions grew (1.5e-4 at 4096 positions of
+    width 64, 3e-8 once rounded from this)."""
     pos = torch.arange(max_len, dtype=torch.float64)[:, None]
     freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float64) * (-math.log(10000.0) / d))
     table = torch.zeros(max_len, d, dtype=torch.float64)
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)[:, : d // 2]
-    return table.float()
+    return table
 
 
 class PosEmbed(nn.Module):
@@ -54,12 +55,21 @@ class PosEmbed(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.max_len = cfg.max_len
+        self._exact: torch.Tensor | None = None  # the fixed table in float64, on the CPU
         if cfg.pos_encoding == "learned":
             self.W_pos = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
         else:
-            self.register_buffer(
-                "W_pos", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False
-            )
+            self._exact = sinusoidal_table(cfg.max_len, cfg.d_model)
+            self.register_buffer("W_pos", self._exact.float(), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PosEmbed:
+        """A fixed table follows the model's device and dtype from its float64 values: a cast
+        rounded the buffer, so a float64 model read float32's table, and a round trip through
+        bfloat16 kept bfloat16's."""
+        super()._apply(fn, recurse)
+        if self._exact is not None:
+            self.W_pos = self._exact.to(self.W_pos.device, self.W_pos.dtype)
+        return self
 
     def forward(self, positions: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """The table's rows for integer positions [batch, pos]; one past its end is a one-line
