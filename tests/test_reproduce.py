@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,36 @@ def test_a_reproduce_whose_runs_failed_exits_1_as_a_sweep_does(
     assert "normlab: run pre-s1 failed: " in err
     assert "1 of 4 runs failed; rerun to retry them" in err
     assert "- **Left out: run pre-s1 failed**" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("folder", ["configs/addition", "configs/addition/paper"])
+def test_the_shipped_placements_differ_only_in_where_the_norms_go(folder: str) -> None:
+    """No test read none/post/qk.toml or a paper config but pre: a changed learning rate or
+    thread count in one passed every test (and the report refused the study at its end)."""
+    from normlab.config import load_config
+    from normlab.reproduce import ALL_PLACEMENTS, config_root
+
+    configs = {p: load_config(config_root() / folder / f"{p}.toml").to_dict()
+               for p in ALL_PLACEMENTS}
+    for p, cfg in configs.items():
+        assert cfg["model"].pop("norm_placement") == p
+    assert all(cfg == configs["pre"] for cfg in configs.values())
+
+
+def test_a_profile_whose_configs_cannot_be_pooled_is_refused_before_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A placement's config with another learning rate: every run trained (the paper profile's
+    25 of 40,000 steps), then the report refused them."""
+    from normlab import reproduce
+
+    shutil.copytree(reproduce.config_root() / "configs", tmp_path / "configs")
+    qkv = tmp_path / "configs/addition/qkv.toml"
+    assert "\nlr = 2e-3" in qkv.read_text()
+    qkv.write_text(qkv.read_text().replace("\nlr = 2e-3", "\nlr = 3e-3", 1))
+    monkeypatch.setattr(reproduce, "config_root", lambda: tmp_path)
+    assert main(["reproduce", "--profile", "smoke", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("normlab: error: --profile smoke: run 'qkv-s0' would train with "
+                          "train.lr = 0.003, 'pre-s0' with ")
+    assert not (tmp_path / "out").exists()

@@ -472,7 +472,8 @@ def test_cli_bad_input(tmp_path: Path, capsys) -> None:
     Path(out).mkdir()
     (Path(out) / "keep.txt").write_text("results")
     code, err = _cli(capsys, "train", "--config", str(good), "--out", out, "--quiet")
-    assert code == 2 and "holds files but is not a normlab run folder" in err
+    assert code == 2 and ("holds files but is not a normlab run folder (no run config.toml, "
+                          "train_done.json, checkpoint or metrics.jsonl)") in err
     assert (Path(out) / "keep.txt").read_text() == "results"
     code, err = _cli(capsys, "eval", str(tmp_path / "nothing"))
     assert code == 2 and err == f"normlab: error: run folder {str(tmp_path / 'nothing')!r} does " \

@@ -163,7 +163,7 @@ def _settings(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_comparable(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _check_comparable(runs: list[dict[str, Any]], made: str = "was made") -> dict[str, Any]:
     """Claims pool runs over seeds and placements: runs made with other settings (another
     grid, another threshold or sigma list) would be averaged without a word. Returns the
     settings they share (each as the runs recording it have it)."""
@@ -172,10 +172,18 @@ def _check_comparable(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for key, value in _settings(run).items():
             seen, where = ref.setdefault(key, (value, run["dir"]))
             if value != seen:
-                raise ValueError(f"{str(run['dir'])!r} was made with {key} = {value!r}, "
+                raise ValueError(f"{str(run['dir'])!r} {made} with {key} = {value!r}, "
                                  f"{str(where)!r} with {seen!r}; a report pools runs of one "
                                  "task, model, recipe, evaluation and analysis setting")
     return {key: value for key, (value, _) in ref.items()}
+
+
+def check_poolable(configs: dict[str, dict[str, Any]]) -> None:
+    """Run configs (name -> config dict) a report could pool, refused before anything trains:
+    a profile whose configs differ past placement and seed trained every run, then failed at
+    its report."""
+    _check_comparable([{"dir": name, "eval": {"config": cfg}, "collapse": None}
+                       for name, cfg in configs.items()], made="would train")
 
 
 def held_out(ev: dict[str, Any]) -> float:

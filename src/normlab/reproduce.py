@@ -19,7 +19,7 @@ from typing import Any
 
 import normlab
 from normlab.io import FolderLock, check_out_folder, write_json
-from normlab.report import write_report
+from normlab.report import check_poolable, write_report
 from normlab.sweep import SWEEPING, RunSpec, check_execute, execute, expand
 
 ALL_PLACEMENTS = ("none", "post", "pre", "qk", "qkv")
@@ -81,6 +81,10 @@ def profile_specs(name: str, out: Path) -> list[RunSpec]:
         specs += [dataclasses.replace(s, remedy=remedy) for s in expand(
             base, {"train.seed": list(prof.seeds)}, prof.overrides, out / "runs",
             name=f"{p}-s{{seed}}", analysis=prof.analysis)]
+    try:
+        check_poolable({s.name: s.config for s in specs})
+    except ValueError as err:
+        raise ValueError(f"--profile {name}: run {err}") from None
     return specs
 
 

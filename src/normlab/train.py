@@ -278,7 +278,7 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
         # flag is offered for it (both were, and both then refused)
         raise ValueError(
             f"{str(out)!r} holds files but is not a normlab run folder (no run config.toml, "
-            "checkpoint or metrics.jsonl); give --out a new or a run folder"
+            f"{DONE}, checkpoint or metrics.jsonl); give --out a new or a run folder"
         )
     if has_content and not (resume or force):
         raise ValueError(

@@ -446,8 +446,9 @@ _GRID_DATA: dict[str, dict[str, Any]] = {
     },
 }
 GRIDS: Mapping[str, Mapping[str, Any]] = MappingProxyType(_GRID_DATA)
-"""Named presets as plain ``[n, d]`` data: ``paper`` (PAPER.md section 4: train n in
-{1,2,4,5}, d in 1..4; n = 3 interpolates, n = 6 or d = 5 extrapolates); ``quick`` (CPU-sized,
+"""Named presets as plain ``[n, d]`` data: ``paper`` (train n in {1,2,4,5}, as PAPER.md
+section 4's example, and d in 1..4, our choice; n = 3 interpolates, n = 6 or d = 5
+extrapolates, PAPER.md giving "n = 6, or more digits" as examples); ``quick`` (CPU-sized,
 same structure: n in {1,2,4} with 1 digit plus n in {1,2} with 2 digits, so it includes sums
 of two signed 2-digit integers; n = 3 interpolates, n = 5 or d = 3 extrapolates);
 ``quick_square`` (n in {1,2,4} x d in {1,2}: adds the much harder 4 x 2-digit cell, which our
@@ -533,7 +534,7 @@ class TaskConfig:
     train_weights: str = "uniform"
     # Feed each digit's significance as a second position index (Abacus embeddings, McLeish
     # et al. 2024): our extension, not the paper's. Needs reverse_answer and a model with
-    # n_aux_positions > max digits + 1.
+    # n_aux_positions >= max(longest answer, max digits) + 1.
     digit_positions: bool = False
     # Pack several training problems into each row (decoder only; attention and positions
     # restart per problem), so a batch carries almost no padding: same problems per step,
