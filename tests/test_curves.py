@@ -142,36 +142,35 @@ def test_the_curve_title_says_how_many_questions_a_cell(tmp_path: Path, capsys) 
     from normlab.config import dump_toml, load_config
 
     a, b = _logs(tmp_path)
-    for run, key in ((a, "train.eval_examples=64"), (b, "task.eval_size=32")):
+
+    def configure(run: Path, key: str) -> None:
         (run / "config.toml").write_text(dump_toml(load_config(None, [key]).to_dict()))
-    assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
-    title = capsys.readouterr().out.splitlines()[0]
+
+    def title(*runs: Path) -> str:
+        assert main(["compare", "--curve", "train", "--markdown", *map(str, runs)]) == 0
+        return capsys.readouterr().out.splitlines()[0]
+
+    configure(a, "train.eval_examples=64")
+    configure(b, "task.eval_size=32")
     # which run asked fewer is named: "the first 64 questions a cell" read as both runs'
-    assert title == ("exact match % on train (training seconds); the first 64 questions "
-                     "a cell in a (train.eval_examples; `normlab eval` asks every question)")
-    (b / "config.toml").write_text(dump_toml(load_config(None, ["train.eval_examples=16"])
-                                             .to_dict()))
-    assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == (
+    assert title(a, b) == ("exact match % on train (training seconds); the first 64 questions "
+                           "a cell in a (train.eval_examples; `normlab eval` asks every "
+                           "question)")
+    configure(b, "train.eval_examples=16")
+    assert title(a, b) == (
         "exact match % on train (training seconds); the first 16 questions a cell in b; the "
         "first 64 in a (train.eval_examples; `normlab eval` asks every question)")
-    (b / "config.toml").write_text(dump_toml(load_config(None, ["train.eval_examples=64"])
-                                             .to_dict()))
-    assert main(["compare", "--curve", "train", "--markdown", str(a), str(b)]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == (
+    configure(b, "train.eval_examples=64")
+    assert title(a, b) == (
         "exact match % on train (training seconds); the first 64 questions a cell "
         "(train.eval_examples; `normlab eval` asks every question)")  # all runs alike
-    (b / "config.toml").write_text(dump_toml(load_config(None, ["task.eval_size=32"])
-                                             .to_dict()))
-    assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0  # all 32 asked
-    assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
+    configure(b, "task.eval_size=32")
+    assert title(b) == "exact match % on train (training seconds)"  # all 32 asked
     trained = load_config(None, ["train.eval_examples=16"]).to_dict()
     (a / "train_done.json").write_text(json.dumps({"step": 200, "config": trained}))
-    assert main(["compare", "--curve", "train", "--markdown", str(a)]) == 0
-    assert "; the first 16 questions a cell" in capsys.readouterr().out.splitlines()[0]
+    assert "; the first 16 questions a cell" in title(a)
     (b / "config.toml").write_text("[model\n")  # damaged: the table still prints, no count
-    assert main(["compare", "--curve", "train", "--markdown", str(b)]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "exact match % on train (training seconds)"
+    assert title(b) == "exact match % on train (training seconds)"
     fresh = _run(tmp_path / "fresh", [{"step": 5, "loss": 2.0}])  # not yet evaluated
     (fresh / "config.toml").write_text("[model\n")
     assert main(["compare", "--curve", "train", "--markdown", str(a), str(fresh)]) == 0

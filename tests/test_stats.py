@@ -142,3 +142,10 @@ def test_wilson_ci_refuses_bools_and_a_z_that_is_not_positive(args: tuple, match
 
     with pytest.raises(ValueError, match=rf"^wilson_ci: {re.escape(match)}"):
         wilson_ci(*args)
+
+
+def test_mean_ci_reads_an_iterator_of_values_once() -> None:
+    """The check for numbers read a generator before the mean did, leaving it no values."""
+    from normlab.stats import mean_ci
+
+    assert mean_ci(v for v in (0.1, 0.3)) == mean_ci([0.1, 0.3])

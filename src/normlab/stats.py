@@ -46,9 +46,10 @@ def mean_ci(
     the mean lies there too, so clipping keeps the coverage and drops bounds no value can take
     (a collapse rate's interval read [-0.42%, 0.59%]).
     """
-    if isinstance(values, str | bytes) or not all(map(is_real, values)):  # "12" read 1 and 2
+    items = None if isinstance(values, str | bytes) else list(values)  # read once: an iterator
+    if items is None or not all(map(is_real, items)):  # a string "12" read as 1 and 2
         raise ValueError(f"mean_ci: expected a sequence of numbers, got {values!r:.80}")
-    vals = [float(v) for v in values]
+    vals = [float(v) for v in items]
     if not vals:
         raise ValueError("mean_ci: expected at least one value")
     if not all(map(math.isfinite, vals)):  # NaN gave a NaN interval, read as "inconclusive"

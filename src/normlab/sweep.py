@@ -422,14 +422,13 @@ def execute(
     `jobs` is the local pool's, `address` Ray's: given to the other backend, it is refused
     rather than dropped unseen."""
     check_execute(specs, backend=backend, jobs=jobs, device=device, address=address)
-    backend_: _Backend
     if backend == "ray":
         # absolute: a Ray worker resolves a relative path in its own working folder (a
         # cluster head's), which left the sweep's --out empty and reported every run done
         specs = [replace(s, out=str(Path(s.out).resolve())) for s in specs]
         # Ray says nothing of which tasks run: bars from metrics lines
-        backend_ = _Backend(*_ray_backend(device, address, specs), workers=None)
-        return _execute(specs, backend_, progress, on_result)
+        return _execute(specs, _Backend(*_ray_backend(device, address, specs), workers=None),
+                        progress, on_result)
     workers = max(1, min(jobs or default_jobs(specs), len(specs)))
     with tempfile.TemporaryDirectory(prefix="normlab-sweep-") as marks:
         return _execute(specs, _Pool(workers, device, marks), progress, on_result)
@@ -440,7 +439,10 @@ class _Backend:
 
     def __init__(self, submit: Callable, wait: Callable, stop: Callable,
                  workers: int | None) -> None:
-        self.submit, self.wait, self.stop, self.workers = submit, wait, stop, workers
+        self._submit, self.wait, self.stop, self.workers = submit, wait, stop, workers
+
+    def submit(self, spec: RunSpec) -> Any:
+        return self._submit(spec)
 
     def resubmit(self, fut: Any, spec: RunSpec, pending: dict[Any, RunSpec]) -> bool:
         """Whether a finished future's run was queued again instead (see `_Pool`)."""
@@ -462,9 +464,8 @@ class _Pool(_Backend):
         self.generation = 0
         self.of: dict[Any, tuple[int, RunSpec]] = {}  # future -> its pool's generation, run
         self.goes_on: dict[int, bool] = {}  # a broken generation -> its queued runs go on
-        self._submit, self.submit = self.submit, self._counted
 
-    def _counted(self, spec: RunSpec) -> Any:
+    def submit(self, spec: RunSpec) -> Any:
         fut = self._submit(spec)
         self.of[fut] = (self.generation, spec)
         return fut
