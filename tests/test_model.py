@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -15,7 +16,7 @@ from normlab.model import transformer
 from normlab.model.attention import kernel_by_default, learned_scale_init
 from normlab.model.transformer import footprint
 
-PLACEMENTS = ["none", "post", "pre", "qk", "qkv"]
+PLACEMENTS = ["none", "post", "pre", "qk", "qkv", "pre_qk"]
 NORMS = ["layer", "rms"]
 
 
@@ -45,10 +46,24 @@ def ref_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str
     return F.rms_norm(x, x.shape[-1:], w, eps=1e-5)
 
 
-def ref_block(x: torch.Tensor, blk, placement: str, kind: str) -> torch.Tensor:
+def ref_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of one head's x [batch, T, d] at positions [batch, T]: pair (i, i + d/2)
+    turned by pos * 10000^(-2i/d), the angles from Python's float64 formula."""
+    d = x.shape[-1]
+    freq = torch.tensor([10000.0 ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    angle = positions[..., None].double() * freq
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def ref_block(x: torch.Tensor, blk, placement: str, kind: str, keep: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+    """One block on x [batch, T, d_model]: `keep` [batch, T, T] is True where a query may
+    attend; `positions` [batch, T], where given, rotate q and k (RoPE)."""
     a = blk.attn
-    T = x.shape[1]
-    causal = torch.ones(T, T).tril().bool()
+    d_head = a.W_Q.shape[-1]
+    per_kv = a.n_heads // a.n_kv_heads
 
     def norm_of(mod, v):
         return ref_norm(v, mod.w, getattr(mod, "b", None), kind)
@@ -56,13 +71,17 @@ def ref_block(x: torch.Tensor, blk, placement: str, kind: str) -> torch.Tensor:
     def attn(h):
         outs = []
         for i in range(a.n_heads):
-            q, k, v = h @ a.W_Q[i], h @ a.W_K[i], h @ a.W_V[i]
-            if placement in ("qk", "qkv"):
+            j = i // per_kv
+            q, k, v = h @ a.W_Q[i], h @ a.W_K[j], h @ a.W_V[j]
+            if placement in ("qk", "qkv", "pre_qk"):
                 q, k = norm_of(a.q_norm, q), norm_of(a.k_norm, k)
             if placement == "qkv":
                 v = norm_of(a.v_norm, v)
-            s = (q @ k.transpose(-1, -2)) * a.scale[i]
-            s = s.masked_fill(~causal, -math.inf)
+            if positions is not None:
+                q, k = ref_rope(q, positions), ref_rope(k, positions)
+            learned = isinstance(a.scale, torch.nn.Parameter)  # else the fixed 1/sqrt(d_head)
+            s = (q @ k.transpose(-1, -2)) * (a.scale[i] if learned else 1 / math.sqrt(d_head))
+            s = s.masked_fill(~keep, -math.inf)
             outs.append(s.softmax(-1) @ v @ a.W_O[i])
         return sum(outs)
 
@@ -75,37 +94,72 @@ def ref_block(x: torch.Tensor, blk, placement: str, kind: str) -> torch.Tensor:
     if placement == "post":
         x = norm_of(blk.ln1, x + attn(x))
         return norm_of(blk.ln2, x + mlp(x))
-    if placement == "pre":
+    if placement in ("pre", "pre_qk"):  # pre_qk: q/k norms inside attention too
         x = x + attn(norm_of(blk.ln1, x))
         return x + mlp(norm_of(blk.ln2, x))
     x = x + attn(x)  # qk / qkv: norms inside attention, Pre-Norm MLP
     return x + mlp(norm_of(blk.ln2, x))
 
 
+def ref_logits(model, tokens: torch.Tensor, mask: torch.Tensor, placement: str,
+               kind: str) -> torch.Tensor:
+    """A one-layer decoder's logits for tokens [batch, T] under a key mask [batch, T] (True on
+    real tokens): positions count a row's real tokens, a query sees the real keys up to
+    itself and always itself."""
+    T = tokens.shape[1]
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    keep = torch.ones(T, T).tril().bool() & mask[:, None, :] | torch.eye(T).bool()
+    x = model.embed.W_E[tokens]
+    rope = model.cfg.pos_encoding == "rope"
+    if not rope:
+        x = x + model.pos_embed.W_pos[positions]
+    x = ref_block(x, model.blocks[0], placement, kind, keep, positions if rope else None)
+    if placement not in ("none", "post"):
+        x = ref_norm(x, model.ln_final.w, getattr(model.ln_final, "b", None), kind)
+    return x @ model.W_U
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("T", [7, 100])
+@pytest.mark.parametrize("pos", ["learned", "rope"])
 @pytest.mark.parametrize("kind", NORMS)
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_block_matches_reference(placement: str, kind: str) -> None:
-    model = build_model(tiny(norm_placement=placement, norm_type=kind))
+def test_model_matches_reference(placement: str, kind: str, pos: str, T: int,
+                                 dtype: torch.dtype, sdpa_past) -> None:
+    """Every attention path (the default one: the kernel or SDPA; the explicit one a hook
+    reads; SDPA) gives the float64 reference's logits on left-padded rows of 7 and 100 tokens.
+    Before, one block on 7 unpadded tokens was compared, without pre_qk, RoPE or a mask; and a
+    float64 model's logit scale and RoPE frequencies were float32's cast up, 1e-8 to 1e-6 off
+    the reference (a hook reading the pattern changed its logits)."""
+    model = build_model(tiny(norm_placement=placement, norm_type=kind, pos_encoding=pos,
+                             max_len=128)).to(dtype)
     randomise(model)
-    x = torch.randn(2, 7, 32)
-    blk = model.blocks[0]
-    T = 7
-    mask = torch.ones(T, T).tril().bool()[None, None]
+    tokens = torch.randint(0, 16, (3, T))
+    mask = torch.ones(3, T, dtype=torch.bool)
+    mask[0, : T // 3] = False
+    mask[1, :1] = False
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
     with torch.no_grad():
-        ours = blk(x, mask=mask)
-        ref = ref_block(x, blk, placement, kind)
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        want = ref_logits(copy.deepcopy(model).double(), tokens, mask, placement, kind)
+        ours = model(tokens, attention_mask=mask)
+        hooked = model.run_with_hooks(tokens, attention_mask=mask, fwd_hooks=[
+            ("blocks.0.attn.hook_pattern", lambda x, hook: None)])
+        sdpa_past(0)
+        fused = model(tokens, attention_mask=mask)
+    for got in (ours, hooked, fused):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, **tol)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_norm_modules_present_exactly_where_placement_says(placement: str) -> None:
     model = build_model(tiny(norm_placement=placement))
     names = set(model.hook_names())
-    assert ("blocks.0.ln1.hook_scale" in names) == (placement in ("pre", "post"))
+    assert ("blocks.0.ln1.hook_scale" in names) == (placement in ("pre", "post", "pre_qk"))
     assert ("blocks.0.ln2.hook_scale" in names) == (placement != "none")
-    assert ("blocks.0.attn.k_norm.hook_scale" in names) == (placement in ("qk", "qkv"))
+    assert ("blocks.0.attn.k_norm.hook_scale" in names) == (placement in ("qk", "qkv", "pre_qk"))
     assert ("blocks.0.attn.v_norm.hook_scale" in names) == (placement == "qkv")
-    assert ("ln_final.hook_scale" in names) == (placement in ("pre", "qk", "qkv"))
+    assert ("ln_final.hook_scale" in names) == (placement in ("pre", "qk", "qkv", "pre_qk"))
 
 
 # ---- the paper's mechanism as executable facts --------------------------------------------
@@ -219,6 +273,20 @@ def test_attention_scale_options() -> None:
     for block in learned.blocks:
         torch.testing.assert_close(block.attn.scale.detach(), torch.full((4,), math.log2(240) / 8))
     assert not isinstance(pre.blocks[0].attn.scale, torch.nn.Parameter)  # q, k not normalised
+
+
+def test_the_fixed_logit_scale_is_exact_in_the_models_dtype() -> None:
+    """1/sqrt(d_head) was a float32 buffer that a cast rounded: a float64 model's was float32's
+    (2e-8 off, on the explicit path only, so a hook reading the pattern changed its logits),
+    and a round trip through bfloat16 kept bfloat16's. float32's is the one it always was."""
+    model = build_model(tiny(norm_placement="pre"))  # d_head 8
+    exact = 1 / math.sqrt(8)
+    assert torch.equal(model.blocks[0].attn.scale, torch.tensor([exact] * 4, dtype=torch.float32))
+    scale = model.double().blocks[0].attn.scale
+    assert scale.dtype == torch.float64 and scale.tolist() == [exact] * 4
+    scale = model.to(torch.bfloat16).float().blocks[0].attn.scale
+    assert torch.equal(scale, torch.tensor([exact] * 4, dtype=torch.float32))
+    assert "blocks.0.attn.scale" not in model.state_dict()  # still not saved
 
 
 def test_qkv_norm_scope_all_normalises_whole_projection() -> None:
@@ -649,6 +717,35 @@ def test_inputs_that_were_broadcast_ignored_or_left_to_torch_are_named() -> None
         dec(torch.randint(0, 16, (1, 3)), positions=torch.tensor([[0.0, 0.5, 1.0]]))
     with pytest.raises(ValueError, match=r"^aux: this model takes no aux positions"):
         dec(torch.randint(0, 16, (1, 3)), aux=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_a_mask_of_other_numbers_than_0_and_1_is_refused() -> None:
+    """Masks are read as bool: an additive one (Hugging Face's 0 / -inf) attended to the
+    padding and masked the real tokens, and -1, 0.5 or 2 counted as real, each without a word.
+    0/1 numbers of any dtype still read as the bool mask."""
+    dec = build_model(tiny())
+    tokens = torch.randint(0, 16, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    want = dec(tokens, attention_mask=mask)
+    for numbers in (mask.long(), mask.float(), mask.to(torch.uint8)):
+        assert torch.equal(dec(tokens, attention_mask=numbers), want)
+    additive = torch.zeros(2, 6).masked_fill(~mask, -math.inf)
+    bad = {"-inf": additive, "-1": torch.where(mask, 1, -1), "0.5": mask.float() / 2,
+           "2": mask.long() * 2, "nan": mask.float().masked_fill(~mask, math.nan)}
+    for shown, values in bad.items():
+        with pytest.raises(ValueError, match=rf"^attention_mask: expected a bool mask or 0/1 "
+                                             rf"values \(1 = a real token\); got {shown}$"):
+            dec(tokens, attention_mask=values)
+    ed = build_model(tiny(arch="encoder_decoder", n_encoder_layers=1, n_decoder_layers=1))
+    src, tgt = torch.randint(0, 16, (2, 6)), torch.randint(0, 16, (2, 3))
+    memory = ed.encode(src, mask)
+    assert torch.equal(ed(src, tgt, mask.long()), ed(src, tgt, mask))
+    for call in (lambda: ed(src, tgt, additive), lambda: ed.encode(src, additive),
+                 lambda: ed.decode(tgt, memory, additive, cache=ed.new_cache())):
+        with pytest.raises(ValueError, match=r"^src_mask: expected a bool mask or 0/1 values "
+                                             r"\(1 = a real token\); got -inf$"):
+            call()
 
 
 def test_a_cached_step_must_read_what_its_cache_was_filled_from() -> None:

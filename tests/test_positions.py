@@ -208,14 +208,16 @@ def test_a_position_past_the_table_is_one_clear_error_whoever_counts_it(pos: str
 
 def test_positions_count_the_tokens_an_integer_mask_marks_real() -> None:
     """An integer attention mask counts as its truth values (as the attention mask reads
-    it): a 2 marks one real token, not two positions."""
+    it); a 2 counted two positions, then one real token without a word, and is now refused."""
     model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
                                     vocab_size=16, pos_encoding="learned"))
     tokens = torch.randint(0, 16, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[:, :2] = False
     as_bool = model(tokens, attention_mask=mask)
-    assert torch.equal(model(tokens, attention_mask=mask.long() * 2), as_bool)
+    assert torch.equal(model(tokens, attention_mask=mask.long()), as_bool)
+    with pytest.raises(ValueError, match=r"^attention_mask: expected a bool mask or 0/1 values"):
+        model(tokens, attention_mask=mask.long() * 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -246,14 +248,19 @@ def test_a_half_precision_rope_model_rotates_in_its_own_dtype(dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_full_precision_tables_are_the_textbook_ones(dtype: torch.dtype) -> None:
-    """float32 and float64 models keep their tables exactly as before the half-precision fix:
-    angles from float32 frequencies (float64 ones for a float64 model), the model's dtype."""
-    positions = torch.tensor([[0, 1, 7, 1000]])
-    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
-    angles = positions[..., None].float() * inv.to(dtype)
+    """float32 and float64 models take their angles from frequencies computed in their own
+    dtype: float32's as before the half-precision fix; a float64 model's were float32's cast up
+    (6e-8 off, 8e-6 rad at position 4000), now the float64 formula's to rounding."""
+    positions = torch.tensor([[0, 1, 7, 1000, 4000]])
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=dtype) / 16)
+    angles = positions[..., None].to(dtype) * inv
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
     rope = Rotary(16, 10000.0).to(dtype)(positions)
     assert rope.cos.dtype == dtype and torch.equal(rope.cos, angles.cos())
+    if dtype == torch.float64:  # against Python's float64 formula
+        exact = torch.tensor([[math.cos(p * 10000.0 ** (-i / 16)) for i in range(0, 16, 2)]
+                              for p in positions[0].tolist()], dtype=torch.float64)
+        torch.testing.assert_close(rope.cos[0, :, 0, :8], exact, atol=1e-11, rtol=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves the tables float32
         assert Rotary(16, 10000.0)(positions).cos.dtype == torch.float32
 

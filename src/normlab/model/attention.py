@@ -27,7 +27,7 @@ from normlab.model import native
 from normlab.model.config import ModelConfig
 from normlab.model.hooks import HookPoint
 from normlab.model.norms import Norm, autocast_half, autocasting
-from normlab.model.positions import Rope
+from normlab.model.positions import ExactBuffers, Rope
 
 EXPLICIT_MAX_KEYS_CPU = 64
 """Up to this many keys, attention on CPU runs the explicit scores/softmax path even when no
@@ -144,7 +144,7 @@ def learned_scale_init(cfg: ModelConfig) -> float:
     return math.log2(length * length - length) / cfg.d_head
 
 
-class Attention(nn.Module):
+class Attention(ExactBuffers):
     def __init__(
         self, cfg: ModelConfig, *, causal: bool, qk_norm: bool = False, v_norm: bool = False,
         rotary: bool = True,
@@ -170,8 +170,8 @@ class Attention(nn.Module):
         self.v_norm = HeadNorm(cfg, kvh) if v_norm else None
         if qk_norm and cfg.attn_scale == "learned":
             self.scale = nn.Parameter(torch.full((h,), learned_scale_init(cfg)))
-        else:
-            self.register_buffer("scale", torch.full((h,), 1.0 / math.sqrt(e)), persistent=False)
+        else:  # exact in the model's dtype (a float64 model's was float32's cast up, 2e-8 off)
+            self.register_exact("scale", torch.full((h,), 1.0 / math.sqrt(e), dtype=torch.float64))
         self.dropout = cfg.dropout
         self.fused = True  # SDPA allowed when no hook reads the scores or the pattern
         for name in ("q", "k", "v"):

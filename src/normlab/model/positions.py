@@ -49,27 +49,39 @@ def sinusoidal_table(max_len: int, d: int) -> torch.Tensor:
     return table
 
 
-class PosEmbed(nn.Module):
+class ExactBuffers(nn.Module):
+    """A module whose fixed buffers follow its device and dtype from their float64 values: a
+    cast rounded a buffer, so a float64 model read float32's values (the sinusoidal table, the
+    logit scale 1/sqrt(d_head), RoPE's frequencies), and a round trip through bfloat16 kept
+    bfloat16's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._exact: dict[str, torch.Tensor] = {}  # float64 values, by buffer name
+
+    def register_exact(self, name: str, values: torch.Tensor) -> None:
+        """A buffer (not saved) of float64 `values`, float32 until the module is cast."""
+        self._exact[name] = values
+        self.register_buffer(name, values.float(), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ExactBuffers:
+        super()._apply(fn, recurse)
+        for name, values in self._exact.items():
+            buf = getattr(self, name)
+            setattr(self, name, values.to(buf.device, buf.dtype))
+        return self
+
+
+class PosEmbed(ExactBuffers):
     """Additive position table [max_len, d_model] (learned `W_pos` or fixed sinusoidal)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.max_len = cfg.max_len
-        self._exact: torch.Tensor | None = None  # the fixed table in float64, on the CPU
         if cfg.pos_encoding == "learned":
             self.W_pos = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
         else:
-            self._exact = sinusoidal_table(cfg.max_len, cfg.d_model)
-            self.register_buffer("W_pos", self._exact.float(), persistent=False)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> PosEmbed:
-        """A fixed table follows the model's device and dtype from its float64 values: a cast
-        rounded the buffer, so a float64 model read float32's table, and a round trip through
-        bfloat16 kept bfloat16's."""
-        super()._apply(fn, recurse)
-        if self._exact is not None:
-            self.W_pos = self._exact.to(self.W_pos.device, self.W_pos.dtype)
-        return self
+            self.register_exact("W_pos", sinusoidal_table(cfg.max_len, cfg.d_model))
 
     def forward(self, positions: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """The table's rows for integer positions [batch, pos]; one past its end is a one-line
@@ -125,29 +137,31 @@ class Rope:
         return native.torch_rope(x, *self._wide[n])
 
 
-class Rotary(nn.Module):
+class Rotary(ExactBuffers):
     """RoPE in the rotate-half layout (GPT-NeoX / Llama / Qwen): pairs (i, i + d/2)."""
 
     def __init__(self, d_head: int, theta: float) -> None:
         super().__init__()
         self.d_head, self.theta = d_head, theta
-        self._exact: dict[torch.device, torch.Tensor] = {}  # float32 frequencies per device
+        self._float32: dict[torch.device, torch.Tensor] = {}  # float32 frequencies per device
         # the buffer follows the model's device and dtype (the tables' dtype); float64 models
-        # take their frequencies from it
-        self.register_buffer("inv_freq", self._float32_inv_freq(torch.device("cpu")).clone(),
-                             persistent=False)
+        # take their frequencies from it (computed in float64), the others from float32's
+        exponents = torch.arange(0, d_head, 2, dtype=torch.float64, device="cpu") / d_head
+        self.register_exact("inv_freq", 1.0 / theta**exponents)
 
     def _float32_inv_freq(self, device: torch.device) -> torch.Tensor:
-        if device not in self._exact:
+        """The frequencies computed in float32, as every float32 model's tables always were."""
+        if device not in self._float32:
             e = torch.arange(0, self.d_head, 2, dtype=torch.float32, device=device) / self.d_head
-            self._exact[device] = 1.0 / self.theta**e
-        return self._exact[device]
+            self._float32[device] = 1.0 / self.theta**e
+        return self._float32[device]
 
     def forward(self, positions: torch.Tensor) -> Rope:
         """The rotation for integer positions [batch, pos] (tables [batch, pos, 1, d_head]).
         The angles are float32 (float64 for a float64 model) from frequencies no cast has
         rounded: `model.to(bfloat16)` rounds the buffer, which put position 1000 off by
-        radians, and a round trip back to float32 kept it so. A half-precision model gets
+        radians, and a round trip back to float32 kept it so; a float64 model's were float32's
+        cast up (6e-8 off, position 4000's angles 8e-6 rad). A half-precision model gets
         its tables in its own dtype (float32 ones promoted q and k but not v)."""
         buf = self.inv_freq
         inv = buf if buf.dtype == torch.float64 else self._float32_inv_freq(buf.device)

@@ -299,6 +299,7 @@ class DecoderLM(Stack, HookedModule):
         aux: torch.Tensor | None = None,
         segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _check_mask_values(attention_mask, "attention_mask")
         x = self.run(tokens, key_mask=attention_mask, positions=positions, cache=cache, aux=aux,
                      segments=segments)
         return self.unembed(x)
@@ -308,10 +309,24 @@ class DecoderLM(Stack, HookedModule):
         return KVCache.empty(len(self.blocks), capacity)
 
 
+def _check_mask_values(mask: torch.Tensor | None, name: str) -> None:
+    """A mask of numbers holds 0 and 1 only: it is read as bool, so an additive mask (Hugging
+    Face's 0 / -inf) attended to the padding and masked the real tokens, and -1, 0.5 or 2
+    counted as real, each without a word. A bool mask needs no check (nor a device read)."""
+    if mask is None or mask.dtype == torch.bool or torch.compiler.is_compiling():
+        return  # (a graph break under compile)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)][0].item()
+        raise ValueError(f"{name}: expected a bool mask or 0/1 values (1 = a real token); "
+                         f"got {bad}")
+
+
 def _check_src_mask(src_mask: torch.Tensor | None) -> None:
     """Every source row has a real token: else the decoder's cross-attention attends to
     nothing, NaN on one path and 0 on another (SDPA, past 64 keys on CPU), so an answer that
-    depends on the source's length and the batch it is in."""
+    depends on the source's length and the batch it is in. Its values are 0/1
+    (`_check_mask_values`)."""
+    _check_mask_values(src_mask, "src_mask")
     if (src_mask is not None and src_mask.numel() and not torch.compiler.is_compiling()
             and not bool(src_mask.bool().any(-1).all())):  # (a graph break under compile)
         row = int((~src_mask.bool().any(-1)).nonzero()[0, 0])
