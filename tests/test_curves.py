@@ -234,3 +234,32 @@ def test_the_curve_figure_is_in_minutes_and_whole_percent(tmp_path: Path,
     assert "(min)" in ax2.get_xlabel() and list(ax2.lines[0].get_xdata()) == [10.0, 20.0]
     assert list(ax1.lines[0].get_ydata()) == [25.0, 50.0] and ax1.get_ylim() == (0, 100)
     plt.close(drawn[0])
+
+
+def test_a_run_that_has_not_logged_yet_is_a_curve_without_points(tmp_path: Path,
+                                                                 capsys) -> None:
+    """A run started (or killed) before its first log step has its config.toml but no
+    metrics.jsonl: `compare --curve` refused it as "not found: is it a run folder?" (exit 2),
+    and the other runs' curves with it. It has no points now, as with an empty log, and says
+    why; a folder that holds no run is refused as before, and a misspelt split is named."""
+    from normlab.config import dump_toml, load_config
+
+    a, _ = _logs(tmp_path)
+    started = tmp_path / "started"
+    for sub in ("checkpoints", "tb"):
+        (started / sub).mkdir(parents=True)
+    (started / "config.toml").write_text(dump_toml(load_config(None, []).to_dict()))
+    assert main(["compare", "--curve", "train", "--markdown", str(a), str(started)]) == 0
+    out, err = capsys.readouterr()
+    assert "| 100 | 25.0 (10 s) | - |" in out and "| 200 | 50.0 (20 s) | - |" in out
+    assert err.strip() == f"{str(started)!r}: no metrics.jsonl yet (no step logged): no points"
+    said: list[str] = []
+    c = learning_curve(started, "train", log=said.append)
+    assert (c.steps, c.accuracy, len(said)) == ([], [], 1)
+    assert main(["compare", "--curve", "trian", str(started)]) == 2
+    assert "no split 'trian' in the run's task" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    assert main(["compare", "--curve", "train", str(other)]) == 2
+    assert capsys.readouterr().err.strip() == (f"normlab: error: {str(other / 'metrics.jsonl')!r}"
+                                               f" not found: is {str(other)!r} a run folder?")

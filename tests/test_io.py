@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -105,3 +106,13 @@ def test_an_out_folder_with_a_part_too_long_to_name_is_one_line(tmp_path: Path) 
     with pytest.raises(ValueError, match=r"^--out '.*': not a path this system can make "
                                          r"\(File name too long\)$"):
         check_out_folder(tmp_path / ("x" * 300) / "run")
+
+
+def test_a_log_that_is_a_folder_is_named_as_one(tmp_path: Path) -> None:
+    """A metrics.jsonl that is a folder was reported as "not found: is it a run folder?"."""
+    from normlab.io import read_metrics
+
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(tmp_path / 'metrics.jsonl')))} "
+                                         r"is not a file; expected the run's log there$"):
+        read_metrics(tmp_path)

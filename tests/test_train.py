@@ -1713,8 +1713,9 @@ def test_force_keeps_the_old_run_when_a_size_does_not_fit_memory(tmp_path: Path,
                                      "problems could not be made (Unable to allocate 7.28 TiB); "
                                      "expected a smaller batch, or shorter problems (the task's "
                                      "cells)" if target is addition.TrainStream
-                                     else "normlab: error: out of memory or range (Unable to "
-                                     "allocate 7.28 TiB); is a size in the config too large?")
+                                     else "normlab: error: task.eval_size: evaluation sets of "
+                                     "256 problems a cell in 5 cells could not be made (Unable "
+                                     "to allocate 7.28 TiB); expected a smaller task.eval_size")
         assert files() == before
     code, err = _cli(capsys, *argv, "--set", f"train.batch_size={10**20}")
     assert code == 2 and "train.batch_size: expected a positive integer below 2**63" in err
@@ -2560,3 +2561,147 @@ def test_a_sidecars_bad_stream_state_names_the_checkpoints(tmp_path: Path, edit)
                                          r"newest checkpoint's data-stream state cannot be "
                                          r"restored \(\w+: .+\); it cannot resume exactly"):
         train(c, run, progress=False, resume=True)
+
+
+def _kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every native kernel switched off for the rest of the test, as NORMLAB_NATIVE_*=0 does:
+    describe() then says "off", where the run before said "on" (or "unavailable", unbuilt)."""
+    from normlab.model import native
+
+    for k in native.KERNELS:
+        monkeypatch.setitem(native._enabled, k, False)
+
+
+def test_a_resume_under_other_kernels_warns_and_records_each_part(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume under torch's kernels (no compiler, NORMLAB_NATIVE_*=0) went on silently to
+    other weights, and train_done.json named the last part's kernels alone ("off"), though
+    steps 1-4 trained with them on. Each part is recorded now, from the step it resumed at, and
+    the change is one warning; a resume under the same ones says nothing and records none."""
+    from normlab.model import native
+
+    c = cfg("train.steps=12", "train.checkpoint_every=4", "train.eval_every=12")
+    on, off = native.describe(), "off (torch's kernels)"
+    run = tmp_path / "run"
+    train(c, run, progress=False, stop_after=5)  # killed after step 5: resumes from step 4
+    logs: list[str] = []
+    with monkeypatch.context() as m:
+        _kernels_off(m)
+        train(c, run, progress=False, resume=True, stop_after=9, log=logs.append)
+    warned = [s for s in logs if s.startswith("warning:")]
+    assert warned == [f"warning: resumed from step 4 under other native kernels than the "
+                      f"checkpoint was made with (native: checkpoint {on!r}, now {off!r}); "
+                      "the weights need not be bitwise an uninterrupted run's"]
+    logs.clear()
+    train(c, run, progress=False, resume=True, log=logs.append)  # from step 8, kernels on
+    assert sum(s.startswith("warning: resumed from step 8 under other native") for s in logs) == 1
+    done = json.loads((run / "train_done.json").read_text())
+    torch_v = str(torch.__version__)
+    assert done["provenance"]["native"] == on
+    assert done["provenance"]["segments"] == [
+        {"from_step": 0, "torch": torch_v, "native": on},
+        {"from_step": 4, "torch": torch_v, "native": off},
+        {"from_step": 8, "torch": torch_v, "native": on}]
+    # the same kernels: no warning, and a record as an uninterrupted run's
+    same = tmp_path / "same"
+    train(c, same, progress=False, stop_after=5)
+    logs.clear()
+    train(c, same, progress=False, resume=True, log=logs.append)
+    assert not [s for s in logs if s.startswith("warning:")]
+    assert "segments" not in json.loads((same / "train_done.json").read_text())["provenance"]
+
+
+def test_a_resume_under_another_torch_warns(tmp_path: Path) -> None:
+    """The checkpoint's torch is compared too: another torch's ops need not round alike."""
+    c = cfg("train.steps=8", "train.checkpoint_every=4", "train.eval_every=8")
+    run = tmp_path / "run"
+    train(c, run, progress=False, stop_after=5)
+    side_path = sidecar_of(run / "checkpoints", 4)
+    side = json.loads(side_path.read_text())
+    side["provenance"]["torch"] = "1.13.1"  # as a checkpoint made under that torch holds it
+    side["sidecar_sha256"] = sidecar_hash(side)
+    side_path.write_text(json.dumps(side))
+    logs: list[str] = []
+    train(c, run, progress=False, resume=True, log=logs.append)
+    assert [s for s in logs if s.startswith("warning:")] == [
+        f"warning: resumed from step 4 under another torch than the checkpoint was made with "
+        f"(torch: checkpoint '1.13.1', now {str(torch.__version__)!r}); the weights need not be "
+        "bitwise an uninterrupted run's"]
+    segments = json.loads((run / "train_done.json").read_text())["provenance"]["segments"]
+    assert [(s["from_step"], s["torch"]) for s in segments] == [
+        (0, "1.13.1"), (4, str(torch.__version__))]
+
+
+@pytest.mark.parametrize(("name", "how", "flag"), [
+    ("checkpoints", "file", "force"), ("tb", "file", "force"), ("tb", "file", "resume"),
+    ("checkpoints", "file", "resume"), ("metrics.jsonl", "folder", "resume"),
+])
+def test_a_file_where_the_run_writes_a_folder_is_refused_first(
+        tmp_path: Path, name: str, how: str, flag: str) -> None:
+    """A file named checkpoints was found at the first checkpoint step, after training to it;
+    one named tb as a bare "[Errno 17] File exists" (under --force, after the old run was
+    deleted); a metrics.jsonl folder as "not found: is it a run folder?". Each is refused in
+    one line naming it, before anything is deleted or trained."""
+    c = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
+            "train.log_every=1", "train.warmup_steps=1")
+    run = tmp_path / "run"
+    train(c, run, progress=False, stop_after=3)
+    target = run / name
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    target.mkdir() if how == "folder" else target.write_text("notes")
+    before = sorted((str(p), p.is_file() and p.read_bytes()) for p in run.rglob("*"))
+    expected = "folder" if how == "file" else "file"
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(target)))} is not a "
+                                         rf"{expected}; training writes its .+ there: move it, "
+                                         r"or give --out another folder$"):
+        train(c, run, progress=False, **{flag: True})
+    assert sorted((str(p), p.is_file() and p.read_bytes()) for p in run.rglob("*")) == before
+
+
+def test_eval_names_an_edited_config_toml_it_does_not_use(tmp_path: Path, capsys) -> None:
+    """`normlab eval` evaluates with the checkpoint's config; a run folder's config.toml edited
+    to ask for another task.eval_size was ignored unsaid. One warning names the field now."""
+    c = cfg("train.steps=2", "train.checkpoint_every=2", "train.eval_every=2")
+    run = tmp_path / "run"
+    train(c, run, progress=False)
+    capsys.readouterr()  # training's own warnings
+    code, err = _cli(capsys, "eval", str(run))
+    assert code == 0 and "warning" not in err  # as trained: nothing to say
+    (run / "config.toml").write_text(dump_toml(cfg("train.steps=2", "train.checkpoint_every=2",
+                                                    "train.eval_every=2",
+                                                    "task.eval_size=8").to_dict()))
+    code, err = _cli(capsys, "eval", str(run), "--force")
+    assert code == 0
+    assert [ln for ln in err.splitlines() if "warning" in ln] == [
+        f"warning: {str(run / 'config.toml')!r} is not the config this run trained with "
+        "(task.eval_size: config.toml 8, checkpoint 32); the checkpoint's is used"]
+    assert json.loads((run / "eval.json").read_text())["config"]["task"]["eval_size"] == 32
+
+
+def test_eval_sets_too_large_name_task_eval_size(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task.eval_size of 1e8 drew for 72 s, then failed as "out of memory or range
+    (MemoryError)", naming no field (a too large train.batch_size is named). Past this
+    machine's memory it is refused before a problem is drawn; a MemoryError while drawing
+    names it too. The folder is never made."""
+    # 10**6 problems a cell, 5 cells (train 2, interpolation 1, extrapolation 2), 64 bytes at
+    # least each: 320,000,000 bytes = 305.2 MiB, past a machine of 16 MiB
+    monkeypatch.setattr(tr, "memory_bytes", lambda: 2**24)
+    monkeypatch.setattr(tr, "eval_sets", lambda task: pytest.fail("drawn"))
+    with pytest.raises(ValueError, match=r"^task\.eval_size: evaluation sets of 1,000,000 "
+                                         r"problems a cell in 5 cells could not be made \(they "
+                                         r"take at least 305\.2 MiB, more than this machine's "
+                                         r"memory, 16\.0 MiB\); expected a smaller "
+                                         r"task\.eval_size$"):
+        train(cfg("task.eval_size=1000000"), tmp_path / "run", progress=False)
+
+    def no_memory(task: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(tr, "memory_bytes", lambda: None)
+    monkeypatch.setattr(tr, "eval_sets", no_memory)
+    with pytest.raises(ValueError, match=r"^task\.eval_size: evaluation sets of 32 problems a "
+                                         r"cell in 5 cells could not be made \(MemoryError\); "
+                                         r"expected a smaller task\.eval_size$"):
+        train(cfg(), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

@@ -7,7 +7,8 @@ need not be finished or evaluated; a run still writing its log is read up to its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,9 +30,18 @@ class Curve:
     accuracy: list[float]
 
 
-def learning_curve(run_dir: Path, split: str = "train") -> Curve:
-    """The periodic evaluations of `split` in one run; a split it never logged is an error."""
-    records = [r for r in read_metrics(run_dir) if "accuracy" in r]
+def learning_curve(run_dir: Path, split: str = "train",
+                   log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Curve:
+    """The periodic evaluations of `split` in one run; a split it never logged is an error.
+
+    A run that has not logged yet (started, or killed, before its first log step) has no
+    points, as one with an empty log, and `log` says so: it was refused as no run folder, and
+    took the other runs' curves with it."""
+    if not (Path(run_dir) / "metrics.jsonl").exists() and _config(Path(run_dir)) is not None:
+        log(f"{str(run_dir)!r}: no metrics.jsonl yet (no step logged): no points")
+        records = []
+    else:
+        records = [r for r in read_metrics(run_dir) if "accuracy" in r]
     if records and not any(split in r["accuracy"] for r in records):
         logged = ", ".join(sorted({s for r in records for s in r["accuracy"]}))
         raise ValueError(f"{str(run_dir)!r}: no split {split!r} in metrics.jsonl "

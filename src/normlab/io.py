@@ -12,7 +12,7 @@ import reprlib
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,11 +256,16 @@ def written_together(out: Path, last: str, busy: str = ANALYSING,
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def refuse_overwrite(folder: Path, pattern: str, force: bool) -> None:
-    """Results already written stay unless the user asks (`--force`): a one-line error."""
-    found = sorted(Path(folder).glob(pattern)) if Path(folder).is_dir() else []
-    if found and not force:
-        raise ValueError(f"{str(found[0])!r} already exists; pass --force to overwrite it")
+def refuse_overwrite(folder: Path, names: str | Iterable[str], force: bool) -> None:
+    """Results already written stay unless the user asks (`--force`): a one-line error naming
+    the first of `names` (the files a command writes, exact names, not patterns) in `folder`.
+    Other files there are not the command's: a pattern (`*.json`) refused a user's notes.json
+    that --force then never touched, and `p[1].png` matched p1.png, not itself."""
+    folder = Path(folder)
+    for name in sorted([names] if isinstance(names, str) else names):
+        if not force and (folder / name).exists():
+            raise ValueError(f"{str(folder / name)!r} already exists; pass --force to "
+                             "overwrite it")
 
 
 def recorded(path: Path, *keys: str) -> Any:
@@ -307,6 +312,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     anywhere else is a one-line error naming the file and line, since it means a damaged log.
     """
     path = Path(run_dir) / "metrics.jsonl"
+    if path.exists() and not path.is_file():  # a folder was "not found: is it a run folder?"
+        raise ValueError(f"{str(path)!r} is not a file; expected the run's log there")
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} not found: is {str(run_dir)!r} a run folder?")
     # bytes, each line decoded on its own: a kill can cut a multi-byte character short too

@@ -47,7 +47,7 @@ from normlab.io import (
     recorded,
     write_json,
 )
-from normlab.model import Model, ModelConfig, build_model
+from normlab.model import Model, ModelConfig, build_model, native
 from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
 
 DONE = "train_done.json"  # written once training has finished (all steps or early stop)
@@ -285,6 +285,8 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
             f"run folder {str(out)!r} already exists; pass --resume to continue it "
             "or --force to start over"
         )
+    if has_content:
+        _check_run_entries(out)
     if has_content and force and not resume:
         if linked := [out / sub for sub in RUN_FILES if sub and (out / sub).is_symlink()]:
             # its files may be another run's, and the new run would write into them
@@ -314,6 +316,20 @@ def prepare_run_dir(out: Path, *, resume: bool, force: bool,
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _check_run_entries(out: Path) -> None:
+    """The folders training writes into are folders, its log a file: a file named checkpoints
+    was found at the first checkpoint step, after training to it, and one named tb as a bare
+    "[Errno 17] File exists" (under --force, after the old run was deleted); said first."""
+    for name, kind, what in (("checkpoints", "folder", "checkpoints"),
+                             ("tb", "folder", "TensorBoard events"),
+                             ("metrics.jsonl", "file", "log")):
+        p = out / name
+        if (p.exists() or p.is_symlink()) and not (p.is_dir() if kind == "folder"
+                                                    else p.is_file()):
+            raise ValueError(f"{str(p)!r} is not a {kind}; training writes its {what} there: "
+                             "move it, or give --out another folder")
+
+
 def _truncate_metrics(path: Path, step: int) -> dict[str, Any] | None:
     """On resume, drop log lines written after the checkpoint (they will be redone); return
     the record of the checkpoint's step, if one was logged. Read as `read_metrics` reads: a
@@ -340,6 +356,32 @@ def _warn_schedule(tc: Any, log: Callable[[str], None]) -> None:
             "past warm-up, at train.lr")
 
 
+def _resumed_under(started: dict[str, Any], meta: dict[str, Any], device: torch.device,
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    """This segment's provenance, `started`, for a run resumed from the checkpoint `meta`:
+    with `segments`, the torch and native kernels each part of the run trained under, by the
+    step it began from (0, then a checkpoint's), where they changed, and one warning where they
+    change now. Outside the config, they decide the numbers too: a resume under torch's kernels
+    (no compiler, NORMLAB_NATIVE_*=0) or another torch went on silently to other weights, and
+    the record named the last part's alone. The kernels run on the CPU only: a GPU's step
+    ignores them."""
+    was = meta["provenance"] if isinstance(meta.get("provenance"), dict) else {}
+    now = {"torch": torch.__version__, "native": native.describe()}
+    segments = was.get("segments")
+    if not (isinstance(segments, list) and segments
+            and all(isinstance(seg, dict) for seg in segments)):
+        segments = [{"from_step": 0} | {k: was.get(k) for k in now}]
+    compared = now if device.type == "cpu" else ("torch",)
+    if changed := [k for k in compared if segments[-1].get(k) not in (None, now[k])]:
+        k = changed[0]
+        what = "another torch" if k == "torch" else "other native kernels"
+        log(f"warning: resumed from step {meta['step']} under {what} than the checkpoint was "
+            f"made with ({k}: checkpoint {segments[-1][k]!r}, now {now[k]!r}); the weights need "
+            "not be bitwise an uninterrupted run's")
+        segments = [*segments, {"from_step": meta["step"]} | now]
+    return started | {"segments": segments} if len(segments) > 1 else started
+
+
 def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
     """Under RoPE or no positions nothing bounded the sequence: a cell of 10**12 operands was
     accepted, then training spent hours writing its first question. One residual stream of a
@@ -354,6 +396,30 @@ def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
             f"machine's memory ({format_bytes(limit)}) at model.d_model {cfg.model.d_model:,}; "
             "expected shorter problems (the task's cells), a smaller train.batch_size or a "
             "smaller model.d_model")
+
+
+#: the least one drawn evaluation problem holds in CPython: its list slot and a tuple of two
+#: strings (a one-character string is shared, so none of its own may be counted)
+EVAL_PROBLEM_BYTES = 8 + 56
+
+
+def _eval_sets(task: Any) -> dict[str, Any]:
+    """`eval_sets`, or one line naming task.eval_size where they cannot be held: a huge one
+    drew for minutes, then failed as a MemoryError that named no field. Past this machine's
+    memory they are refused before any is drawn."""
+    cells = sum(len(c) for c in task.eval_splits.values())
+    need = task.eval_size * cells * EVAL_PROBLEM_BYTES
+    if (limit := memory_bytes()) is not None and need > limit:
+        why = (f"they take at least {format_bytes(need)}, more than this machine's memory, "
+               f"{format_bytes(limit)}")
+    else:
+        try:
+            return eval_sets(task)
+        except (MemoryError, OverflowError) as err:
+            why = first_line(err)
+    raise ValueError(f"task.eval_size: evaluation sets of {task.eval_size:,} problems a cell in "
+                     f"{cells} cells could not be made ({why}); expected a smaller "
+                     "task.eval_size")
 
 
 #: what a second `train` of a run folder is told while the first holds it
@@ -425,7 +491,7 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
                          f"not be made ({first_line(err)}); expected a smaller batch, or "
                          "shorter problems (the task's cells)") from None
     stream.load_state_dict(start)
-    sets = eval_sets(task)
+    sets = _eval_sets(task)
     # the folder is touched (with --force: emptied) only now, after everything that can refuse
     # the config (the device, the optimizer's settings, a batch or the evaluation sets too
     # large for memory): a refusal leaves the old run as it was
@@ -508,6 +574,8 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     started = provenance()
     if resuming and (step >= tc.steps or last.get("early_stopped")):
         started = resumed_from.get("provenance", started)
+    elif resuming:
+        started = _resumed_under(started, resumed_from, device, log)
 
     def checkpoint(early_stopped: bool = False) -> None:
         # a finite loss can come with a step that left weights non-finite: never save those as
@@ -799,12 +867,16 @@ def _kept(ckpt_dir: Path) -> str:
     return "no checkpoint was written before"
 
 
-def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict[str, Any]]:
-    """The config and newest good model of a run folder (weights only, never unpickled)."""
+def load_run(run_dir: Path, device: str = "cpu",
+             warn: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+             ) -> tuple[RunConfig, Model, dict[str, Any]]:
+    """The config and newest good model of a run folder (weights only, never unpickled).
+
+    The config is the checkpoint's, the one its weights trained with: a run folder's
+    config.toml edited since (to evaluate another `task.eval_size`) was ignored unsaid, and
+    is now named in a warning (`warn`)."""
     run_dir = check_run_folder(run_dir)
-    tensors, meta = latest_checkpoint(
-        run_dir / "checkpoints", warn=lambda s: print(s, file=sys.stderr)
-    )
+    tensors, meta = latest_checkpoint(run_dir / "checkpoints", warn=warn)
     require(meta, ("config",), run_dir / "checkpoints")
     cfg = RunConfig.from_dict(meta["config"])
     # another run's checkpoints (copied in by hand) were evaluated as this run's, which its
@@ -818,6 +890,14 @@ def load_run(run_dir: Path, device: str = "cpu") -> tuple[RunConfig, Model, dict
                               f"{str(run_dir / 'checkpoints')!r} was made under another config "
                               f"than the run folder records ({diff}); expected the run's own "
                               "checkpoints")
+    path = run_dir / "config.toml"
+    try:
+        edited = _config_diff(load_config(path).to_dict(), cfg, ("config.toml", "checkpoint"))
+    except (ValueError, OSError) as err:  # missing, a folder or damaged: nothing to take from
+        edited = None if not path.exists() else first_line(err)
+    if edited:
+        warn(f"warning: {str(path)!r} is not the config this run trained with ({edited}); the "
+             "checkpoint's is used")
     model = build_model(cfg.model)
     load_weights(model, tensors, meta, run_dir / "checkpoints")
     return cfg, model.to(device).eval(), meta
