@@ -106,6 +106,28 @@ def test_compare_names_a_file_given_as_a_run_and_refuses_force_without_plot(
         "normlab: error: --force: only with --plot (it overwrites the figure)")
 
 
+def test_analyze_refuses_only_its_own_files_and_after_the_flag_checks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Any *.json in RUN_DIR/analysis was refused with "pass --force to overwrite it", which
+    --force did not; and the refusal came before the flags were checked, so a negative sigma
+    was named only once --force was given."""
+    run = _trained(tmp_path)
+    quick = ["--sigmas", "0", "--draws", "1", "--examples", "2"]
+    (run / "analysis").mkdir()
+    (run / "analysis" / "notes.json").write_text('{"mine": 1}')
+    assert cli.main(["analyze", str(run), *quick]) == 0
+    assert (run / "analysis" / "notes.json").read_text() == '{"mine": 1}'
+    before = (run / "analysis" / "collapse.json").read_bytes()
+    capsys.readouterr()
+    assert cli.main(["analyze", str(run), *quick, "--sigmas", "0,-1"]) == 2
+    assert capsys.readouterr().err.startswith("normlab: error: --sigmas[1]")
+    assert cli.main(["analyze", str(run), *quick]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"normlab: error: {str(run / 'analysis' / 'collapse.json')!r} already exists; pass "
+        "--force to overwrite it")
+    assert (run / "analysis" / "collapse.json").read_bytes() == before
+
+
 def test_the_lazy_names_are_listed_for_tab_completion() -> None:
     import normlab
 

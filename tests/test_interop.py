@@ -229,6 +229,16 @@ def test_unsupported_architecture() -> None:
         from_hf(transformers.Qwen2ForCausalLM(cfg))
 
 
+@pytest.mark.parametrize("thing", [{"a": 1}, None, "gpt2"])
+def test_something_not_a_model_is_refused_as_an_architecture(thing: Any) -> None:
+    """`hf_model.config` was read before the class was checked: a dict raised
+    "AttributeError: 'dict' object has no attribute 'config'"."""
+    name = type(thing).__name__
+    with pytest.raises(ValueError, match=rf"^architecture '{name}' is not supported; expected "
+                                         r"one of GPT2LMHeadModel"):
+        from_hf(thing)
+
+
 def test_missing_or_empty_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         from_hf_pretrained(tmp_path / "nope")

@@ -147,6 +147,78 @@ def test_text_with_tokenizer(folders: dict[str, Path], tmp_path: Path) -> None:
     assert collapse["collapse_rate"] == ([0.0] if collapse["n_sparse_rows"] else [None])
 
 
+def test_a_tokenizer_without_its_vocabulary_is_refused(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tokenizer_config.json alone counted as a tokenizer: transformers 5 builds one of its 5
+    special tokens from it (BertTokenizer), every word read as [UNK], and the analysis of those
+    ids exited 0. A vocabulary file its class does not read gives the same empty tokenizer."""
+    import shutil
+
+    folder = tmp_path / "partial"
+    shutil.copytree(folders["gpt2_tok"], folder)
+    (folder / "tokenizer.json").unlink()  # copied without it
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {
+        "tokenizer_class": "BertTokenizer"}))
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat\n")
+    argv = ["analyze", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path / "out"),
+            "--sigmas", "0", "--draws", "1"]
+    msg = _error(argv, capsys)
+    assert f"folder {str(folder)!r} has no tokenizer (none of tokenizer.json," in msg
+    assert "tokenizer_config.json" not in msg
+    (folder / "vocab.json").write_text("{}")  # GPT-2's file name, which BertTokenizer ignores
+    assert _error(argv, capsys) == (
+        f"normlab: error: --text: the tokenizer in {str(folder)!r} holds only its 5 special "
+        "tokens (its vocabulary file is missing, or is not the one its class reads); save the "
+        "whole tokenizer there with tokenizer.save_pretrained(DIR), or pass --tokens")
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_refuses_only_the_files_it_writes_and_after_the_input_checks(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Any *.json in --out was refused with "pass --force to overwrite it", which --force did
+    not (a notes.json, or the model's own config.json with --out the model folder); and the
+    refusal came before the input checks, so a missing folder or a negative sigma was named only
+    once --force was given."""
+    import shutil
+
+    g, toks = str(folders["gpt2"]), str(folders["tokens"])
+    quick = ["--tokens", toks, "--sigmas", "0", "--draws", "1", "--examples", "1"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.json").write_text('{"mine": 1}')
+    assert main(["analyze", "--hf", g, *quick, "--out", str(out)]) == 0
+    assert (out / "notes.json").read_text() == '{"mine": 1}'
+    model = tmp_path / "model"
+    shutil.copytree(folders["gpt2"], model)
+    config = (model / "config.json").read_bytes()
+    assert main(["analyze", "--hf", str(model), *quick, "--out", str(model)]) == 0
+    assert (model / "config.json").read_bytes() == config and (model / "norms.json").is_file()
+    # an earlier analysis there: the bad input is named first, then the earlier files
+    before = (out / "collapse.json").read_bytes()
+    msg = _error(["analyze", "--hf", str(tmp_path / "nope"), *quick, "--out", str(out)], capsys)
+    assert "does not exist" in msg and "nope" in msg
+    assert "--sigmas[1]" in _error(["analyze", "--hf", g, *quick, "--out", str(out),
+                                    "--sigmas", "0,-1"], capsys)
+    assert _error(["analyze", "--hf", g, *quick, "--out", str(out)], capsys) == (
+        f"normlab: error: {str(out / 'collapse.json')!r} already exists; pass --force to "
+        "overwrite it")
+    assert (out / "collapse.json").read_bytes() == before
+    (out / "collapse.json").unlink()  # either JSON marks an earlier analysis
+    assert "norms.json' already exists" in _error(["analyze", "--hf", g, *quick, "--out",
+                                                   str(out)], capsys)
+    assert main(["analyze", "--hf", g, *quick, "--out", str(out), "--force"]) == 0
+    for name in ("collapse.json", "norms.json"):
+        (out / name).unlink()  # figures without them: a killed command's, replaced (README)
+    assert main(["analyze", "--hf", g, *quick, "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == {"notes.json", "norms.json", "norms.png",
+                                               "collapse.json", "collapse.png",
+                                               "collapse_rows.npz"}
+
+
 def test_rows_pad_and_mask() -> None:
     data, used = _rows(list(range(1, 11)), 4, 8)
     assert used == 10 and data.inputs["tokens"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8],

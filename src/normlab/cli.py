@@ -4,7 +4,6 @@ sweep or reproduce whose runs failed, each named, exits 1)."""
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shlex
@@ -333,9 +332,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             if Path(args.plot).suffix.lstrip(".").lower() not in kinds:
                 raise ValueError(f"--plot {args.plot!r}: expected a figure file ending in one of "
                                  f"{', '.join('.' + k for k in sorted(kinds))}")
-            # the name as it is, not a pattern: "p[1].png" matched "p1.png" and not itself
-            refuse_overwrite(Path(args.plot).parent, glob.escape(Path(args.plot).name),
-                             args.force)
+            refuse_overwrite(Path(args.plot).parent, Path(args.plot).name, args.force)
             plot_curves(curves, Path(args.plot), args.curve)
     else:
         if args.plot:
@@ -378,7 +375,6 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 def _analyze(args: argparse.Namespace) -> int:
     from normlab.analysis.report import analyze_run
-    from normlab.io import refuse_overwrite
 
     kwargs: dict[str, Any] = {
         "threshold": args.threshold,
@@ -421,16 +417,16 @@ def _analyze(args: argparse.Namespace) -> int:
         from normlab.interop.analyze import analyze_hf
 
         out = Path(args.out) if args.out else None
-        if out is not None:
-            refuse_overwrite(out, "*.json", args.force)
         if args.seq_len is not None:  # else analyze_hf's own default
             kwargs["seq_len"] = args.seq_len
-        done = analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out, **kwargs)
+        # analyze_hf refuses earlier results in --out itself, after its input checks
+        done = analyze_hf(Path(args.hf), tokens=args.tokens, text=args.text, out=out,
+                          overwrite=args.force, **kwargs)
     else:
         if not args.run_dir:
             raise ValueError("analyze: give RUN_DIR, or --hf DIR with --tokens/--text and --out")
-        refuse_overwrite(Path(args.run_dir) / "analysis", "*.json", args.force)
-        done = analyze_run(Path(args.run_dir), **kwargs)
+        # earlier results refused by analyze_run itself, after its argument and folder checks
+        done = analyze_run(Path(args.run_dir), overwrite=args.force, **kwargs)
     print(f"wrote {done['out']}: {', '.join(Path(f).name for f in done['files'])}")
     return 0
 

@@ -54,7 +54,13 @@ from normlab.analysis.interference import (
 )
 from normlab.analysis.norms import norm_spread, plot_norm_spread
 from normlab.checks import check_int, check_seed, check_sigmas, did_you_mean, is_int
-from normlab.io import atomic_write_bytes, provenance, write_json, written_together
+from normlab.io import (
+    atomic_write_bytes,
+    provenance,
+    refuse_overwrite,
+    write_json,
+    written_together,
+)
 
 if TYPE_CHECKING:
     from normlab.analysis.data import EvalData
@@ -260,6 +266,7 @@ def analyze_run(
     alpha: float = 0.5,
     figures: bool = True,
     rows: str = "all",
+    overwrite: bool = True,
 ) -> dict[str, Any]:
     """Run norm spread, collapse (+ accuracy and theory) and interference on one run folder.
 
@@ -269,10 +276,12 @@ def analyze_run(
     given, which then also restrict the probe). `alpha` is the probe's injected norm fraction.
     `rows` picks the query rows that may count as sparse (`collapse.ROWS`; the collapse sweep
     and its theory only: the norm spread and the probe read every real position).
+    `overwrite=False` (the CLI without --force) refuses an `out` holding any of the files the
+    analysis writes, once the arguments and the run folder have passed their checks.
     Returns the three JSON documents plus `files` and `seconds`.
     """
     from normlab.tasks.addition import eval_sets
-    from normlab.train import check_run_folder, load_run
+    from normlab.train import ANALYSIS_FILES, check_run_folder, load_run
 
     # the seed comes back an int for the result files, whatever integer was given
     sigmas, threshold, targets, seed = _checked(sigmas, threshold, targets, mode, noise,
@@ -280,6 +289,8 @@ def analyze_run(
     run_dir = Path(run_dir)
     out = run_dir / "analysis" if out is None else Path(out)
     check_run_folder(run_dir)  # before the lock, which makes the analysis folder
+    # its result files (a figure without them is a killed command's, replaced: README)
+    refuse_overwrite(out, [n for n in ANALYSIS_FILES if n.endswith(".json")], overwrite)
     # the folder locked first (a second analysis refused before it loads anything); the files
     # land together once all are made, interference.json last (the sweep's mark of a whole
     # analysis): a failure or kill part way leaves the folder as it was

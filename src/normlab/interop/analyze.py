@@ -45,13 +45,17 @@ from normlab.interop.hf import (
     read_hf_config,
     require_transformers,
 )
-from normlab.io import check_out_folder, provenance, written_together
+from normlab.io import check_out_folder, provenance, refuse_overwrite, written_together
 from normlab.model import DecoderLM
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "spiece.model")
-"""Any of these in the folder means a tokenizer was saved there (transformers 5 otherwise
-returns an empty tokenizer instead of failing)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+"""Any of these in the folder means a tokenizer's vocabulary was saved there (transformers 5
+otherwise returns an empty tokenizer instead of failing). tokenizer_config.json is not one: from
+it alone transformers builds a tokenizer of special tokens, which read every word as [UNK]."""
+
+RESULTS = ("norms.json", "collapse.json")
+"""The result files `analyze_hf` writes into `out`: they mark an earlier analysis, which --force
+replaces (a figure or collapse_rows.npz without them is a killed command's, replaced: README)."""
 
 ID = re.compile(r"-?[0-9]+")
 """A token id in a --tokens file (a negative one is then named as outside the vocabulary)."""
@@ -85,12 +89,15 @@ def analyze_hf(
     seed: int = 0,
     seq_len: int = 128,
     figures: bool = True,
+    overwrite: bool = True,
 ) -> dict[str, Any]:
     """Norm spread and collapse of the HF model in `folder` on the `tokens` or `text` file.
 
     `n_examples` is the number of rows of `seq_len` tokens analysed (the first ones; fewer if
     the input is shorter). Every bad input is a one-line ValueError, raised before the model is
-    loaded where possible. Returns both JSON documents plus `out`, `files` and `seconds`.
+    loaded where possible. `overwrite=False` (the CLI without --force) refuses an `out` holding
+    the JSON files the analysis writes, once the inputs have passed their checks (other files
+    there are never touched). Returns both JSON documents plus `out`, `files` and `seconds`.
     """
     require_transformers("analyze --hf")
     sigmas = check_sigmas(sigmas)
@@ -135,6 +142,9 @@ def analyze_hf(
         if data.lengths["tokens"] > context:
             raise ValueError(f"rows of {data.lengths['tokens']} tokens exceed the model's context "
                              f"of {context} positions; lower seq_len (--seq-len)")
+        # after the input checks (checked first, earlier results hid a bad input until --force
+        # was given), and the names written only (any *.json was refused, never overwritten)
+        refuse_overwrite(out, RESULTS, overwrite)
         for message in held:  # transformers' warnings on the config, once nothing else is refused
             print(f"transformers: {message}", file=sys.stderr)
         model = from_hf_pretrained(folder)
@@ -262,6 +272,11 @@ def _tokenize(folder: Path, path: Path, need: int) -> tuple[list[int], str, bool
     except Exception as err:  # transformers raises many kinds; report one line
         raise ValueError(f"--text: cannot load the tokenizer in {str(folder)!r}: "
                          f"{first_line(err)}") from err
+    if len(tok) <= len(set(tok.all_special_ids)):  # a vocabulary file missing: all [UNK]
+        raise ValueError(f"--text: the tokenizer in {str(folder)!r} holds only its {len(tok)} "
+                         "special tokens (its vocabulary file is missing, or is not the one its "
+                         "class reads); save the whole tokenizer there with "
+                         "tokenizer.save_pretrained(DIR), or pass --tokens")
     text, size, whole = "", TEXT_CHUNK, False
     try:
         with open(path, encoding="utf-8") as f:

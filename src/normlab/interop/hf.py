@@ -247,6 +247,7 @@ def from_hf(hf_model: Any) -> DecoderLM:
     is left untouched (dtype, device, mode).
     """
     name = type(hf_model).__name__
+    _check_supported(name)  # a non-model (a dict) raised AttributeError on `.config`
     cfg = hf_model_config(hf_model.config, name)  # refused before any weight is copied
     state = hf_model.state_dict()
     # on the meta device (empty initialisation, offloading) there is nothing to copy: torch's
