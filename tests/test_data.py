@@ -1,12 +1,16 @@
-"""`normlab.analysis.data.evaluating`: eval mode and no autograd inside, each mode restored."""
+"""`normlab.analysis.data`: `evaluating` (eval mode and no autograd inside, each mode restored)
+and `select_problems`."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
 from normlab import ModelConfig, build_model
-from normlab.analysis.data import evaluating
+from normlab.analysis.data import evaluating, select_problems
+from normlab.tasks.addition import TaskConfig, eval_sets
 
 
 def model() -> torch.nn.Module:
@@ -64,3 +68,20 @@ def test_a_mode_switched_inside_is_undone() -> None:
     with evaluating(m):
         m.train()
     assert not any(modes(m))
+
+
+def test_examples_past_the_eval_sets_are_all_of_them_said_and_recorded() -> None:
+    """5000 examples of 5 cells of 256 were cut to 256 a cell unsaid, and `per_cell` (recorded
+    by analyze) read 1000. The smoke grid's train split has 2 cells; eval_size 8 holds 16."""
+    task = TaskConfig(grid="smoke", eval_size=8).resolve()
+    sets = eval_sets(task)
+    with pytest.warns(UserWarning, match=r"^normlab: n_examples 17: the eval sets of the "
+                                         r"selected splits hold 16 problems \(2 cells, up to 8 "
+                                         r"each\); analysing those 16$"):
+        chosen, per_cell = select_problems(task, sets, 17)
+    assert per_cell == 8 and chosen == {"train": sets["train"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exactly what the sets hold, or less: nothing said
+        assert select_problems(task, sets, 16) == ({"train": sets["train"]}, 8)
+        chosen, per_cell = select_problems(task, sets, 5)  # ceil(5 / 2)
+        assert per_cell == 3 and all(len(p) == 3 for p in chosen["train"].values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,19 @@ def test_a_task_too_long_for_memory_is_refused_under_any_positions(monkeypatch,
     with pytest.raises(ValueError, match=r"^task: its longest sequence, 3,000,000,000,0\d\d "
                                          r"tokens"):
         tr._check_batch_fits(huge, huge.validate())
+
+
+# ---- config files ----------------------------------------------------------------------------
+
+
+def test_a_config_saved_with_a_byte_order_mark_is_named_so(tmp_path: Path) -> None:
+    """A UTF-8 file that starts with a BOM (as some Windows editors save it) was "invalid TOML
+    (Invalid statement (at line 1, column 1))", which names nothing one can see."""
+    f = tmp_path / "bom.toml"
+    f.write_bytes(b"\xef\xbb\xbf[task]\ngrid = 'smoke'\n")
+    with pytest.raises(ValueError, match=rf"^config file {re.escape(repr(str(f)))}: starts with "
+                                         r"a byte-order mark \(BOM\); save it as UTF-8 without "
+                                         r"one$"):
+        load_config(f)
+    f.write_bytes(f.read_bytes()[3:])  # the same text without it
+    assert load_config(f).task.grid == "smoke"

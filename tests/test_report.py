@@ -296,7 +296,7 @@ def test_sweep_values_reach_the_config_as_written(tmp_path: Path) -> None:
     f = tmp_path / "s.toml"
     f.write_text('[grid]\n"train.seed" = [0, 1]\n"task.train" = [[[1, 1], [2, 1]], [[1, 2]]]\n'
                  '[set]\n"task.grid" = "smoke"\n"task.splits" = {interpolation = [[3, 1]], '
-                 '"x-y" = [[3, [1, 2]]]}\n"train.lr" = 2e-3\n"train.compile" = false\n'
+                 '"x-y" = [[3, [2, 3]]]}\n"train.lr" = 2e-3\n"train.compile" = false\n'
                  '"model.norm_placement" = "qkv"\n[run]\nanalyze = false\n')
     written = tomllib.loads(f.read_text())
     specs = load_sweep(f, tmp_path / "out")
@@ -307,7 +307,7 @@ def test_sweep_values_reach_the_config_as_written(tmp_path: Path) -> None:
             assert spec.config[table][name] == value, key
     assert [s.config["task"]["train"] for s in specs] == written["grid"]["task.train"] * 2
     given = load_config(None, ["task.grid=smoke", "task.train=[[1, 2]]", "train.lr=2e-3",
-                               "task.splits={interpolation=[[3,1]], x-y=[[3,[1,2]]]}",
+                               "task.splits={interpolation=[[3,1]], x-y=[[3,[2,3]]]}",
                                "train.seed=1", "model.norm_placement=qkv"])
     assert specs[3].config == given.to_dict()
 

@@ -284,16 +284,22 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
     """A TOML file's tables, or one line naming `what` and the file: missing, a folder, not
-    UTF-8 (a ValueError naming no file), not TOML, or nested past what tomllib reads (its
-    RecursionError said only "maximum recursion depth exceeded")."""
+    UTF-8 (a ValueError naming no file), starting with a byte-order mark (tomllib's "Invalid
+    statement (at line 1, column 1)" named nothing one could see), not TOML, or nested past
+    what tomllib reads (its RecursionError said only "maximum recursion depth exceeded")."""
     where = f"{what} {str(path)!r}"
     if not path.is_file():
         raise ValueError(where + (" is a folder; expected a TOML file" if path.is_dir()
                                   else " not found"))
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{where}: not UTF-8 text, as TOML is ({err})") from None
+    if text.startswith("\ufeff"):
+        raise ValueError(f"{where}: starts with a byte-order mark (BOM); save it as UTF-8 "
+                         "without one")
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{where}: invalid TOML ({err})") from None
     except RecursionError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -208,7 +209,9 @@ def select_problems(
 
     `per_cell = ceil(n_examples / n_cells)`, so the cells are balanced and the very same
     problems serve the collapse sweep and `evaluate(..., limit=per_cell)`. Returns the reduced
-    sets and `per_cell`. Deterministic: the eval sets are already fixed per cell.
+    sets and `per_cell`. Deterministic: the eval sets are already fixed per cell. Past what the
+    sets hold, `per_cell` is their largest cell's count, and a warning says how many are used
+    (5000 of 5 cells of 256 was recorded as 1000 per cell, each giving 256, unsaid).
     """
     n_examples = check_int(n_examples, "n_examples", low=1)
     if isinstance(splits, str):  # one name, not its letters
@@ -224,6 +227,12 @@ def select_problems(
         raise ValueError("the selected splits have no cells")
     per_cell = math.ceil(n_examples / n_cells)
     chosen = {s: {c: probs[:per_cell] for c, probs in sets[s].items()} for s in names}
+    per_cell = max(len(probs) for by_cell in chosen.values() for probs in by_cell.values())
+    used = sum(len(probs) for by_cell in chosen.values() for probs in by_cell.values())
+    if used < n_examples:
+        warnings.warn(f"normlab: n_examples {n_examples}: the eval sets of the selected splits "
+                      f"hold {used} problems ({n_cells} cells, up to {per_cell} each); "
+                      f"analysing those {used}", stacklevel=2)
     return chosen, per_cell
 
 

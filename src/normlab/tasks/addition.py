@@ -5,9 +5,9 @@ by ``+``/``-``, a negative number carries its own sign token ``N`` (distinct fro
 operator), and the target is the exact result, e.g. ``N6774-N71+5814-6016+45+N976`` -> ``N7836``.
 
 Everything string-shaped lives here so trainers and models only ever see id tensors. Choices the
-paper does not make (ours, each a parameter): a 1-digit number may be ``0``; zero is never
-signed; the grid presets; the answer format (``reverse_answer``, ``complement_answer``: both off,
-as in the paper); ``train_weights`` (uniform).
+paper does not make are ours: the grid presets, the answer format (``reverse_answer``,
+``complement_answer``: both off, as in the paper) and ``train_weights`` (uniform) are
+parameters; that a 1-digit number may be ``0`` and that zero is never signed are fixed.
 """
 
 from __future__ import annotations
@@ -262,7 +262,10 @@ def sample_problem(n: int, d: int | Iterable[int], rng: Rng) -> tuple[str, str]:
     draws its digit count uniformly from it ("mixed digits" cells). The answer is the exact
     value with the same sign convention.
     """
-    n = operator.index(n)
+    try:  # True sampled as n = 1 and 2.0 was a bare TypeError; `Cell` refuses both
+        n = _index(n)
+    except TypeError:
+        raise ValueError(f"n must be an int, got {n!r}") from None
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     ds = _digit_choices(d)
@@ -589,6 +592,12 @@ class TaskConfig:
         if not train:
             raise ValueError("task.train: no train cells")
         from_grid = "" if self.splits else f" (splits from grid {self.grid!r})"
+        for name in map(str, self.splits):
+            # ' train' read as a second train row in eval, 'x|y' split a column of compare
+            # --markdown and a newline broke a row; '' was an unlabelled row
+            if not _SPLIT_NAME_RE.fullmatch(name):
+                raise ValueError(f"task.splits.{name!r}: expected a split name of letters, "
+                                 f"digits, '_', '.' or '-'")
         if self.splits:
             splits = {str(k): _cells_from(v, f"task.splits.{k}") for k, v in self.splits.items()}
         else:
@@ -598,8 +607,6 @@ class TaskConfig:
         owner: dict[Cell, str] = {}
         for name, cells in splits.items():
             where = f"task.splits.{name}"
-            if not name.strip():  # an unlabelled row in eval, an empty column in compare
-                raise ValueError(f"task.splits.{name!r}: expected a split name, not a blank one")
             if name == "train":
                 raise ValueError(f"{where}: the split name 'train' is reserved for the train cells")
             if not cells:
@@ -608,8 +615,7 @@ class TaskConfig:
                 if cell in train_set:
                     raise ValueError(f"{where}: cell {cell} is also a train cell{from_grid}")
                 # n2d1 is inside n2d1-2: a held-out question could be a training one
-                shared = next((c for c in train if c.n == cell.n
-                               and set(c.digits) & set(cell.digits)), None)
+                shared = _sharing(cell, train)
                 if shared is not None:
                     raise ValueError(f"{where}: cell {cell} shares problems with train cell "
                                      f"{shared}{from_grid}")
@@ -617,6 +623,10 @@ class TaskConfig:
                     raise ValueError(
                         f"{where}: cell {cell} is also in split {owner[cell]!r}{from_grid}"
                     )
+                shared = _sharing(cell, owner)  # n3d2's questions scored in n3d1-2's too
+                if shared is not None:
+                    raise ValueError(f"{where}: cell {cell} shares problems with cell {shared} "
+                                     f"of split {owner[shared]!r}{from_grid}")
                 owner[cell] = name
         return ResolvedTask(
             train_cells=train,
@@ -631,8 +641,19 @@ class TaskConfig:
         )
 
 
+_SPLIT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+"""A split name, as eval's rows and compare's (markdown) columns can show it."""
+
+
+def _sharing(cell: Cell, others: Iterable[Cell]) -> Cell | None:
+    """The first of `others` that can draw a problem `cell` draws (same n, a digit count in
+    common: n2d1 lies inside n2d1-2), or None."""
+    return next((c for c in others if c.n == cell.n and set(c.digits) & set(cell.digits)), None)
+
+
 def _cells_from(pairs: Any, where: str) -> list[Cell]:
-    """Parse a list of ``[n, d]`` pairs, rejecting repeats (they would skew weights/metrics)."""
+    """Parse a list of ``[n, d]`` pairs, rejecting repeats and cells that share problems (they
+    would skew weights/metrics: n2d1-2 beside n2d2 drew 2 x 2-digit sums 62.5% of the time)."""
     if isinstance(pairs, str) or not isinstance(pairs, Sequence):
         raise ValueError(f"{where}: expected a list of [n, d] pairs, got {pairs!r}")
     cells: list[Cell] = []
@@ -641,6 +662,9 @@ def _cells_from(pairs: Any, where: str) -> list[Cell]:
         cell = Cell.from_pair(pair, f"{where}[{i}]")
         if cell in cells:
             raise ValueError(f"{where}[{i}]: cell {cell} is listed twice")
+        shared = _sharing(cell, cells)
+        if shared is not None:
+            raise ValueError(f"{where}[{i}]: cell {cell} shares problems with cell {shared}")
         width = _sum_digits(cell)
         if limit and width > limit:  # sampling failed at a random step, naming no field
             raise ValueError(f"{where}[{i}]: cell {cell} has sums of up to {width} digits; "
@@ -738,9 +762,12 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
-def _check_digit_positions(answer_format: str, digit_positions: bool) -> None:
+def _check_digit_positions(answer_format: str, digit_positions: object) -> None:
     """Digit positions count an answer's digits from its units, which comes first only in a
-    reversed format: with ``msd`` the hundreds digit of 633 was labelled as units."""
+    reversed format: with ``msd`` the hundreds digit of 633 was labelled as units. A bool only,
+    as `pack` ("no" was read as true)."""
+    if not isinstance(digit_positions, bool):
+        raise ValueError(f"digit_positions: expected true or false; got {digit_positions!r}")
     if digit_positions and check_answer_format(answer_format) == "msd":
         raise ValueError("digit_positions: needs a least-significant-first answer format "
                          "(lsd or lsd_complement), not msd")
