@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from normlab import ModelConfig, build_model
-from normlab.evaluate import answer_token_accuracy, predict
-from normlab.tasks.addition import EOS, VOCAB, Cell
+from normlab.evaluate import answer_token_accuracy, forward_batch, predict
+from normlab.tasks.addition import EOS, VOCAB, Cell, make_batch
 
 
 class PeekingDecoder(nn.Module):
@@ -23,6 +24,7 @@ class PeekingDecoder(nn.Module):
         self.miss_first, self.negative_only = miss_first, negative_only
 
     def forward(self, tokens: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
+        self.seen_training = self.training  # the mode a forward ran in
         nxt = tokens.roll(-1, dims=1)
         if self.miss_first:  # the token after the first E (the separator) is the first answer
             sep = (tokens == EOS).int().argmax(1)
@@ -67,6 +69,16 @@ def test_a_wrong_first_token_shows_at_position_zero_only() -> None:
     assert 0 < negative < len(probs) and res["exact"] == 1 - negative / len(probs)
     # exact fractions, not float32's (43/80 was written 0.53750002384...)
     assert res["by_position"][0] == (len(probs) - negative) / len(probs)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_model_comes_back_in_its_mode(training: bool) -> None:
+    """Scored in eval mode (no dropout), then handed back in the mode it came in: a `finally`
+    that set train(True) passed, and left an eval-mode model's next forward with dropout."""
+    model = PeekingDecoder().train(training)
+    answer_token_accuracy(model, problems(4), answer_format="msd")
+    assert model.seen_training is False
+    assert model.training is training
 
 
 @pytest.mark.parametrize("batch_size", [0, -1, True, 1.5])
@@ -244,6 +256,26 @@ def test_a_heatmap_title_fits_its_figure(tmp_path, monkeypatch) -> None:
     assert sorted(t.get_text() for t in ax.texts) == ["100", "50", "99"]
 
 
+def test_a_heatmap_outlines_each_train_cell_in_red(tmp_path, monkeypatch) -> None:
+    """The title says "red: train cells": no outline at all passed. One red square on each
+    train cell of the grid, centred on it (row i = n, column j = d, as `imshow` draws)."""
+    from matplotlib.colors import same_color
+    from matplotlib.patches import Rectangle
+
+    import normlab.evaluate as ev
+
+    drawn = {}
+    monkeypatch.setattr(ev, "save_figure", lambda fig, path: drawn.update(fig=fig))
+    cells = [{"n": n, "d": d, "accuracy": 0.5, "count": 8} for n in (1, 3) for d in (1, 2)]
+    ev.heatmap({"cells": cells}, [Cell(1, 1), Cell(3, 1)], tmp_path / "h.png")
+    patches = drawn["fig"].axes[0].patches
+    assert all(isinstance(p, Rectangle) and same_color(p.get_edgecolor(), "red")
+               and not p.get_fill() and (p.get_width(), p.get_height()) == (1, 1)
+               for p in patches)
+    # n1d1 at row 0, column 0; n3d1 at row 1 (n = 3 is the second n), column 0
+    assert sorted(p.get_xy() for p in patches) == [(-0.5, -0.5), (-0.5, 0.5)]
+
+
 def test_a_heatmap_of_mixed_digit_cells_only_says_so(tmp_path) -> None:
     """With no cell of one digit count the grid was empty: a blank PNG and three matplotlib
     warnings. The figure now says where the cells are, and warns of nothing."""
@@ -256,3 +288,52 @@ def test_a_heatmap_of_mixed_digit_cells_only_says_so(tmp_path) -> None:
         warnings.simplefilter("error")
         heatmap(result, [], tmp_path / "h.png")
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_encoder_decoder_tokens_count_the_question_too() -> None:
+    """`tokens_per_s` counts real input tokens, question included: a count of the answer
+    targets alone (12 of these 32) passed. Either arch reads the same tokens of a problem:
+    `B question E` and `answer E` (the decoder's `B question E answer E` in one row)."""
+    probs = [("12+34", "46"), ("N5-7", "N12"), ("999+1", "1000")]
+    question = (1 + 5 + 1) + (1 + 4 + 1) + (1 + 5 + 1)  # B question E, padding left out
+    answer = (2 + 1) + (3 + 1) + (4 + 1)  # answer E
+    for arch in ("encoder_decoder", "decoder"):
+        model = build_model(ModelConfig(arch=arch, d_model=16, n_heads=2, n_layers=1,
+                                        n_encoder_layers=1, n_decoder_layers=1, d_mlp=32))
+        _, _, n_tok = forward_batch(model, make_batch(probs, arch, "msd"))
+        assert n_tok.shape == () and int(n_tok) == question + answer == 32, arch
+
+
+@pytest.mark.parametrize(("right", "count", "ci95"), [
+    (4, 8, [0.49, 0.51]),  # compare printed "50.0 [49.0, 51.0]" for 4 of 8
+    (100, 6000, None),  # an edited 100 of 6000 that kept 1 of 60's interval
+], ids=["4_of_8", "100_of_6000"])
+def test_an_eval_json_whose_interval_is_not_its_accuracys_is_refused(
+        tmp_path, right: int, count: int, ci95: list[float] | None) -> None:
+    """`compare` prints an eval.json's ci95 as it reads it, so one that is not the Wilson
+    interval of its accuracy and count is refused in one line naming the file: no test held
+    that check, and a reader taking every interval passed. The true interval (to 1e-5, as
+    files written when z was 1.96 are up to 1.1e-6 off) is read: 4 of 8 is 50.0 [21.5, 78.5]."""
+    import json
+
+    from normlab.cli import compare_rows
+    from normlab.evaluate import wilson_ci
+
+    def write(run: str, split: dict) -> Path:
+        (tmp_path / run).mkdir()
+        doc = {"splits": {"train": split}, "cells": [],
+               "config": {"model": {"norm_placement": "pre"}, "train": {"seed": 0}}}
+        (tmp_path / run / "eval.json").write_text(json.dumps(doc))
+        return tmp_path / run
+
+    ci95 = ci95 if ci95 is not None else list(wilson_ci(1, 60))
+    bad = write("bad", {"accuracy": right / count, "count": count, "ci95": ci95})
+    with pytest.raises(ValueError) as err:
+        compare_rows([bad])
+    msg = str(err.value)
+    assert msg.startswith(f"{str(bad / 'eval.json')!r}: expected normlab eval results")
+    assert "\n" not in msg
+    good = write("good", {"accuracy": 0.5, "count": 8,
+                          "ci95": [x + 1e-6 for x in wilson_ci(4, 8)]})
+    _, rows = compare_rows([good])
+    assert rows[0][-1] == "50.0 [21.5, 78.5]"
