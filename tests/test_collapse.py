@@ -562,7 +562,14 @@ def test_sweep_counts_equal_one_plain_forward_per_draw(
     from normlab.model import native
 
     if reader == "q_k kernel" and not native.enabled("attention"):
-        pytest.skip("normlab's attention kernel is off or not built here")
+        # skipped only where it is switched off or no C compiler is found: a native.c that no
+        # longer compiled skipped it too, unsaid (tests/test_native.py fails with the reason)
+        import shutil
+
+        if native._enabled["attention"] and shutil.which(native.compiler()[0]) is not None:
+            pytest.fail("a C compiler is here but normlab's kernels were not built (their "
+                        "RuntimeWarning and tests/test_native.py say why)")
+        pytest.skip("normlab's attention kernel is switched off or no C compiler is here")
     if reader == "pattern":
         monkeypatch.setitem(native._enabled, "attention", False)
     if reader == "q_k":

@@ -12,8 +12,11 @@ full block of eight, on one and two threads.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -37,7 +40,47 @@ from normlab.model.positions import Rope, Rotary
 if TYPE_CHECKING:
     from conftest import SdpaPast
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
+
+def _compiler_found() -> bool:
+    try:
+        cc = native.compiler()
+    except ValueError:  # CC is no command line: the build's warning says so
+        return True
+    return bool(cc) and shutil.which(cc[0]) is not None
+
+
+def _why_not_built() -> str | None:
+    """None where the kernels are built; else the build's warning (built again to catch it if
+    an earlier call already warned: the warning is given once a process)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if native.load() is None and not seen and _compiler_found():
+            native._tried = False
+            native.load()
+    if native.load() is not None:
+        return None
+    return " / ".join(str(w.message) for w in seen) or "native.load() returned None"
+
+
+WHY_NOT_BUILT = _why_not_built()
+
+
+@pytest.fixture(autouse=True)
+def kernels_built(request: pytest.FixtureRequest) -> None:
+    """Every test needs the kernels built but those of the fallbacks (`without_kernels`):
+    skipped where no C compiler is found, failed where one is. Before, a native.c that stopped
+    compiling (or a build that would not load) skipped every test here, and the suite passed."""
+    if WHY_NOT_BUILT is None or "without_kernels" in request.fixturenames:
+        return
+    if not _compiler_found():
+        pytest.skip(f"no C compiler here (CC or cc): {WHY_NOT_BUILT}")
+    pytest.fail(f"a C compiler is here but the kernels were not built: {WHY_NOT_BUILT}")
+
+
+@pytest.fixture
+def without_kernels() -> None:
+    """Marks a test that runs whether or not the kernels are built (the fallbacks, the env
+    switches): `@pytest.mark.usefixtures("without_kernels")`."""
 
 
 @pytest.fixture
@@ -325,6 +368,7 @@ def test_model_same_with_and_without_kernel(
     torch.testing.assert_close(out_on, out_off, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("without_kernels")
 def test_no_compiler_falls_back_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
@@ -349,6 +393,7 @@ def test_no_compiler_falls_back_with_one_warning(
         native.norm(x, torch.ones(16), None, 1e-5, True)
 
 
+@pytest.mark.usefixtures("without_kernels")
 def test_unwritable_cache_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -359,6 +404,7 @@ def test_unwritable_cache_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) 
         assert native.load() is None
 
 
+@pytest.mark.usefixtures("without_kernels")
 def test_a_cc_that_is_no_command_line_falls_back_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -431,6 +477,7 @@ def test_build_is_cached_and_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path) -
     assert other is not None and other != built[0]
 
 
+@pytest.mark.usefixtures("without_kernels")
 @pytest.mark.parametrize("kernel", native.KERNELS)
 @pytest.mark.parametrize(("value", "on"), [("0", False), ("false", False), ("Off", False),
                                            ("1", True), ("", True), ("on", True)])
@@ -442,6 +489,7 @@ def test_env_switch(monkeypatch: pytest.MonkeyPatch, kernel: str, value: str, on
     assert all(native._enabled_by_env(k) for k in native.KERNELS if k != kernel)  # others: on
 
 
+@pytest.mark.usefixtures("without_kernels")
 def test_an_env_switch_of_neither_kind_is_warned_of(monkeypatch: pytest.MonkeyPatch) -> None:
     """NORMLAB_NATIVE_NORM=disable left the kernel on, unsaid."""
     monkeypatch.setenv("NORMLAB_NATIVE_NORM", "disable")
@@ -455,6 +503,7 @@ def _fresh_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "_lib", None)
 
 
+@pytest.mark.usefixtures("without_kernels")
 def test_a_build_that_cannot_start_falls_back_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
@@ -524,6 +573,114 @@ def test_a_cached_build_is_readable_by_the_caches_other_users(
     again = native._compile(native.compiler(), native.built_with or (), native.SOURCE.read_bytes(),
                             rebuild=True)
     assert again == built and list((tmp_path / "kernels").iterdir()) == [built]
+
+
+def fake_compiler(folder: Path, writes: str = "", complains: str = "") -> Path:
+    """A "compiler" script that logs each build to `folder/builds`, writes `writes` as the
+    library and prints `complains` to stderr (exiting 1 if it does): no C compiler needed."""
+    script = folder / "fake-cc"
+    script.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo fake-cc 1.0; exit 0; }\n'
+        f'echo build >> "{folder}/builds"\n'
+        f'[ -n "{complains}" ] && {{ echo "{complains}" >&2; exit 1; }}\n'
+        'while [ $# -gt 1 ]; do [ "$1" = -o ] && printf %s "' + writes + '" > "$2"; shift; done\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+def builds(folder: Path) -> int:
+    return len((folder / "builds").read_text().split()) if (folder / "builds").exists() else 0
+
+
+@pytest.mark.usefixtures("without_kernels")
+def test_a_build_that_will_not_load_says_why_and_is_built_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A build the loader refuses (a cache on a noexec mount, a libgomp it cannot find) was
+    warned of as "could not compile", the loader's error dropped, and each flag set was built
+    twice (six builds; three more in each later process)."""
+    monkeypatch.setenv("CC", str(fake_compiler(tmp_path, writes="not a library")))
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+    _fresh_build(monkeypatch)
+    with pytest.warns(RuntimeWarning) as warned:
+        assert native.load() is None
+    (message,) = [str(w.message) for w in warned]
+    built = sorted((tmp_path / "cache" / "kernels").iterdir())
+    assert len(built) == len(native.FLAG_SETS) == builds(tmp_path), "each flag set built once"
+    with pytest.raises(OSError) as loader:  # what the loader says of the last one
+        ctypes.CDLL(str(native._library(native.compiler(), native.FLAG_SETS[-1],
+                                        native.SOURCE.read_bytes())))
+    assert f"built native.c with {str(tmp_path / 'fake-cc')!r} into " in message
+    assert f"but could not load it ({loader.value});" in message
+    assert "NORMLAB_CACHE to a folder on a mount that allows executables" in message
+    assert "could not compile" not in message
+    # a later process finds the cached files, which may be damaged: each is rebuilt once
+    _fresh_build(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="but could not load it"):
+        assert native.load() is None
+    assert builds(tmp_path) == 2 * len(native.FLAG_SETS)
+
+
+@pytest.mark.usefixtures("without_kernels")
+def test_a_build_that_fails_says_the_compilers_error(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path) -> None:
+    """The compiler's stderr was captured and dropped: the warning said only "could not
+    compile", whatever the compiler said (a native.c it rejects, an unknown flag)."""
+    error = "native.c:1:2: error: deliberately broken"
+    monkeypatch.setenv("CC", str(fake_compiler(tmp_path, complains=error)))
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+    _fresh_build(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=rf"could not compile native.c with .* into "
+                                            rf"\S+ \({error}\); norms"):
+        assert native.load() is None
+    assert builds(tmp_path) == len(native.FLAG_SETS)
+
+
+@pytest.mark.usefixtures("without_kernels")
+def test_a_cache_under_home_written_with_a_tilde(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path) -> None:
+    """NORMLAB_CACHE='~/x' (quoted in a shell, or set from Python, a .env file, a systemd unit)
+    built into a folder named `~` under the current directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NORMLAB_CACHE", "~/nlcache")
+    monkeypatch.chdir(tmp_path)
+    assert native._cache_dir() == tmp_path / "home" / "nlcache" / "kernels"
+
+
+def test_a_native_c_that_does_not_compile_fails_these_tests(tmp_path) -> None:
+    """A native.c that stopped compiling skipped every test here ("no C compiler here"), so
+    the suite passed; now, with a compiler here, the kernels' tests fail with the compiler's
+    error and the fallbacks' still run. Without a compiler they are skipped."""
+    broken = tmp_path / "native.c"
+    broken.write_bytes(b"#error deliberately broken\n" + native.SOURCE.read_bytes())
+    (tmp_path / "break_native.py").write_text(  # a plugin: loaded before this file's import
+        "from pathlib import Path\n"
+        "from normlab.model import native\n"
+        f"native.SOURCE = Path({str(broken)!r})\n"
+    )
+
+    def run_here(**env: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+             "break_native", __file__, "-k", "statistics_and_gain_sums_by_hand or "
+             "env_switch_of_neither_kind"],
+            env={**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache"), **env,
+                 "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+            capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        return done.stdout
+
+    def count(out: str, what: str) -> int:
+        found = re.search(rf"(\d+) {what}\b", out.splitlines()[-1])
+        return int(found.group(1)) if found else 0
+
+    out = run_here()
+    assert (count(out, "passed"), count(out, "errors?"), count(out, "skipped")) == (1, 1, 0), out
+    assert "a C compiler is here but the kernels were not built" in out, out
+    assert "error: #error deliberately broken" in out, out
+    out = run_here(CC=str(tmp_path / "no-such-cc"))
+    assert (count(out, "passed"), count(out, "errors?"), count(out, "skipped")) == (1, 0, 1), out
 
 
 @pytest.mark.parametrize("off", native.KERNELS)
@@ -1835,6 +1992,59 @@ def attention_grads(fn, q, k, v, scale, m, gz, dtype=torch.float32):
     return [z.detach(), *torch.autograd.grad(z, ins, gz.to(dtype))]
 
 
+U32 = 2.0**-24  # float32's unit roundoff
+
+
+def attention_rounding_bounds(q, k, v, scale, m, gz):
+    """A first-order bound, per element, on the float32 rounding error of z, dq, dk, dv and
+    dscale (float64, from exact intermediates): each sum of n terms adds n u of its |terms|
+    (any order), a score's dot product (d_head + 1) u of scale |q| . |k|, which the softmax
+    turns into a relative error of p (exp's ulps, the max's subtraction and the row's sum
+    too); dscale's follows the kernel's order (a row's keys into dq, then its (t, d) in one
+    chain, then the batch). p below e^-80 may be 0 (the kernel's exponential)."""
+    q, k, v, g = (x.double() for x in (q, k, v, gz))
+    t, d, s = q.shape[2], q.shape[3], k.shape[2]
+    sc = scale.double()[:, None, None]
+    seen = torch.ones(1, 1, t, s, dtype=torch.bool) if m is None else m
+    a = q.abs() @ k.abs().mT  # |q| . |k|: a score's sum of |terms|
+    x = (q @ k.mT * sc).masked_fill(~seen, -math.inf)
+    p = x.softmax(-1)
+    ex = (d + 1) * U32 * sc * a
+    gap = (x - x.amax(-1, keepdim=True)).masked_fill(~seen, 0).abs()
+    rp = (ex + (p * ex).sum(-1, keepdim=True) + U32 * (gap + (p * gap).sum(-1, keepdim=True))
+          + (s + 5) * U32)  # p's relative error
+    ep = (p * rp + math.exp(-80)).masked_fill(~seen, 0)
+    dp = g @ v.mT
+    edp = d * U32 * (g.abs() @ v.abs().mT)
+    dot = (p * dp).sum(-1, keepdim=True)
+    edot = (ep * dp.abs() + p * edp + (s + 1) * U32 * p * dp.abs()).sum(-1, keepdim=True)
+    ds = p * (dp - dot)
+    eds = (ep * (dp - dot).abs() + p * (edp + edot + 2 * U32 * (dp - dot).abs())
+           ).masked_fill(~seen, 0)
+    bounds = [ep @ v.abs() + (s + 1) * U32 * (p @ v.abs()),
+              sc * (eds @ k.abs() + (s + 2) * U32 * (ds.abs() @ k.abs())),
+              sc * (eds.mT @ q.abs() + (t + 2) * U32 * (ds.abs().mT @ q.abs())),
+              ep.mT @ g.abs() + (t + 1) * U32 * (p.mT @ g.abs()),
+              (eds * a + (s + 2) * U32 * ds.abs() * a).sum((0, 2, 3))
+              + (t * d + q.shape[0] + 1) * U32 * (q * (ds @ k)).abs().sum((0, 2, 3))]
+    return bounds  # the final rounding to float32 is added by the caller (u |value|)
+
+
+def attention_errors(q, k, v, scale, m, gz):
+    """(name, kernel's error, torch float32's error, float64 value, rounding bound) for z and
+    the four gradients, against torch's ops in float64."""
+    def by_torch(*a):
+        return native.torch_attention(*a).transpose(1, 2)
+
+    ours = attention_grads(native.attention, q, k, v, scale, m, gz)
+    aten = attention_grads(by_torch, q, k, v, scale, m, gz)
+    truth = attention_grads(by_torch, q, k, v, scale, m, gz, torch.float64)
+    bounds = attention_rounding_bounds(q, k, v, scale, m, gz)
+    return [(name, (o.double() - tr).abs(), (a.double() - tr).abs(), tr, bd + U32 * tr.abs())
+            for name, o, a, tr, bd in zip(("z", "q", "k", "v", "scale"), ours, aten, truth,
+                                          bounds, strict=True)]
+
+
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal with holes", "keys per row",
                                   "per row and head", "left padded"])
@@ -1846,33 +2056,56 @@ def attention_grads(fn, q, k, v, scale, m, gz, dtype=torch.float32):
     (1, 1, 1, 1, 8),  # one query, one key
     (2, 4, 130, 130, 16),  # past 64 keys, where causal rows take the kernel too
     (2, 2, 120, 120, 64),  # and at d_head 64, up to 128 keys
+    (2, 4, 256, 256, 16),  # attention.KERNEL_BOUNDS_CPU's widest rows: 256 keys of d_head 16
+    (2, 4, 512, 512, 8),  # and 512 of d_head 8
 ])
 def test_attention_matches_float64(b: int, h: int, t: int, s: int, d: int, mask: str,
                                    n_threads: int, threads: None) -> None:
-    """z and the gradients of q, k, v and the scale against torch's ops in float64, within
-    twice what torch's own float32 ops get (plus rounding of the largest value); past 64 keys
-    within four times (the kernel sums a row's keys in one chain, torch's matmuls in blocks:
-    its error grows with the keys, and at 130 keys dq's passes twice torch's). The scale's
-    gradient, a sum over every (b, t, s) of terms that cancel (each query's ds sums to 0), is
-    summed in another order than torch's (query by query, row by row): it gets 1e-5 of its
-    largest value (4e-6 seen: ~40 float32 ulps)."""
+    """z and the gradients of q, k, v and the scale against torch's ops in float64: within
+    `attention_rounding_bounds` (float32's first-order rounding bound), and, a tripwire for a
+    lost bit that bound is too loose to see, near torch's own float32 error at these inputs
+    (seed 0): z, dq, dk, dv within twice it plus 2e-7 of the largest value (past 64 keys,
+    where the kernel's sums run in one chain, keys x 2^-24 of it), dscale within twice it
+    (four times past 64 keys) plus 1e-5. Those were stated as bounds; they are not (see
+    test_attention_within_rounding_bound_on_sharper_inputs)."""
     torch.set_num_threads(n_threads)
     q, k, v, scale, m = attention_inputs(b, h, t, s, d, mask)
     gz = torch.randn(b, t, h, d, generator=torch.Generator().manual_seed(1)).transpose(1, 2)
     assert native.attention_applies(q, k, v, scale, m)
-    ours = attention_grads(native.attention, q, k, v, scale, m, gz)
-    assert ours[0].shape == (b, h, t, d) and ours[0].transpose(1, 2).is_contiguous()
-
-    def by_torch(*a):
-        return native.torch_attention(*a).transpose(1, 2)
-
-    aten = attention_grads(by_torch, q, k, v, scale, m, gz)
-    truth = attention_grads(by_torch, q, k, v, scale, m, gz, torch.float64)
-    for name, o, a, tr in zip(("z", "q", "k", "v", "scale"), ours, aten, truth, strict=True):
-        err, aten_err = ((x.double() - tr).abs().max() for x in (o, a))
-        slack = 1e-5 if name == "scale" else 2e-7
-        factor = 2 if s <= 64 else 4
+    z = native.attention(q, k, v, scale, m)
+    assert z.shape == (b, h, t, d) and z.transpose(1, 2).is_contiguous()
+    for name, err, aten_err, tr, bound in attention_errors(q, k, v, scale, m, gz):
+        assert (err <= bound).all(), (name, (err / bound).max())
+        err, aten_err = err.max(), aten_err.max()
+        if name == "scale":
+            factor, slack = (2 if s <= 64 else 4), 1e-5
+        else:
+            factor, slack = 2, (2e-7 if s <= 64 else s * U32)
         assert err <= factor * aten_err + slack * tr.abs().max(), (name, err, aten_err)
+
+
+@pytest.mark.parametrize(("b", "h", "t", "s", "d", "mask", "sharper", "seed"), [
+    (5, 4, 16, 16, 64, "none", 4, 3),  # z 3.5x torch's error (2x was stated up to 64 keys)
+    (2, 2, 120, 120, 64, "causal", 1, 2),  # dscale 3.5e-5 of its largest value (1e-5 stated)
+    (2, 2, 120, 120, 64, "left padded", 4, 2),  # and 1e-3 of it
+    (3, 2, 5, 9, 24, "causal with holes", 8, 1),  # a softmax near one key a row
+    (2, 4, 512, 512, 8, "causal", 4, 1),
+])
+def test_attention_within_rounding_bound_on_sharper_inputs(
+    b: int, h: int, t: int, s: int, d: int, mask: str, sharper: float, seed: int
+) -> None:
+    """With q and k scaled (a sharper softmax) and other seeds, the precision once stated did
+    not hold: up to 64 keys z, dq, dk, dv within twice torch's own float32 error (3.5 times
+    it, the first case), dscale within 1e-5 of its largest value (3.5e-5 and 1e-3: its terms
+    cancel, each query's ds summing to 0, so its rounding is of the sum of |terms|, not of
+    the value). The kernel stays within float32's rounding bound, as torch's ops do."""
+    q, k, v, scale, m = attention_inputs(b, h, t, s, d, mask, seed)
+    q, k = q * sharper, k * sharper
+    gz = torch.randn(b, t, h, d, generator=torch.Generator().manual_seed(seed + 1))
+    for name, err, aten_err, _, bound in attention_errors(q, k, v, scale, m, gz.transpose(1, 2)):
+        assert (err <= bound).all(), (name, (err / bound).max())
+        if name != "scale":  # the bound is for any order of sums; dscale's, the kernel's
+            assert (aten_err <= bound).all(), (name, (aten_err / bound).max())
 
 
 def test_attention_by_hand() -> None:
