@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import glob
 import json
 import os
 import platform
@@ -68,7 +67,7 @@ def refuse_overwrite(parser: argparse.ArgumentParser, path: str | Path | None, f
             io.check_out_folder(path.parent, name="its folder")
         except ValueError as err:
             raise ValueError(f"{str(path)!r} cannot be written: {err}") from None
-        io.refuse_overwrite(path.parent, glob.escape(path.name), force)
+        io.refuse_overwrite(path.parent, path.name, force)
     except ValueError as err:
         parser.error(f"{flag}: {err}")
 

@@ -20,7 +20,6 @@ draws them next to the JSON it writes, each only if a benchmark it shows ran (`f
 from __future__ import annotations
 
 import argparse
-import glob
 import io
 import json
 import re
@@ -379,7 +378,7 @@ def write_figures(paths: Sequence[Path], folder: Path, stem: str = "",
     sources = load_all(paths)
     paths_out = outputs(folder, stem, formats, figures)
     for t in paths_out:
-        refuse_overwrite(t.parent, glob.escape(t.name), force)  # a name, not a pattern
+        refuse_overwrite(t.parent, t.name, force)
     figs = draw(sources, figures)
     folder.mkdir(parents=True, exist_ok=True)
     for path, name in paths_out.items():

@@ -386,7 +386,7 @@ def test_custom_cells_and_mixed_digits() -> None:
 )
 def test_config_errors(kwargs: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern) as e:
-        TaskConfig(**kwargs).resolve()
+        TaskConfig(**kwargs).check_given()  # `resolve`, and the rules of a config given now
     assert "\n" not in str(e.value)
 
 
@@ -670,7 +670,7 @@ def test_cells_that_share_no_problem_are_taken_together() -> None:
     """Overlaps are refused inside train, inside a split and across splits; cells of another n
     or of disjoint digit counts (n2d1 beside n2d2-3) still go together anywhere."""
     task = TaskConfig(train=[[2, 1], [2, [2, 3]], [3, 4]],
-                      splits={"a": [[3, [1, 2]], [2, 4]], "b": [[3, 3], [4, 1]]}).resolve()
+                      splits={"a": [[3, [1, 2]], [2, 4]], "b": [[3, 3], [4, 1]]}).check_given()
     assert [str(c) for c in task.all_cells] == ["n2d1", "n2d2-3", "n3d4", "n3d1-2", "n2d4",
                                                 "n3d3", "n4d1"]
 

@@ -70,18 +70,26 @@ def test_a_mode_switched_inside_is_undone() -> None:
     assert not any(modes(m))
 
 
-def test_examples_past_the_eval_sets_are_all_of_them_said_and_recorded() -> None:
+def test_examples_past_the_eval_sets_are_all_of_them_said_and_recorded(
+        capsys: pytest.CaptureFixture[str]) -> None:
     """5000 examples of 5 cells of 256 were cut to 256 a cell unsaid, and `per_cell` (recorded
-    by analyze) read 1000. The smoke grid's train split has 2 cells; eval_size 8 holds 16."""
+    by analyze) read 1000. The smoke grid's train split has 2 cells; eval_size 8 holds 16. It
+    is said in one `warning:` line to `warn` (stderr by default), naming the count: a Python
+    UserWarning printed a source line too, and named `n_examples` to a user who typed
+    `--examples`."""
     task = TaskConfig(grid="smoke", eval_size=8).resolve()
     sets = eval_sets(task)
-    with pytest.warns(UserWarning, match=r"^normlab: n_examples 17: the eval sets of the "
-                                         r"selected splits hold 16 problems \(2 cells, up to 8 "
-                                         r"each\); analysing those 16$"):
-        chosen, per_cell = select_problems(task, sets, 17)
-    assert per_cell == 8 and chosen == {"train": sets["train"]}
+    said: list[str] = []
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # exactly what the sets hold, or less: nothing said
-        assert select_problems(task, sets, 16) == ({"train": sets["train"]}, 8)
-        chosen, per_cell = select_problems(task, sets, 5)  # ceil(5 / 2)
+        warnings.simplefilter("error")  # said through `warn` only
+        chosen, per_cell = select_problems(task, sets, 17, warn=said.append)
+        assert per_cell == 8 and chosen == {"train": sets["train"]}
+        assert said == ["warning: 17 examples asked for, but the eval sets of the selected "
+                        "splits hold 16 problems (2 cells, up to 8 each); analysing those 16"]
+        select_problems(task, sets, 17)
+        assert capsys.readouterr() == ("", said[0] + "\n")  # the default: one stderr line
+        said.clear()  # exactly what the sets hold, or less: nothing said
+        assert select_problems(task, sets, 16, warn=said.append) == ({"train": sets["train"]}, 8)
+        chosen, per_cell = select_problems(task, sets, 5, warn=said.append)  # ceil(5 / 2)
         assert per_cell == 3 and all(len(p) == 3 for p in chosen["train"].values())
+        assert said == []

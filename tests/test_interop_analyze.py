@@ -150,9 +150,10 @@ def test_text_with_tokenizer(folders: dict[str, Path], tmp_path: Path) -> None:
 def test_a_tokenizer_without_its_vocabulary_is_refused(
     folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """tokenizer_config.json alone counted as a tokenizer: transformers 5 builds one of its 5
-    special tokens from it (BertTokenizer), every word read as [UNK], and the analysis of those
-    ids exited 0. A vocabulary file its class does not read gives the same empty tokenizer."""
+    """From tokenizer_config.json alone transformers 5 builds a tokenizer of its 5 special
+    tokens (BertTokenizer), every word read as [UNK], and the analysis of those ids exited 0.
+    A vocabulary file its class does not read gives the same empty tokenizer. Both are refused
+    by the loaded tokenizer's size; a folder with no tokenizer file at all, before loading."""
     import shutil
 
     folder = tmp_path / "partial"
@@ -165,15 +166,48 @@ def test_a_tokenizer_without_its_vocabulary_is_refused(
     text.write_text("the cat sat on the mat\n")
     argv = ["analyze", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path / "out"),
             "--sigmas", "0", "--draws", "1"]
-    msg = _error(argv, capsys)
-    assert f"folder {str(folder)!r} has no tokenizer (none of tokenizer.json," in msg
-    assert "tokenizer_config.json" not in msg
-    (folder / "vocab.json").write_text("{}")  # GPT-2's file name, which BertTokenizer ignores
-    assert _error(argv, capsys) == (
+    only_special = (
         f"normlab: error: --text: the tokenizer in {str(folder)!r} holds only its 5 special "
         "tokens (its vocabulary file is missing, or is not the one its class reads); save the "
         "whole tokenizer there with tokenizer.save_pretrained(DIR), or pass --tokens")
+    assert _error(argv, capsys) == only_special
+    (folder / "vocab.json").write_text("{}")  # GPT-2's file name, which BertTokenizer ignores
+    assert _error(argv, capsys) == only_special
     assert not (tmp_path / "out").exists()
+    for name in ("vocab.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    assert _error(argv, capsys).startswith(
+        f"normlab: error: --text: folder {str(folder)!r} has no tokenizer (none of "
+        "tokenizer.json, tokenizer_config.json, ")
+
+
+def test_a_vocabulary_file_of_another_name_is_read(folders: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """A tokenizer whose vocabulary file has a name off the file list (XLM-R's
+    sentencepiece.bpe.model, vouched for by tokenizer_config.json) was refused as "no
+    tokenizer", though transformers loads it: the file list only says a tokenizer was saved."""
+    import io
+    import shutil
+
+    spm = pytest.importorskip("sentencepiece")
+    folder = tmp_path / "xlmr"
+    shutil.copytree(folders["gpt2"], folder)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([" ".join(WORDS[1:])] * 20),
+                                   model_writer=model, vocab_size=30, model_type="word",
+                                   hard_vocab_limit=False, minloglevel=2)
+    (folder / "sentencepiece.bpe.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "XLMRobertaTokenizer"}')
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat\na dog ran\n")
+    out = tmp_path / "out"
+    assert main(["analyze", "--hf", str(folder), "--text", str(text), "--out", str(out),
+                 "--sigmas", "0", "--draws", "1"]) == 0
+    got = json.loads((out / "collapse.json").read_text())["input"]
+    # <s> the cat sat on the mat a dog ran </s>: one id a word, none an [UNK]
+    assert (got["tokenizer"], got["n_tokens"]) == ("XLMRobertaTokenizer", 11)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert tok.unk_token_id not in tok(text.read_text())["input_ids"]
 
 
 def test_out_refuses_only_the_files_it_writes_and_after_the_input_checks(

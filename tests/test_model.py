@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -746,6 +747,44 @@ def test_a_mask_of_other_numbers_than_0_and_1_is_refused() -> None:
         with pytest.raises(ValueError, match=r"^src_mask: expected a bool mask or 0/1 values "
                                              r"\(1 = a real token\); got -inf$"):
             call()
+
+
+def test_a_cached_step_checks_only_its_new_mask_columns() -> None:
+    """A 0/1 mask of numbers was checked whole at every cached decoding step: O(batch x all
+    keys) and, on a GPU, a device read each step. A step now compares only its new columns (the
+    cached ones were checked at the prefill), and still refuses a bad value among them."""
+    from torch.overrides import TorchFunctionMode
+
+    class Compared(TorchFunctionMode):  # the shapes compared with a number (== 0, != 1, ...)
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes: list[tuple[int, ...]] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            if func in (torch.Tensor.__eq__, torch.Tensor.__ne__) and isinstance(
+                    args[1], int | float):
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    dec = build_model(tiny())
+    tokens = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0  # row 1 left-padded
+    cache = dec.new_cache()
+    with Compared() as seen:
+        dec(tokens, attention_mask=mask[:, :5], cache=cache)
+    assert seen.shapes and set(seen.shapes) == {(2, 5)}  # the prefill: all of its columns
+    with Compared() as seen:
+        got = dec(tokens[:, :1], attention_mask=mask[:, :6], cache=cache)[:, -1]
+    assert seen.shapes and set(seen.shapes) == {(2, 1)}  # a step: its own column only
+    want = dec(torch.cat([tokens, tokens[:, :1]], 1), attention_mask=mask[:, :6])[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bad = mask.clone()
+    bad[0, 6] = 2
+    with pytest.raises(ValueError, match=r"^attention_mask: expected a bool mask or 0/1 values "
+                                         r"\(1 = a real token\); got 2$"):
+        dec(tokens[:, :1], attention_mask=bad, cache=cache)
 
 
 def test_a_cached_step_must_read_what_its_cache_was_filled_from() -> None:

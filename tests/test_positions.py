@@ -298,3 +298,34 @@ def test_a_sinusoidal_table_follows_the_models_dtype_from_its_exact_values() -> 
     assert torch.equal(model.to(torch.bfloat16).float().pos_embed.W_pos, exact.float())
     assert model.pos_embed.W_pos.dtype == torch.float32
     assert "pos_embed.W_pos" not in model.state_dict()  # still not saved
+
+
+def test_a_model_built_under_a_float64_default_reads_its_fixed_buffers_exact() -> None:
+    """Under `torch.set_default_dtype(torch.float64)` the parameters were float64 but the fixed
+    buffers float32 (logit scale 1/sqrt(8), RoPE's frequencies, the sinusoidal table): the
+    model read float32's rounding of them, as a cast model did before they were kept exact."""
+    truth = {"scale": torch.full((2,), 1 / math.sqrt(8), dtype=torch.float64),
+             "inv_freq": torch.tensor([10000.0 ** (-i / 8) for i in range(0, 8, 2)],
+                                      dtype=torch.float64),
+             "W_pos": sinusoidal_table(8, 16)}
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        models = [build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
+                                          vocab_size=16, pos_encoding=p))
+                  for p in ("rope", "sinusoidal")]
+    finally:
+        torch.set_default_dtype(before)
+    seen = set()
+    for model in models:
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+        for name, buf in model.named_buffers():
+            leaf = name.rsplit(".", 1)[-1]
+            seen.add(leaf)
+            assert buf.dtype == torch.float64, name
+            torch.testing.assert_close(buf, truth[leaf], atol=0, rtol=1e-15)
+    assert seen == set(truth)
+    # under the usual float32 default they are float32's, as the parameters are
+    model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=32, max_len=8,
+                                    vocab_size=16))
+    assert {b.dtype for b in model.buffers()} == {torch.float32}

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -826,3 +827,22 @@ def test_a_second_dead_worker_makes_a_third_pool(tmp_path: Path, monkeypatch: py
     got = sweep.execute(_named(tmp_path, names), jobs=1, progress=False)
     assert {r["name"]: r["ok"] for r in got} == {n: not n.startswith("die") for n in names}
     assert capsys.readouterr().err.count("normlab: a worker died") == 2
+
+
+def test_a_sweeps_analysis_past_the_eval_sets_is_not_said_when_the_sweep_is_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """n_examples past the eval sets was warned of while the sweep was read, once for every
+    model of the grid, before any run trained; each run's analysis says it in its turn. The
+    splits are still checked then."""
+    f = tmp_path / "s.toml"
+    grid = ('[grid]\n"model.n_heads" = [4, 2]\n[set]\n"task.grid" = "smoke"\n'
+            '"task.eval_size" = 8\n[run]\n')  # 2 train cells of 8 problems
+    f.write_text(grid + "analysis = {n_examples = 1000}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        specs = load_sweep(f, tmp_path / "out")
+    assert capsys.readouterr() == ("", "")
+    assert [s.analysis for s in specs] == [{"n_examples": 1000}] * 2
+    f.write_text(grid + 'analysis = {n_examples = 1000, splits = ["trian"]}\n')
+    with pytest.raises(ValueError, match=r"sweep\.run\.analysis\.splits: unknown split 'trian'"):
+        load_sweep(f, tmp_path / "out")

@@ -2589,19 +2589,20 @@ def test_a_resume_under_other_kernels_warns_and_records_each_part(
         _kernels_off(m)
         train(c, run, progress=False, resume=True, stop_after=9, log=logs.append)
     warned = [s for s in logs if s.startswith("warning:")]
-    assert warned == [f"warning: resumed from step 4 under other native kernels than the "
-                      f"checkpoint was made with (native: checkpoint {on!r}, now {off!r}); "
-                      "the weights need not be bitwise an uninterrupted run's"]
+    assert warned == [f"warning: resumed from step 4 with another set of native kernels than "
+                      f"its checkpoint's (native: checkpoint {on!r}, now {off!r}); the weights "
+                      "need not be bitwise an uninterrupted run's"]
     logs.clear()
     train(c, run, progress=False, resume=True, log=logs.append)  # from step 8, kernels on
-    assert sum(s.startswith("warning: resumed from step 8 under other native") for s in logs) == 1
+    assert sum(s.startswith("warning: resumed from step 8 with another set of native kernels")
+               for s in logs) == 1
     done = json.loads((run / "train_done.json").read_text())
     torch_v = str(torch.__version__)
     assert done["provenance"]["native"] == on
     assert done["provenance"]["segments"] == [
-        {"from_step": 0, "torch": torch_v, "native": on},
-        {"from_step": 4, "torch": torch_v, "native": off},
-        {"from_step": 8, "torch": torch_v, "native": on}]
+        {"from_step": 0, "device": "cpu", "torch": torch_v, "native": on},
+        {"from_step": 4, "device": "cpu", "torch": torch_v, "native": off},
+        {"from_step": 8, "device": "cpu", "torch": torch_v, "native": on}]
     # the same kernels: no warning, and a record as an uninterrupted run's
     same = tmp_path / "same"
     train(c, same, progress=False, stop_after=5)
@@ -2624,9 +2625,9 @@ def test_a_resume_under_another_torch_warns(tmp_path: Path) -> None:
     logs: list[str] = []
     train(c, run, progress=False, resume=True, log=logs.append)
     assert [s for s in logs if s.startswith("warning:")] == [
-        f"warning: resumed from step 4 under another torch than the checkpoint was made with "
-        f"(torch: checkpoint '1.13.1', now {str(torch.__version__)!r}); the weights need not be "
-        "bitwise an uninterrupted run's"]
+        f"warning: resumed from step 4 with another torch than its checkpoint's (torch: "
+        f"checkpoint '1.13.1', now {str(torch.__version__)!r}); the weights need not be bitwise "
+        "an uninterrupted run's"]
     segments = json.loads((run / "train_done.json").read_text())["provenance"]["segments"]
     assert [(s["from_step"], s["torch"]) for s in segments] == [
         (0, "1.13.1"), (4, str(torch.__version__))]
@@ -2705,3 +2706,64 @@ def test_eval_sets_too_large_name_task_eval_size(tmp_path: Path,
                                          r"expected a smaller task\.eval_size$"):
         train(cfg(), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_trained_before_the_cell_rules_still_evaluates(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out splits sharing problems (n2d1 in one, n2d1-2 in another) became a refusal in
+    the forty-fifth session; applied to stored configs too, it made every run trained before
+    unreadable ("no readable checkpoint ... shares problems"). The rule holds where a config is
+    given (a file, --set, a new training); a stored one evaluates, analyses and resumes."""
+    from normlab.config import RunConfig
+    from normlab.tasks.addition import TaskConfig
+
+    sets = ["task.splits={a=[[2,1]], b=[[2,[1,2]]]}", "task.train=[[1,1]]"]
+    with pytest.raises(ValueError, match=r"^--set task\.splits\.b: cell n2d1-2 shares "
+                                         r"problems with cell n2d1 of split 'a'$"):
+        cfg(*sets)
+    old = RunConfig.from_dict(cfg().to_dict() | {"task": cfg().to_dict()["task"] | {
+        "train": [[1, 1]], "splits": {"a": [[2, 1]], "b": [[2, [1, 2]]]}}})  # read back: fine
+    with pytest.raises(ValueError, match=r"^task\.splits\.b: cell n2d1-2 shares problems"):
+        train(old, tmp_path / "new", progress=False)  # a new training is a config given now
+    assert not (tmp_path / "new").exists()
+    old.train.steps = old.train.checkpoint_every = old.train.eval_every = 2
+    with monkeypatch.context() as m:  # trained as the normlab before the rule did
+        m.setattr(TaskConfig, "check_given", TaskConfig.resolve)
+        train(old, tmp_path / "run", progress=False)
+    capsys.readouterr()
+    code, err = _cli(capsys, "eval", str(tmp_path / "run"))
+    assert code == 0, err
+    assert set(json.loads((tmp_path / "run" / "eval.json").read_text())["splits"]) >= {"a", "b"}
+    done = train(old, tmp_path / "run", resume=True, progress=False)  # under its own rules
+    assert done["step"] == 2
+
+
+@pytest.mark.parametrize(("edit", "kernels_off", "warned"), [
+    # made on a GPU (its CUDA random state in the checkpoint), resumed on the CPU
+    ({"cuda_rng": "AAAAAAAAAAAAAAAAAAAAAA=="}, False,
+     "device than its checkpoint's (device: checkpoint 'cuda', now 'cpu')"),
+    # kernels not built where it was made, switched off now: torch's kernels both times
+    ({"native": "unavailable: could not be built here (torch's kernels)"}, True, None),
+])
+def test_a_resume_compares_the_device_and_what_the_kernels_compute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: dict[str, str],
+        kernels_off: bool, warned: str | None) -> None:
+    """A GPU checkpoint resumed on the CPU said nothing (the device was not compared), and
+    "unavailable" against "off" warned, though both mean torch's kernels."""
+    c = cfg("train.steps=8", "train.checkpoint_every=4", "train.eval_every=8")
+    run = tmp_path / "run"
+    train(c, run, progress=False, stop_after=5)
+    side_path = sidecar_of(run / "checkpoints", 4)
+    side = json.loads(side_path.read_text())
+    for key, value in edit.items():
+        (side["provenance"] if key == "native" else side)[key] = value
+    side["sidecar_sha256"] = sidecar_hash(side)
+    side_path.write_text(json.dumps(side))
+    logs: list[str] = []
+    if kernels_off:
+        _kernels_off(monkeypatch)
+    train(c, run, progress=False, resume=True, log=logs.append)
+    got = [s for s in logs if s.startswith("warning:")]
+    assert got == ([] if warned is None else [
+        f"warning: resumed from step 4 with another {warned}; the weights need not be bitwise "
+        "an uninterrupted run's"])

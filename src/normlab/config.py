@@ -335,7 +335,9 @@ def load_config(
         table("train")["seed"] = seed
         given["train.seed"] = "--seed "
     try:
-        return RunConfig.from_dict(data)
+        cfg = RunConfig.from_dict(data)
+        cfg.task.check_given()  # the rules a config given now keeps, past a stored one's
+        return cfg
     except ValueError as err:
         # named as the file's tables name them (ModelConfig's own checks say "ModelConfig.")
         msg = "model." + str(err).removeprefix("ModelConfig.") if str(err).startswith(

@@ -48,7 +48,7 @@ from normlab.io import (
     write_json,
 )
 from normlab.model import Model, ModelConfig, build_model, native
-from normlab.tasks.addition import IGNORE_INDEX, TrainStream, eval_sets
+from normlab.tasks.addition import IGNORE_INDEX, ResolvedTask, TrainStream, eval_sets
 
 DONE = "train_done.json"  # written once training has finished (all steps or early stop)
 #: what `DONE` holds, in words and as a test, for the sweep and the report (`io.read_json`)
@@ -359,27 +359,43 @@ def _warn_schedule(tc: Any, log: Callable[[str], None]) -> None:
 def _resumed_under(started: dict[str, Any], meta: dict[str, Any], device: torch.device,
                    log: Callable[[str], None]) -> dict[str, Any]:
     """This segment's provenance, `started`, for a run resumed from the checkpoint `meta`:
-    with `segments`, the torch and native kernels each part of the run trained under, by the
-    step it began from (0, then a checkpoint's), where they changed, and one warning where they
-    change now. Outside the config, they decide the numbers too: a resume under torch's kernels
-    (no compiler, NORMLAB_NATIVE_*=0) or another torch went on silently to other weights, and
-    the record named the last part's alone. The kernels run on the CPU only: a GPU's step
-    ignores them."""
+    with `segments`, the device, torch and native kernels each part of the run trained under,
+    by the step it began from (0, then a checkpoint's), where they changed, and one warning
+    where they change now. Outside the config, they decide the numbers too: a resume under
+    torch's kernels (no compiler, NORMLAB_NATIVE_*=0) or another torch went on silently to
+    other weights, and the record named the last part's alone."""
     was = meta["provenance"] if isinstance(meta.get("provenance"), dict) else {}
-    now = {"torch": torch.__version__, "native": native.describe()}
+    now = {"device": device.type, "torch": torch.__version__, "native": native.describe()}
     segments = was.get("segments")
     if not (isinstance(segments, list) and segments
             and all(isinstance(seg, dict) for seg in segments)):
-        segments = [{"from_step": 0} | {k: was.get(k) for k in now}]
-    compared = now if device.type == "cpu" else ("torch",)
-    if changed := [k for k in compared if segments[-1].get(k) not in (None, now[k])]:
+        # a checkpoint made on a GPU holds its CUDA random state (`checkpoint.rng_state`)
+        segments = [{"from_step": 0, "device": "cuda" if "cuda_rng" in meta else "cpu",
+                     "torch": was.get("torch"), "native": was.get("native")}]
+    last = segments[-1]
+    if changed := [k for k in now if last.get(k) is not None and _differs(k, last, now)]:
         k = changed[0]
-        what = "another torch" if k == "torch" else "other native kernels"
-        log(f"warning: resumed from step {meta['step']} under {what} than the checkpoint was "
-            f"made with ({k}: checkpoint {segments[-1][k]!r}, now {now[k]!r}); the weights need "
-            "not be bitwise an uninterrupted run's")
+        log(f"warning: resumed from step {meta['step']} with another {KEPT[k]} than its "
+            f"checkpoint's ({k}: checkpoint {last[k]!r}, now {now[k]!r}); the weights need not "
+            "be bitwise an uninterrupted run's")
         segments = [*segments, {"from_step": meta["step"]} | now]
     return started | {"segments": segments} if len(segments) > 1 else started
+
+
+KEPT = {"device": "device", "torch": "torch", "native": "set of native kernels"}
+"""What a resume is compared on besides the config, as its warning names each."""
+
+
+def _differs(key: str, was: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two parts of a run computed differently by `key`: the native kernels only where
+    both ran on the CPU (a GPU's step never calls them), and "off" and "unavailable" alike
+    (both are torch's kernels)."""
+    if key != "native":
+        return was[key] != now[key]
+    if "cuda" in (was.get("device"), now["device"]):
+        return False
+    torchs = [str(d).endswith("(torch's kernels)") for d in (was[key], now[key])]
+    return torchs != [True, True] and was[key] != now[key]
 
 
 def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
@@ -403,7 +419,7 @@ def _check_batch_fits(cfg: RunConfig, task: Any) -> None:
 EVAL_PROBLEM_BYTES = 8 + 56
 
 
-def _eval_sets(task: Any) -> dict[str, Any]:
+def _eval_sets(task: ResolvedTask) -> dict[str, Any]:
     """`eval_sets`, or one line naming task.eval_size where they cannot be held: a huge one
     drew for minutes, then failed as a MemoryError that named no field. Past this machine's
     memory they are refused before any is drawn."""
@@ -453,6 +469,8 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
         raise ValueError("--resume and --force: give one; --resume continues the run, --force "
                          "deletes it and starts over")
     task = cfg.validate()
+    if not resume:  # a resumed run keeps the rules it trained under (`check_given`)
+        cfg.task.check_given()
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -204,14 +204,16 @@ def select_problems(
     sets: dict[str, dict[Cell, list[tuple[str, str]]]],
     n_examples: int,
     splits: Sequence[str] | None = ("train",),
+    warn: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> tuple[dict[str, dict[Cell, list[tuple[str, str]]]], int]:
     """The first `per_cell` problems of every cell of `splits` (None: all splits).
 
     `per_cell = ceil(n_examples / n_cells)`, so the cells are balanced and the very same
     problems serve the collapse sweep and `evaluate(..., limit=per_cell)`. Returns the reduced
     sets and `per_cell`. Deterministic: the eval sets are already fixed per cell. Past what the
-    sets hold, `per_cell` is their largest cell's count, and a warning says how many are used
-    (5000 of 5 cells of 256 was recorded as 1000 per cell, each giving 256, unsaid).
+    sets hold, `per_cell` is their largest cell's count, and one line to `warn` (default:
+    stderr) says how many are used; it names the count, not the parameter, which the command
+    line calls `--examples`.
     """
     n_examples = check_int(n_examples, "n_examples", low=1)
     if isinstance(splits, str):  # one name, not its letters
@@ -230,9 +232,9 @@ def select_problems(
     per_cell = max(len(probs) for by_cell in chosen.values() for probs in by_cell.values())
     used = sum(len(probs) for by_cell in chosen.values() for probs in by_cell.values())
     if used < n_examples:
-        warnings.warn(f"normlab: n_examples {n_examples}: the eval sets of the selected splits "
-                      f"hold {used} problems ({n_cells} cells, up to {per_cell} each); "
-                      f"analysing those {used}", stacklevel=2)
+        warn(f"warning: {n_examples} examples asked for, but the eval sets of the selected "
+             f"splits hold {used} problems ({n_cells} cells, up to {per_cell} each); analysing "
+             f"those {used}")
     return chosen, per_cell
 
 

@@ -237,7 +237,10 @@ def check_analysis_fits(args: dict[str, Any], cfg: RunConfig, where: str = "anal
         model = build_model(cfg.model)
     task = cfg.task.resolve()
     checks: dict[str, Callable[[], Any]] = {
-        "splits": lambda: select_problems(task, eval_sets(task), a["n_examples"], a["splits"]),
+        # the fit only: a count past the eval sets is said by each run's analysis, not here
+        # once for each model of a sweep's grid too
+        "splits": lambda: select_problems(task, eval_sets(task), a["n_examples"], a["splits"],
+                                          warn=lambda s: None),
         "sites": lambda: resolve_sites(model, a["sites"]),
         "heads": lambda: resolve_sites(model, a["sites"], a["heads"]),  # sites checked above
     }

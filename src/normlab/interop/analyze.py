@@ -48,10 +48,13 @@ from normlab.interop.hf import (
 from normlab.io import check_out_folder, provenance, refuse_overwrite, written_together
 from normlab.model import DecoderLM
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-"""Any of these in the folder means a tokenizer's vocabulary was saved there (transformers 5
-otherwise returns an empty tokenizer instead of failing). tokenizer_config.json is not one: from
-it alone transformers builds a tokenizer of special tokens, which read every word as [UNK]."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+"""Any of these in the folder means a tokenizer was saved there (transformers 5 otherwise
+returns an empty tokenizer instead of failing). Not that it has a vocabulary: the tokenizer
+loaded says that by its size (`_tokenize`), as a vocabulary file may have any name its class
+reads (XLM-R's sentencepiece.bpe.model, DeBERTa's spm.model, ...), vouched for by
+tokenizer_config.json alone."""
 
 RESULTS = ("norms.json", "collapse.json")
 """The result files `analyze_hf` writes into `out`: they mark an earlier analysis, which --force

@@ -60,9 +60,11 @@ class ExactBuffers(nn.Module):
         self._exact: dict[str, torch.Tensor] = {}  # float64 values, by buffer name
 
     def register_exact(self, name: str, values: torch.Tensor) -> None:
-        """A buffer (not saved) of float64 `values`, float32 until the module is cast."""
+        """A buffer (not saved) of float64 `values`, in the default dtype (as the parameters
+        are made) until the module is cast: a model built under a float64 default reads them
+        exact."""
         self._exact[name] = values
-        self.register_buffer(name, values.float(), persistent=False)
+        self.register_buffer(name, values.to(torch.get_default_dtype()), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> ExactBuffers:
         super()._apply(fn, recurse)

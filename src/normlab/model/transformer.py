@@ -299,7 +299,8 @@ class DecoderLM(Stack, HookedModule):
         aux: torch.Tensor | None = None,
         segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _check_mask_values(attention_mask, "attention_mask")
+        _check_mask_values(attention_mask, "attention_mask",
+                           cache.length if cache is not None else 0)
         x = self.run(tokens, key_mask=attention_mask, positions=positions, cache=cache, aux=aux,
                      segments=segments)
         return self.unembed(x)
@@ -309,12 +310,16 @@ class DecoderLM(Stack, HookedModule):
         return KVCache.empty(len(self.blocks), capacity)
 
 
-def _check_mask_values(mask: torch.Tensor | None, name: str) -> None:
+def _check_mask_values(mask: torch.Tensor | None, name: str, past: int = 0) -> None:
     """A mask of numbers holds 0 and 1 only: it is read as bool, so an additive mask (Hugging
     Face's 0 / -inf) attended to the padding and masked the real tokens, and -1, 0.5 or 2
-    counted as real, each without a word. A bool mask needs no check (nor a device read)."""
+    counted as real, each without a word. A bool mask needs no check (nor a device read).
+    Only the columns from `past` on (a cached step's new tokens): the cached ones were checked
+    when they were new, and a decoding step costs O(batch), not O(batch x all keys)."""
     if mask is None or mask.dtype == torch.bool or torch.compiler.is_compiling():
         return  # (a graph break under compile)
+    if past and mask.ndim == 2:  # any other shape is refused by the width check after
+        mask = mask[:, past:]
     if not bool(((mask == 0) | (mask == 1)).all()):
         bad = mask[(mask != 0) & (mask != 1)][0].item()
         raise ValueError(f"{name}: expected a bool mask or 0/1 values (1 = a real token); "
