@@ -128,6 +128,47 @@ def test_analyze_refuses_only_its_own_files_and_after_the_flag_checks(
     assert (run / "analysis" / "collapse.json").read_bytes() == before
 
 
+def test_analyze_refuses_each_of_its_json_files_and_no_figure(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only collapse.json was tested: norms.json or interference.json alone marks an earlier
+    analysis as well, and a figure without them (a killed analysis's) is replaced, as the
+    README says; neither was tested for `analyze RUN` (for `--hf` only)."""
+    run = _trained(tmp_path)
+    quick = ["--sigmas", "0", "--draws", "1", "--examples", "2"]
+    assert cli.main(["analyze", str(run), *quick]) == 0
+    folder = run / "analysis"
+    results = {p.name: p.read_bytes() for p in folder.glob("*.json")}
+    assert set(results) == {"norms.json", "collapse.json", "interference.json"}
+    for name in results:
+        for p in folder.glob("*.json"):
+            p.unlink()
+        (folder / name).write_bytes(results[name])
+        capsys.readouterr()
+        assert cli.main(["analyze", str(run), *quick]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"normlab: error: {str(folder / name)!r} already exists; pass --force to "
+            "overwrite it")
+    for p in folder.glob("*.json"):
+        p.unlink()
+    assert len(list(folder.glob("*.png"))) == 3
+    assert cli.main(["analyze", str(run), *quick]) == 0  # the figures alone: replaced
+    assert {p.name for p in folder.glob("*.json")} == set(results)
+
+
+def test_analyze_of_a_folder_that_is_no_run_says_so_before_earlier_results(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusal of earlier results comes after the run-folder check: a folder holding
+    analysis/collapse.json but no run is named as no run folder, not told to pass --force
+    (only the argument checks' order was tested)."""
+    folder = tmp_path / "notes"
+    (folder / "analysis").mkdir(parents=True)
+    (folder / "analysis" / "collapse.json").write_text("{}")
+    capsys.readouterr()
+    assert cli.main(["analyze", str(folder), "--sigmas", "0", "--draws", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"normlab: error: {str(folder)!r} is not a normlab run folder (no checkpoints/)")
+
+
 def test_the_lazy_names_are_listed_for_tab_completion() -> None:
     import normlab
 

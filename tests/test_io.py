@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import normlab
-from normlab.io import git_commit, read_json, recorded
+from normlab.io import git_commit, read_json, recorded, refuse_overwrite
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -116,3 +116,15 @@ def test_a_log_that_is_a_folder_is_named_as_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(tmp_path / 'metrics.jsonl')))} "
                                          r"is not a file; expected the run's log there$"):
         read_metrics(tmp_path)
+
+
+def test_refuse_overwrite_takes_a_folder_of_a_results_name_as_there(tmp_path: Path) -> None:
+    """A folder named eval.json where the result goes is refused as a file of that name is (the
+    glob that came before matched it; taken as absent, the command failed later, while
+    writing); --force passes it on, and a name not there is no refusal. Untested before."""
+    (tmp_path / "eval.json").mkdir()
+    with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(tmp_path / 'eval.json')))} "
+                                         r"already exists; pass --force to overwrite it$"):
+        refuse_overwrite(tmp_path, ["notes.json", "eval.json"], False)
+    refuse_overwrite(tmp_path, "eval.json", True)
+    refuse_overwrite(tmp_path, "notes.json", False)

@@ -787,6 +787,22 @@ def test_a_cached_step_checks_only_its_new_mask_columns() -> None:
         dec(tokens[:, :1], attention_mask=bad, cache=cache)
 
 
+def test_a_cached_steps_mask_of_another_shape_is_named_not_sliced() -> None:
+    """A cached step checks only its mask's new columns, a 2-D mask's: one of another shape is
+    named by the shape check, not sliced (`mask[:, past:]` of a 1-D mask is a bare IndexError,
+    "too many indices"); no test gave a cached step such a mask."""
+    dec = build_model(tiny())
+    tokens = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    cache = dec.new_cache()
+    dec(tokens, attention_mask=torch.ones(2, 5, dtype=torch.long), cache=cache)
+    for shape, shown in [((6,), r"\(6,\)"), ((2, 1, 6), r"\(2, 1, 6\)")]:
+        mask = torch.ones(shape, dtype=torch.long)
+        with pytest.raises(ValueError, match=rf"^attention_mask: expected shape \(2 or 1, 6\), "
+                                             rf"one per position of the cached positions and "
+                                             rf"these; got {shown}$"):
+            dec(tokens[:, :1], attention_mask=mask, cache=cache)
+
+
 def test_a_cached_step_must_read_what_its_cache_was_filled_from() -> None:
     """A step without the prefill's attention_mask attended to the cached padding (a padded
     row's logits 0.16 off), and an encoder-decoder step given another source read the first

@@ -2636,22 +2636,27 @@ def test_a_resume_under_another_torch_warns(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("name", "how", "flag"), [
     ("checkpoints", "file", "force"), ("tb", "file", "force"), ("tb", "file", "resume"),
     ("checkpoints", "file", "resume"), ("metrics.jsonl", "folder", "resume"),
+    ("tb", "link", "resume"), ("checkpoints", "link", "resume"),
 ])
 def test_a_file_where_the_run_writes_a_folder_is_refused_first(
         tmp_path: Path, name: str, how: str, flag: str) -> None:
     """A file named checkpoints was found at the first checkpoint step, after training to it;
     one named tb as a bare "[Errno 17] File exists" (under --force, after the old run was
     deleted); a metrics.jsonl folder as "not found: is it a run folder?". Each is refused in
-    one line naming it, before anything is deleted or trained."""
+    one line naming it, before anything is deleted or trained; a dangling link there too (it
+    does not `exists()`, and no test had one)."""
     c = cfg("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
             "train.log_every=1", "train.warmup_steps=1")
     run = tmp_path / "run"
     train(c, run, progress=False, stop_after=3)
     target = run / name
     shutil.rmtree(target) if target.is_dir() else target.unlink()
-    target.mkdir() if how == "folder" else target.write_text("notes")
+    if how == "link":
+        target.symlink_to(tmp_path / "gone")
+    else:
+        target.mkdir() if how == "folder" else target.write_text("notes")
     before = sorted((str(p), p.is_file() and p.read_bytes()) for p in run.rglob("*"))
-    expected = "folder" if how == "file" else "file"
+    expected = "file" if how == "folder" else "folder"
     with pytest.raises(ValueError, match=rf"^{re.escape(repr(str(target)))} is not a "
                                          rf"{expected}; training writes its .+ there: move it, "
                                          r"or give --out another folder$"):
@@ -2679,6 +2684,26 @@ def test_eval_names_an_edited_config_toml_it_does_not_use(tmp_path: Path, capsys
     assert json.loads((run / "eval.json").read_text())["config"]["task"]["eval_size"] == 32
 
 
+def test_load_run_names_a_damaged_config_toml_not_a_missing_one(tmp_path: Path) -> None:
+    """Only an edited, valid config.toml was tested: one that does not parse is named in the
+    warning too, and a deleted one (a resume writes it again) is not warned about on every
+    eval and analyze."""
+    c = cfg("train.steps=2", "train.checkpoint_every=2", "train.eval_every=2")
+    run = tmp_path / "run"
+    train(c, run, progress=False)
+    said: list[str] = []
+    tr.load_run(run, warn=said.append)  # as trained
+    (run / "config.toml").unlink()
+    tr.load_run(run, warn=said.append)
+    assert said == []
+    (run / "config.toml").write_text("[task\n")
+    got, _, _ = tr.load_run(run, warn=said.append)
+    assert got.to_dict() == c.to_dict()
+    assert len(said) == 1 and re.fullmatch(
+        rf"warning: {re.escape(repr(str(run / 'config.toml')))} is not the config this run "
+        r"trained with \(.*invalid TOML.*\); the checkpoint's is used", said[0])
+
+
 def test_eval_sets_too_large_name_task_eval_size(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A task.eval_size of 1e8 drew for 72 s, then failed as "out of memory or range
@@ -2704,6 +2729,23 @@ def test_eval_sets_too_large_name_task_eval_size(tmp_path: Path,
     with pytest.raises(ValueError, match=r"^task\.eval_size: evaluation sets of 32 problems a "
                                          r"cell in 5 cells could not be made \(MemoryError\); "
                                          r"expected a smaller task\.eval_size$"):
+        train(cfg(), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_overflow_while_the_eval_sets_are_drawn_names_task_eval_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's "cannot fit 'int' into an index-sized integer" (an OverflowError) while the
+    sets are drawn is named as a MemoryError is; no test raised one."""
+    def overflow(task: object) -> None:
+        raise OverflowError("cannot fit 'int' into an index-sized integer")
+
+    monkeypatch.setattr(tr, "memory_bytes", lambda: None)
+    monkeypatch.setattr(tr, "eval_sets", overflow)
+    with pytest.raises(ValueError, match=r"^task\.eval_size: evaluation sets of 32 problems a "
+                                         r"cell in 5 cells could not be made \(cannot fit 'int' "
+                                         r"into an index-sized integer\); expected a smaller "
+                                         r"task\.eval_size$"):
         train(cfg(), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
 
@@ -2767,3 +2809,65 @@ def test_a_resume_compares_the_device_and_what_the_kernels_compute(
     assert got == ([] if warned is None else [
         f"warning: resumed from step 4 with another {warned}; the weights need not be bitwise "
         "an uninterrupted run's"])
+
+
+def _resumed(meta: dict, device: str) -> tuple[dict, list[str]]:
+    """`_resumed_under` on a checkpoint's `meta` resumed on `device` (its type is all it
+    reads: no GPU needed): the provenance to record, and what it warned."""
+    said: list[str] = []
+    return tr._resumed_under({"commit": "c"}, meta, torch.device(device), said.append), said
+
+
+def test_native_kernels_are_compared_only_between_two_cpu_parts() -> None:
+    """The native kernels run on the CPU only: a part of a run on a GPU computed alike whatever
+    they were, so a change of them beside a GPU part is no change. Every resume test trains on
+    the CPU, and comparing them on a GPU too went unnoticed."""
+    from normlab.model import native
+
+    now, other = native.describe(), "on: a build of another machine"
+    v = str(torch.__version__)
+    for was, new in [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")]:
+        assert not tr._differs("native", {"device": was, "native": other},
+                               {"device": new, "native": now}), (was, new)
+    assert tr._differs("native", {"device": "cpu", "native": other}, {"device": "cpu",
+                                                                       "native": now})
+    # made on a GPU (its CUDA random state kept) and resumed on one: nothing to say
+    on_gpu = {"step": 4, "cuda_rng": "AA==", "provenance": {"torch": v, "native": other}}
+    assert _resumed(on_gpu, "cuda") == ({"commit": "c"}, [])
+    # made on the CPU, resumed on a GPU: the device is the change, and each part is recorded
+    on_cpu = {"step": 4, "provenance": {"torch": v, "native": other}}
+    got, said = _resumed(on_cpu, "cuda")
+    assert said == ["warning: resumed from step 4 with another device than its checkpoint's "
+                    "(device: checkpoint 'cpu', now 'cuda'); the weights need not be bitwise "
+                    "an uninterrupted run's"]
+    assert got == {"commit": "c", "segments": [
+        {"from_step": 0, "device": "cpu", "torch": v, "native": other},
+        {"from_step": 4, "device": "cuda", "torch": v, "native": now}]}
+    got, said = _resumed(on_cpu, "cpu")  # both on the CPU: the kernels are compared
+    assert len(said) == 1 and "another set of native kernels" in said[0]
+    assert [s["native"] for s in got["segments"]] == [other, now]
+
+
+@pytest.mark.parametrize("provenance", [{"torch": str(torch.__version__)}, None])
+def test_a_checkpoint_that_recorded_no_kernels_resumes_without_a_warning(
+        provenance: dict | None) -> None:
+    """A checkpoint from before provenance held `native` (or before it had provenance) records
+    nothing to compare: it resumes without a warning or a segment ("checkpoint None" was never
+    ruled out by a test)."""
+    meta = {"step": 4} | ({} if provenance is None else {"provenance": provenance})
+    assert _resumed(meta, "cpu") == ({"commit": "c"}, [])
+
+
+def test_damaged_segments_are_replaced_by_the_checkpoints_own() -> None:
+    """A sidecar whose `segments` is not a list of tables (edited by hand: rehashed, or older
+    than its hash) crashed a resume as "'int' object has no attribute 'get'"; the checkpoint's
+    own torch and kernels stand for it, as where none is recorded."""
+    from normlab.model import native
+
+    now, v = native.describe(), str(torch.__version__)
+    meta = {"step": 4, "provenance": {"torch": "1.13.1", "native": now, "segments": [1, 2]}}
+    got, said = _resumed(meta, "cpu")
+    assert len(said) == 1 and "(torch: checkpoint '1.13.1', now" in said[0]
+    assert got["segments"] == [
+        {"from_step": 0, "device": "cpu", "torch": "1.13.1", "native": now},
+        {"from_step": 4, "device": "cpu", "torch": v, "native": now}]
