@@ -2755,7 +2755,8 @@ def test_a_run_trained_before_the_cell_rules_still_evaluates(
     """Held-out splits sharing problems (n2d1 in one, n2d1-2 in another) became a refusal in
     the forty-fifth session; applied to stored configs too, it made every run trained before
     unreadable ("no readable checkpoint ... shares problems"). The rule holds where a config is
-    given (a file, --set, a new training); a stored one evaluates, analyses and resumes."""
+    given (a file, --set, a new training); a stored one evaluates, resumes (from Python and
+    from its config.toml) and is a run folder `--force` may start over, without a warning."""
     from normlab.config import RunConfig
     from normlab.tasks.addition import TaskConfig
 
@@ -2773,11 +2774,24 @@ def test_a_run_trained_before_the_cell_rules_still_evaluates(
         m.setattr(TaskConfig, "check_given", TaskConfig.resolve)
         train(old, tmp_path / "run", progress=False)
     capsys.readouterr()
-    code, err = _cli(capsys, "eval", str(tmp_path / "run"))
+    run = tmp_path / "run"
+    saved = (run / "config.toml").read_bytes()
+    code, err = _cli(capsys, "eval", str(run))
+    assert (code, [ln for ln in err.splitlines() if "warning" in ln]) == (0, [])
+    assert set(json.loads((run / "eval.json").read_text())["splits"]) >= {"a", "b"}
+    logs: list[str] = []
+    done = train(old, run, resume=True, progress=False, log=logs.append)  # its own rules
+    assert done["step"] == 2 and not [s for s in logs if "warning" in s]
+    assert (run / "config.toml").read_bytes() == saved  # not taken as damaged and rewritten
+    code, err = _cli(capsys, "train", "--config", str(run / "config.toml"), "--resume",
+                     "--out", str(run))
     assert code == 0, err
-    assert set(json.loads((tmp_path / "run" / "eval.json").read_text())["splits"]) >= {"a", "b"}
-    done = train(old, tmp_path / "run", resume=True, progress=False)  # under its own rules
-    assert done["step"] == 2
+    with pytest.raises(ValueError, match=r"^task\.splits\.b: cell n2d1-2 shares problems"):
+        train(old, tmp_path / "empty", resume=True, progress=False)  # nothing to resume: new
+    (tmp_path / "new.toml").write_text(dump_toml(cfg("train.steps=1").to_dict()))
+    code, err = _cli(capsys, "train", "--config", str(tmp_path / "new.toml"), "--out", str(run),
+                     "--force")  # its folder is a run's, which --force may start over
+    assert code == 0, err
 
 
 @pytest.mark.parametrize(("edit", "kernels_off", "warned"), [

@@ -22,7 +22,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from normlab.config import load_config
     from normlab.train import train
 
-    cfg = load_config(args.config, args.set or [], seed=args.seed)
+    # a resume reads the run's own config.toml too: one trained before a rule still resumes
+    cfg = load_config(args.config, args.set or [], seed=args.seed, given=not args.resume)
     if args.device:
         from normlab.train import check_device_flag
 
@@ -425,7 +426,7 @@ def _analyze(args: argparse.Namespace) -> int:
     else:
         if not args.run_dir:
             raise ValueError("analyze: give RUN_DIR, or --hf DIR with --tokens/--text and --out")
-        # earlier results refused by analyze_run itself, after its argument and folder checks
+        # earlier results refused by analyze_run itself, after its flag and folder checks
         done = analyze_run(Path(args.run_dir), overwrite=args.force, **kwargs)
     print(f"wrote {done['out']}: {', '.join(Path(f).name for f in done['files'])}")
     return 0

@@ -308,7 +308,7 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
 
 def load_config(
     path: str | Path | None, overrides: list[str] = (), seed: int | None = None,
-    set_by: str | None = "--set",
+    set_by: str | None = "--set", given: bool = True,
 ) -> RunConfig:
     """Read a TOML run config (None: all defaults), apply overrides and an optional seed.
 
@@ -316,7 +316,8 @@ def load_config(
     the caller names the source, as a sweep does) for a field an override set, `--seed` for the
     seed, else the file (`config file PATH:`, "with --set" where overrides were given, as an
     error naming two fields may be either's), so `train.steps: expected int` says whether the
-    file or the flag is wrong.
+    file or the flag is wrong. `given=False` reads a config a run folder stored, without the
+    rules only a config given now keeps (`TaskConfig.check_given`).
     """
     data: dict[str, Any] = read_toml(Path(path), "config file") if path is not None else {}
     where = f"config file {str(path)!r}" if path is not None else ""
@@ -336,7 +337,8 @@ def load_config(
         given["train.seed"] = "--seed "
     try:
         cfg = RunConfig.from_dict(data)
-        cfg.task.check_given()  # the rules a config given now keeps, past a stored one's
+        if given:  # the rules a config given now keeps, past a stored one's
+            cfg.task.check_given()
         return cfg
     except ValueError as err:
         # named as the file's tables name them (ModelConfig's own checks say "ModelConfig.")

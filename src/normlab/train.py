@@ -239,7 +239,7 @@ def _is_run_config(path: Path) -> bool:
     try:
         if not {"model", "task", "train"} <= read_toml(path, "config file").keys():
             return False
-        load_config(path)
+        load_config(path, given=False)
     except (ValueError, OSError):
         return False
     return True
@@ -356,6 +356,10 @@ def _warn_schedule(tc: Any, log: Callable[[str], None]) -> None:
             "past warm-up, at train.lr")
 
 
+_COMPARED = {"device": "device", "torch": "torch", "native": "set of native kernels"}
+"""What a resume compares besides the config (`_resumed_under`), as its warning names each."""
+
+
 def _resumed_under(started: dict[str, Any], meta: dict[str, Any], device: torch.device,
                    log: Callable[[str], None]) -> dict[str, Any]:
     """This segment's provenance, `started`, for a run resumed from the checkpoint `meta`:
@@ -375,15 +379,11 @@ def _resumed_under(started: dict[str, Any], meta: dict[str, Any], device: torch.
     last = segments[-1]
     if changed := [k for k in now if last.get(k) is not None and _differs(k, last, now)]:
         k = changed[0]
-        log(f"warning: resumed from step {meta['step']} with another {KEPT[k]} than its "
+        log(f"warning: resumed from step {meta['step']} with another {_COMPARED[k]} than its "
             f"checkpoint's ({k}: checkpoint {last[k]!r}, now {now[k]!r}); the weights need not "
             "be bitwise an uninterrupted run's")
         segments = [*segments, {"from_step": meta["step"]} | now]
     return started | {"segments": segments} if len(segments) > 1 else started
-
-
-KEPT = {"device": "device", "torch": "torch", "native": "set of native kernels"}
-"""What a resume is compared on besides the config, as its warning names each."""
 
 
 def _differs(key: str, was: dict[str, Any], now: dict[str, Any]) -> bool:
@@ -394,7 +394,7 @@ def _differs(key: str, was: dict[str, Any], now: dict[str, Any]) -> bool:
         return was[key] != now[key]
     if "cuda" in (was.get("device"), now["device"]):
         return False
-    torchs = [str(d).endswith("(torch's kernels)") for d in (was[key], now[key])]
+    torchs = [str(d).endswith(native.TORCH_KERNELS) for d in (was[key], now[key])]
     return torchs != [True, True] and was[key] != now[key]
 
 
@@ -469,8 +469,6 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
         raise ValueError("--resume and --force: give one; --resume continues the run, --force "
                          "deletes it and starts over")
     task = cfg.validate()
-    if not resume:  # a resumed run keeps the rules it trained under (`check_given`)
-        cfg.task.check_given()
     tc = cfg.train
     if resume and (out / DONE).is_file():  # finished before: nothing to redo, if the same run
         check_saved_config(out, cfg)
@@ -483,6 +481,8 @@ def _train(cfg: RunConfig, out: Path, lock: FolderLock, *, resume: bool, force: 
     # its first checkpoint fail with "no checkpoint" rather than start again
     resuming = resume and (out / "checkpoints").is_dir() and bool(list_checkpoints(
         out / "checkpoints"))
+    if not resuming:  # a new training; a resumed run keeps the rules it trained under
+        cfg.task.check_given()
     resumed_from: dict[str, Any] = {}  # the checkpoint's sidecar, where one is resumed
     _warn_schedule(tc, log)
     _check_batch_fits(cfg, task)
@@ -782,7 +782,7 @@ def trained_config(out: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return load_config(path).to_dict()
+        return load_config(path, given=False).to_dict()
     except ValueError as err:  # a damaged run folder, not the user's --config: name it
         msg = str(err)
         raise ValueError(msg if str(path) in msg else f"{str(path)!r}: {msg}") from None
@@ -795,7 +795,8 @@ def _rewrite_edited_config(out: Path, cfg: RunConfig, log: Callable[[str], None]
     went on judging the finished run, its true config refused and one never trained taken."""
     path = out / "config.toml"
     try:
-        diff = _config_diff(load_config(path).to_dict(), cfg) if path.is_file() else None
+        diff = (_config_diff(load_config(path, given=False).to_dict(), cfg) if path.is_file()
+                else None)
     except ValueError as err:  # damaged: written again, as a missing one is
         diff = first_line(err)
     if not diff and path.is_file():
@@ -910,8 +911,9 @@ def load_run(run_dir: Path, device: str = "cpu",
                               "checkpoints")
     path = run_dir / "config.toml"
     try:
-        edited = _config_diff(load_config(path).to_dict(), cfg, ("config.toml", "checkpoint"))
-    except (ValueError, OSError) as err:  # missing, a folder or damaged: nothing to take from
+        edited = _config_diff(load_config(path, given=False).to_dict(), cfg,
+                              ("config.toml", "checkpoint"))
+    except (ValueError, OSError) as err:  # missing: a resume writes it again; else named
         edited = None if not path.exists() else first_line(err)
     if edited:
         warn(f"warning: {str(path)!r} is not the config this run trained with ({edited}); the "

@@ -279,8 +279,10 @@ def analyze_run(
     given, which then also restrict the probe). `alpha` is the probe's injected norm fraction.
     `rows` picks the query rows that may count as sparse (`collapse.ROWS`; the collapse sweep
     and its theory only: the norm spread and the probe read every real position).
-    `overwrite=False` (the CLI without --force) refuses an `out` holding any of the files the
-    analysis writes, once the arguments and the run folder have passed their checks.
+    `overwrite=False` (the CLI without --force) refuses an `out` holding the analysis's JSON
+    files (a figure without them is a killed command's, replaced), once the scalar arguments
+    and the run folder have passed their checks (`sites`, `heads` and `splits` are checked
+    after, against the loaded run).
     Returns the three JSON documents plus `files` and `seconds`.
     """
     from normlab.tasks.addition import eval_sets

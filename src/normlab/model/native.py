@@ -166,13 +166,17 @@ def enabled(kernel: str) -> bool:
     return _enabled[kernel] and load() is not None
 
 
+TORCH_KERNELS = "(torch's kernels)"
+"""How `describe` ends where none of normlab's kernels runs (switched off, or not built)."""
+
+
 def describe() -> str:
     """Which kernels run in this process, for result files: their build, or why not."""
     on = [k for k in KERNELS if _enabled[k]]
     if not on:
-        return "off (torch's kernels)"
+        return f"off {TORCH_KERNELS}"
     if load() is None:
-        return "unavailable: could not be built here (torch's kernels)"
+        return f"unavailable: could not be built here {TORCH_KERNELS}"
     lib = _lib
     assert lib is not None and built_with is not None
     path = "AVX2 eight-row" if lib.nl_has_rows8() else "per-row"
